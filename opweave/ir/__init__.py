@@ -1,0 +1,1 @@
+"""OpWeave's intermediate representations: the operator graph (`OpGraph`) and the blocked graph."""

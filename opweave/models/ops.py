@@ -1,0 +1,492 @@
+"""Operator modules: one `nn.Module` per IR op kind (`OpKind`).
+
+Every module here is a torch.fx leaf: the tracer records one `call_module` node per operator and
+the IR builder reads the module's `kind`, `layer`, weights (`weight_keys`: parameter -> checkpoint
+key) and cost facts (`facts()`). The containers in `opweave.models.model` only wire these together.
+
+Shapes: activations are [B, T, ...] (batch, tokens this step); `positions` is [B, T] int64 with
+-1 marking a padding slot (no state is written for it).
+Numerics follow Hugging Face transformers (RMSNorm in float32, softmax in float32).
+The Gated-DeltaNet operators live in `opweave.models.ops_linear`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opweave.ir.facts import OpFacts, StateSpec
+from opweave.ir.kinds import OpKind, TPRule
+from opweave.models.config import ModelConfig, RopeSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(cfg: ModelConfig) -> torch.dtype:
+    return _DTYPES[cfg.dtype]
+
+
+def layer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}."
+
+
+class OpModule(nn.Module):
+    """Base of all operator modules.
+
+    Subclasses set `kind`, create their parameters (named by attribute, mapped to checkpoint keys
+    in `weight_keys`), implement `forward` and `facts`.
+    """
+
+    kind: OpKind
+
+    def __init__(self, cfg: ModelConfig, layer: int | None):
+        super().__init__()
+        self.cfg = cfg
+        self.layer = layer
+        self.weight_keys: dict[str, str] = {}
+        self.tied: dict[str, str] = {}  # parameter -> checkpoint key it shares storage with
+
+    def _param(self, attr: str, key: str, *shape: int) -> None:
+        setattr(self, attr, nn.Parameter(torch.empty(*shape, dtype=torch_dtype(self.cfg)), requires_grad=False))
+        self.weight_keys[attr] = key
+
+    def facts(self) -> OpFacts:
+        raise NotImplementedError(f"{type(self).__name__} states no cost facts")
+
+    def weight_numel(self) -> int:
+        return sum(p.numel() for name, p in self.named_parameters() if name not in self.tied)
+
+    def load_weights(self, reader) -> None:
+        """Copies this op's tensors from a `CheckpointReader` (reads only these keys)."""
+        for attr, key in self.weight_keys.items():
+            param = getattr(self, attr)
+            param.data = reader.get(key, tuple(param.shape)).to(param.dtype)
+
+    def allocate_state(self, batch: int, max_len: int, device) -> None:
+        """Allocates per-sequence state for `batch` slots and `max_len` positions (default: none)."""
+
+
+def _gemm_facts(op: OpModule, rule: TPRule, units: int) -> OpFacts:
+    return OpFacts(flops_per_token=2 * op.weight_numel(), tp_rule=rule, tp_units=units)
+
+
+class Embed(OpModule):
+    kind = OpKind.EMBED
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, None)
+        self._param("weight", "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.weight)
+        if self.cfg.embed_scale:
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+        return x
+
+    def facts(self) -> OpFacts:
+        # a lookup reads one row per token: weights are resident but barely read
+        return OpFacts(flops_per_token=0, tp_rule=TPRule.VOCAB, tp_units=self.cfg.vocab_size,
+                       active_weight_fraction=1.0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (1.0 + weight.float())).to(dtype)
+    return weight * h.to(dtype)
+
+
+class RMSNorm(OpModule):
+    """RMSNorm on the residual stream; `name` is the checkpoint sub-key (e.g. input_layernorm)."""
+
+    kind = OpKind.NORM
+
+    def __init__(self, cfg: ModelConfig, layer: int | None, key: str):
+        super().__init__(cfg, layer)
+        self.name = key.rsplit(".", 2)[-2] if key.endswith(".weight") else key
+        self._param("weight", key, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.cfg.rms_norm_eps, self.cfg.norm_offset)
+
+    def facts(self) -> OpFacts:
+        return OpFacts(flops_per_token=4 * self.cfg.hidden_size)
+
+
+class FinalNorm(RMSNorm):
+    kind = OpKind.FINAL_NORM
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, None, "model.norm.weight")
+
+
+class QKVProj(OpModule):
+    """q/k/v projections; with `attn_output_gate` q_proj also yields the output gate.
+
+    Returns (q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], gate [B,T,Hq*D] or None)."""
+
+    kind = OpKind.QKV_PROJ
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        p = layer_prefix(layer) + "self_attn."
+        q_out = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+        self._param("q_weight", p + "q_proj.weight", q_out, cfg.hidden_size)
+        self._param("k_weight", p + "k_proj.weight", cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+        self._param("v_weight", p + "v_proj.weight", cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = F.linear(x, self.q_weight)
+        gate = None
+        if cfg.attn_output_gate:  # per head: [q (D) | gate (D)]
+            q, gate = q.view(b, t, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, t, cfg.num_heads * cfg.head_dim)
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = F.linear(x, self.k_weight).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = F.linear(x, self.v_weight).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        return q, k, v, gate
+
+    def facts(self) -> OpFacts:
+        return _gemm_facts(self, TPRule.HEADS, self.cfg.num_heads)
+
+
+class QKNorm(OpModule):
+    """Per-head RMSNorm of q and k (before RoPE)."""
+
+    kind = OpKind.QK_NORM
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        p = layer_prefix(layer) + "self_attn."
+        self._param("q_weight", p + "q_norm.weight", cfg.head_dim)
+        self._param("k_weight", p + "k_norm.weight", cfg.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor):
+        eps, off = self.cfg.rms_norm_eps, self.cfg.norm_offset
+        return rms_norm(q, self.q_weight, eps, off), rms_norm(k, self.k_weight, eps, off)
+
+    def facts(self) -> OpFacts:
+        c = self.cfg
+        return OpFacts(flops_per_token=4 * (c.num_heads + c.num_kv_heads) * c.head_dim,
+                       tp_rule=TPRule.HEADS, tp_units=c.num_heads)
+
+
+def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies of the rotated part of the head (default, linear and llama3 rope)."""
+    dim = int(head_dim * spec.partial_rotary_factor)
+    inv = 1.0 / (spec.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if spec.rope_type == "linear":
+        inv = inv / spec.factor
+    elif spec.rope_type == "llama3":
+        old = spec.original_max_position_embeddings
+        low_wavelen = old / spec.low_freq_factor
+        high_wavelen = old / spec.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / spec.factor, inv)
+        smooth = (old / wavelen - spec.low_freq_factor) / (spec.high_freq_factor - spec.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rope(OpModule):
+    """Rotary embedding on q and k at `positions`; partial rotary rotates the first part only."""
+
+    kind = OpKind.ROPE
+
+    def __init__(self, cfg: ModelConfig, layer: int, spec: RopeSpec):
+        super().__init__(cfg, layer)
+        self.spec = spec
+        self.rot_dim = int(cfg.head_dim * spec.partial_rotary_factor)
+        self.register_buffer("inv_freq", rope_inv_freq(spec, cfg.head_dim), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        freqs = positions.clamp(min=0)[..., None].float() * self.inv_freq.float()  # [B,T,rot/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # broadcast over heads
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+
+        def apply(x):
+            rot, keep = x[..., : self.rot_dim], x[..., self.rot_dim:]
+            return torch.cat((rot * cos + _rotate_half(rot) * sin, keep), dim=-1)
+
+        return apply(q), apply(k)
+
+    def facts(self) -> OpFacts:
+        c = self.cfg
+        return OpFacts(flops_per_token=3 * (c.num_heads + c.num_kv_heads) * self.rot_dim,
+                       tp_rule=TPRule.HEADS, tp_units=c.num_heads)
+
+
+class Attention(OpModule):
+    """Decode/prefill softmax attention over a per-slot KV cache (full or sliding window).
+
+    The cache holds `max_len` positions plus one scratch slot that padding writes go to."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, window: int | None):
+        super().__init__(cfg, layer)
+        self.window = window
+        self.kind = OpKind.ATTN_SLIDING if window else OpKind.ATTN_FULL
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def allocate_state(self, batch: int, max_len: int, device) -> None:
+        c = self.cfg
+        shape = (batch, max_len + 1, c.num_kv_heads, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
+        self.v_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        c = self.cfg
+        b, t = positions.shape
+        max_len = self.k_cache.shape[1] - 1
+        rows = torch.arange(b, device=q.device)[:, None].expand(b, t)
+        slots = torch.where(positions >= 0, positions, max_len)
+        self.k_cache[rows, slots] = k
+        self.v_cache[rows, slots] = v
+        keys = self.k_cache[:, :max_len]
+        vals = self.v_cache[:, :max_len]
+        group = c.num_heads // c.num_kv_heads
+        qh = q.view(b, t, c.num_kv_heads, group, c.head_dim).permute(0, 2, 3, 1, 4)  # B,Hkv,G,T,D
+        kh = keys.permute(0, 2, 1, 3)[:, :, None]                                     # B,Hkv,1,L,D
+        vh = vals.permute(0, 2, 1, 3)[:, :, None]
+        scores = torch.matmul(qh, kh.transpose(-1, -2)) * c.attn_scale                # B,Hkv,G,T,L
+        j = torch.arange(max_len, device=q.device)
+        pos = positions[:, None, None, :, None]
+        allowed = j <= pos
+        if self.window:
+            allowed = allowed & (j > pos - self.window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+        out = torch.matmul(probs, vh)                                                 # B,Hkv,G,T,D
+        return out.permute(0, 3, 1, 2, 4).reshape(b, t, c.num_heads * c.head_dim)
+
+    def facts(self) -> OpFacts:
+        c = self.cfg
+        kv_bytes = 2 * c.num_kv_heads * c.head_dim * c.dtype_bytes
+        return OpFacts(
+            flops_per_token=0,
+            flops_per_context_token=4 * c.num_heads * c.head_dim,  # q·k and p·v
+            state=StateSpec(bytes_per_token=kv_bytes, max_tokens=self.window),
+            tp_rule=TPRule.HEADS, tp_units=c.num_heads,
+        )
+
+
+class OProj(OpModule):
+    """Output projection of an attention (or Gated-DeltaNet) block, gated by sigmoid(gate) if given."""
+
+    kind = OpKind.O_PROJ
+
+    def __init__(self, cfg: ModelConfig, layer: int, key: str, in_features: int):
+        super().__init__(cfg, layer)
+        self._param("weight", key, cfg.hidden_size, in_features)
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return F.linear(o, self.weight)
+
+    def facts(self) -> OpFacts:
+        return _gemm_facts(self, TPRule.ROW, self.weight.shape[1])
+
+
+class Residual(OpModule):
+    kind = OpKind.RESIDUAL
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return x + residual
+
+    def facts(self) -> OpFacts:
+        return OpFacts(flops_per_token=self.cfg.hidden_size)
+
+
+class MLPGateUp(OpModule):
+    """Fused gate/up projection of a dense gated MLP: returns (gate, up)."""
+
+    kind = OpKind.MLP_GATE_UP
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        p = layer_prefix(layer) + "mlp."
+        self._param("gate_weight", p + "gate_proj.weight", cfg.intermediate_size, cfg.hidden_size)
+        self._param("up_weight", p + "up_proj.weight", cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor):
+        return F.linear(x, self.gate_weight), F.linear(x, self.up_weight)
+
+    def facts(self) -> OpFacts:
+        return _gemm_facts(self, TPRule.COLUMN, self.cfg.intermediate_size)
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh")
+
+
+class Act(OpModule):
+    """act(gate) * up."""
+
+    kind = OpKind.ACT
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return activation(self.cfg.hidden_act, gate) * up
+
+    def facts(self) -> OpFacts:
+        return OpFacts(flops_per_token=8 * self.cfg.intermediate_size, tp_rule=TPRule.COLUMN,
+                       tp_units=self.cfg.intermediate_size)
+
+
+class MLPDown(OpModule):
+    kind = OpKind.MLP_DOWN
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self._param("weight", layer_prefix(layer) + "mlp.down_proj.weight", cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight)
+
+    def facts(self) -> OpFacts:
+        return _gemm_facts(self, TPRule.ROW, self.cfg.intermediate_size)
+
+
+class MoERouter(OpModule):
+    """Router: softmax over expert logits (float32), top-k, optional renormalisation.
+
+    Returns (weights [B,T,k] in model dtype, expert ids [B,T,k])."""
+
+    kind = OpKind.MOE_ROUTER
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self._param("weight", layer_prefix(layer) + "mlp.gate.weight", cfg.moe.num_experts, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor):
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.cfg.moe.top_k, dim=-1)
+        if self.cfg.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def facts(self) -> OpFacts:
+        return OpFacts(flops_per_token=2 * self.weight_numel() + 4 * self.cfg.moe.num_experts)
+
+
+class MoEExperts(OpModule):
+    """Routed experts: sum_k w_k * down_k(silu(gate_k x) * up_k x).
+
+    Stored fused like transformers v5 (`gate_up_proj` [E, 2I, H], gate rows first; `down_proj`
+    [E, H, I]); per-expert checkpoints (`experts.{e}.gate_proj.weight` …) are stacked on load.
+    The compute gathers the k selected experts per token, so shapes never depend on the routing."""
+
+    kind = OpKind.MOE_EXPERTS
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        m, p = cfg.moe, layer_prefix(layer) + "mlp.experts."
+        self.prefix = p
+        self._param("gate_up", p + "gate_up_proj", m.num_experts, 2 * m.intermediate_size, cfg.hidden_size)
+        self._param("down", p + "down_proj", m.num_experts, cfg.hidden_size, m.intermediate_size)
+
+    def load_weights(self, reader) -> None:
+        if reader.has(self.weight_keys["gate_up"]):
+            return super().load_weights(reader)
+        m, p = self.cfg.moe, self.prefix
+        gate_up, down = [], []
+        for e in range(m.num_experts):
+            gate = reader.get(f"{p}{e}.gate_proj.weight", (m.intermediate_size, self.cfg.hidden_size))
+            up = reader.get(f"{p}{e}.up_proj.weight", (m.intermediate_size, self.cfg.hidden_size))
+            gate_up.append(torch.cat((gate, up), dim=0))
+            down.append(reader.get(f"{p}{e}.down_proj.weight", (self.cfg.hidden_size, m.intermediate_size)))
+        self.gate_up.data = torch.stack(gate_up).to(self.gate_up.dtype)
+        self.down.data = torch.stack(down).to(self.down.dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        flat = x.reshape(b * t, 1, h, 1)
+        idx = ids.reshape(b * t, -1)
+        gate_up = torch.matmul(self.gate_up[idx], flat.expand(-1, idx.shape[1], -1, -1))[..., 0]  # N,k,2I
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = (F.silu(gate) * up)[..., None]
+        out = torch.matmul(self.down[idx], act)[..., 0]                                          # N,k,H
+        out = (out * weights.reshape(b * t, -1, 1)).sum(dim=1)
+        return out.reshape(b, t, h)
+
+    def facts(self) -> OpFacts:
+        m = self.cfg.moe
+        active = m.top_k / m.num_experts
+        return OpFacts(flops_per_token=int(2 * self.weight_numel() * active), tp_rule=TPRule.EXPERT_FFN,
+                       tp_units=m.intermediate_size, active_weight_fraction=active)
+
+
+class SharedExpert(OpModule):
+    """Always-on expert scaled by sigmoid(shared_expert_gate(x)), added to the routed output."""
+
+    kind = OpKind.SHARED_EXPERT
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        i, h = cfg.moe.shared_expert_intermediate_size, cfg.hidden_size
+        p = layer_prefix(layer) + "mlp."
+        self._param("gate_weight", p + "shared_expert.gate_proj.weight", i, h)
+        self._param("up_weight", p + "shared_expert.up_proj.weight", i, h)
+        self._param("down_weight", p + "shared_expert.down_proj.weight", h, i)
+        self._param("gate_scale", p + "shared_expert_gate.weight", 1, h)
+
+    def forward(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        h = F.silu(F.linear(x, self.gate_weight)) * F.linear(x, self.up_weight)
+        return routed + torch.sigmoid(F.linear(x, self.gate_scale)) * F.linear(h, self.down_weight)
+
+    def facts(self) -> OpFacts:
+        return _gemm_facts(self, TPRule.EXPERT_FFN, self.cfg.moe.shared_expert_intermediate_size)
+
+
+class LMHead(OpModule):
+    kind = OpKind.LM_HEAD
+
+    def __init__(self, cfg: ModelConfig, embed: Embed):
+        super().__init__(cfg, None)
+        if cfg.tie_word_embeddings:
+            self.weight = embed.weight  # shared storage: counted once, under the embedding
+            self.tied["weight"] = embed.weight_keys["weight"]
+        else:
+            self._param("weight", "lm_head.weight", cfg.vocab_size, cfg.hidden_size)
+
+    def load_weights(self, reader) -> None:
+        if not self.tied:
+            super().load_weights(reader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def facts(self) -> OpFacts:
+        return OpFacts(flops_per_token=2 * self.weight.numel(), tp_rule=TPRule.VOCAB,
+                       tp_units=self.cfg.vocab_size)
+
+
+class Sample(OpModule):
+    """Greedy sampling: argmax of the last position's logits -> next token ids [B]."""
+
+    kind = OpKind.SAMPLE
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, None)
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(logits[:, -1, :], dim=-1)
+
+    def facts(self) -> OpFacts:
+        return OpFacts(flops_per_token=self.cfg.vocab_size, tp_rule=TPRule.VOCAB, tp_units=self.cfg.vocab_size)

@@ -1,0 +1,252 @@
+"""Tiny random-weight Hugging Face checkpoints used as parity references.
+
+``make_tiny_checkpoint(family, out_dir, **overrides)`` builds a small float32
+transformers model (seeded with ``torch.manual_seed(0)``, so the weights are
+deterministic), perturbs the norm weights (and Qwen3-Next's ``dt_bias``) away
+from their constant initial values so a wrong norm convention cannot go
+unnoticed, and saves it with ``save_pretrained`` (safetensors).
+
+``hf_generate`` and ``hf_step_logits`` load such a checkpoint with
+``AutoModelForCausalLM`` (float32, eager attention) and give reference logits and
+greedy continuations.
+
+transformers is imported inside the functions because it is slow to import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FAMILIES = ("llama", "gemma3", "qwen3_moe", "qwen3_next")
+
+# Standard deviation of the noise added to norm weights (and dt_bias) after init.
+_NORM_NOISE_STD = 0.1
+
+
+def _gemma3_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+    ]
+
+
+def _qwen3_next_layer_types(num_layers: int, interval: int = 4) -> list[str]:
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
+    ]
+
+
+def _base_kwargs(family: str) -> dict:
+    """Config kwargs for each family, before the caller's overrides."""
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        # Per-family value set below (chosen so greedy decoding is not a constant token).
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        # No end-of-sequence token: greedy generation always runs max_new_tokens steps.
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if family == "llama":
+        return dict(
+            common,
+            num_hidden_layers=3,
+            # Not used by llama3 rope (only original_max_position_embeddings is); set like
+            # Llama-3.1 so transformers does not warn about original > max.
+            max_position_embeddings=131072,
+            # Same rope settings as Llama-3.1.
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        )
+    if family == "gemma3":
+        n = 8
+        return dict(
+            common,
+            num_hidden_layers=n,
+            layer_types=_gemma3_layer_types(n),
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            # Tied embeddings scaled by sqrt(hidden): larger init makes greedy decode constant.
+            initializer_range=0.05,
+            max_position_embeddings=256,
+            hidden_activation="gelu_pytorch_tanh",
+            # Tied like the real Gemma 3 checkpoints.
+            tie_word_embeddings=True,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            # Like gemma-3-27b: local layers theta 1e4, global layers theta 1e6 with linear scaling x8.
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        )
+    if family == "qwen3_moe":
+        return dict(
+            common,
+            num_hidden_layers=3,
+            max_position_embeddings=256,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,  # as in Qwen3-30B-A3B
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+    if family == "qwen3_next":
+        n = 5
+        return dict(
+            common,
+            num_hidden_layers=n,
+            layer_types=_qwen3_next_layer_types(n),
+            max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+            },
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=True,  # as in Qwen3-Next-80B-A3B
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+def _config_and_model_classes(family: str):
+    import transformers
+
+    return {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+    }[family]
+
+
+def make_tiny_checkpoint(family: str, out_dir: str, **overrides) -> str:
+    """Build a tiny deterministic float32 model of ``family``, save it to ``out_dir``, return ``out_dir``.
+
+    ``overrides`` replace entries of the config kwargs (for gemma3/qwen3_next, a new
+    ``num_hidden_layers`` without ``layer_types`` regenerates the default pattern).
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    config_cls, model_cls = _config_and_model_classes(family)
+
+    kwargs = _base_kwargs(family)
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        n = overrides["num_hidden_layers"]
+        if family == "gemma3":
+            kwargs["layer_types"] = _gemma3_layer_types(n)
+        elif family == "qwen3_next":
+            kwargs["layer_types"] = _qwen3_next_layer_types(n)
+    kwargs.update(overrides)
+
+    config = config_cls(**kwargs)
+    config._attn_implementation = "eager"
+
+    torch.manual_seed(0)
+    model = model_cls(config)
+    model = model.to(torch.float32).eval()
+
+    # Make norm weights (stored as w or as the offset in 1 + w, zeros at init for
+    # Gemma 3 / Qwen3-Next) and Qwen3-Next's dt_bias non-constant.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ("norm" in name and name.endswith(".weight")) or name.endswith("dt_bias"):
+                param.add_(torch.randn_like(param) * _NORM_NOISE_STD)
+
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def _load(out_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        out_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def _generate(model, prompt_ids: list[int], max_new_tokens: int):
+    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    return model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+        use_cache=True,
+        return_dict_in_generate=True,
+        output_logits=True,
+        output_scores=True,
+    )
+
+
+@torch.no_grad()
+def hf_generate(out_dir: str, prompt_ids: list[int], max_new_tokens: int):
+    """Return (prompt_logits [T, V] from one full forward, greedy new token ids)."""
+    model = _load(out_dir)
+    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    out = model(input_ids, use_cache=False)
+    prompt_logits = out.logits[0].float().clone()
+    gen = _generate(model, prompt_ids, max_new_tokens)
+    new_ids = gen.sequences[0, len(prompt_ids):].tolist()
+    return prompt_logits, new_ids
+
+
+@torch.no_grad()
+def hf_step_logits(out_dir: str, prompt_ids: list[int], max_new_tokens: int) -> torch.Tensor:
+    """Return the raw logits of each greedy generation step, shape [max_new_tokens, V].
+
+    Row 0 is the logits at the last prompt position (from the prefill), row i>0 the
+    logits of decode step i (the input being the token chosen at step i-1),
+    computed with transformers' KV cache / recurrent state.
+    """
+    model = _load(out_dir)
+    gen = _generate(model, prompt_ids, max_new_tokens)
+    return torch.cat([step.float() for step in gen.logits], dim=0)
+
+
+if __name__ == "__main__":  # manual smoke run: python tests/hf_fixtures.py
+    import sys
+    import tempfile
+
+    families = sys.argv[1:] or list(FAMILIES)
+    prompt = [(7 * i + 3) % 200 for i in range(20)]
+    for fam in families:
+        with tempfile.TemporaryDirectory() as d:
+            make_tiny_checkpoint(fam, d)
+            logits, new_ids = hf_generate(d, prompt, 12)
+            steps = hf_step_logits(d, prompt, 12)
+            print(fam, tuple(logits.shape), new_ids)
+            print("  step0 vs prompt[-1] max diff", (steps[0] - logits[-1]).abs().max().item())
+            print("  step argmax == generated", steps.argmax(-1).tolist() == new_ids)
