@@ -1,0 +1,5 @@
+import sys
+
+from opweave.cli import main
+
+sys.exit(main())

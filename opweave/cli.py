@@ -1,0 +1,65 @@
+"""`opweave` command line: one subcommand per job.
+
+User errors (`OpWeaveError`) print one line and exit with status 2; OPWEAVE_DEBUG=1 shows the
+traceback as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from opweave import __version__, config
+from opweave.errors import OpWeaveError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: one line, exit 2
+        raise OpWeaveError(message)
+
+
+def _cmd_dump(args: argparse.Namespace) -> int:
+    from opweave.compiler.frontend import run_front_end
+    from opweave.ir.graph import format_graph, to_json
+    from opweave.passes.blocks import blocks_to_json, format_blocks
+
+    fe = run_front_end(args.model, dtype=args.dtype)
+    if args.what == "ir":
+        out = to_json(fe.graph) if args.format == "json" else format_graph(fe.graph)
+    else:
+        out = blocks_to_json(fe.blocks) if args.format == "json" else format_blocks(fe.blocks)
+    print(json.dumps(out, indent=1) if args.format == "json" else out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="opweave", description="Compiler for LLM decode serving on mixed GPU clusters.")
+    parser.add_argument("--version", action="version", version=f"opweave {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    dump = sub.add_parser("dump", help="print a model's operator IR or partition blocks")
+    dump.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
+    dump.add_argument("--what", choices=("ir", "blocks"), default="ir")
+    dump.add_argument("--format", choices=("text", "json"), default="text")
+    dump.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                      help="override the checkpoint's dtype for the cost facts")
+    dump.set_defaults(func=_cmd_dump)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except OpWeaveError as e:
+        if config.debug_enabled():
+            raise
+        print(f"opweave: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except BrokenPipeError:  # `opweave dump ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
