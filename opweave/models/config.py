@@ -244,6 +244,8 @@ def _gemma3(f: _Fields, name: str) -> ModelConfig:
 
 
 def _moe_spec(f: _Fields, shared: int = 0) -> MoESpec:
+    if f.raw.get("num_experts") is None and f.raw.get("num_local_experts") is not None:
+        f = _Fields({**f.raw, "num_experts": f.raw["num_local_experts"]}, f.where)  # transformers' alias
     return MoESpec(
         num_experts=int(f.req("num_experts")),
         top_k=int(f.req("num_experts_per_tok")),
@@ -262,8 +264,8 @@ def _mlp_types(f: _Fields, n: int) -> tuple[str, ...]:
 def _qwen3_moe(f: _Fields, name: str) -> ModelConfig:
     c = _common(f, name)
     n = c["num_layers"]
-    if f.get("attention_bias", False):
-        raise OpWeaveError(f"{f.where}: attention_bias is not supported")
+    if f.get("attention_bias", False) or f.get("use_sliding_window", False):
+        raise OpWeaveError(f"{f.where}: attention_bias / use_sliding_window are not supported")
     return ModelConfig(
         family="qwen3_moe", **c,
         intermediate_size=int(f.get("intermediate_size", 0)),

@@ -1,0 +1,28 @@
+"""Shared test set-up: tiny Hugging Face checkpoints (random weights, saved once per session)."""
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU in tests
+sys.path.insert(0, os.path.dirname(__file__))
+
+FAMILIES = ("llama", "gemma3", "qwen3_moe", "qwen3_next")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(family, **overrides) -> folder with config.json + model.safetensors."""
+    from hf_fixtures import make_tiny_checkpoint
+
+    made = {}
+
+    def make(family: str, **overrides) -> str:
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"tiny_{family}")
+            made[key] = make_tiny_checkpoint(family, str(folder), **overrides)
+        return made[key]
+
+    return make
