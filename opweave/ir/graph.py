@@ -40,6 +40,7 @@ class Weight:
     name: str                 # checkpoint key
     shape: tuple[int, ...]
     dtype: str
+    tied: bool = False        # shares storage with another op's weight (tied LM head): counted there
 
     @property
     def numel(self) -> int:
@@ -72,11 +73,13 @@ class Op:
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes of weights a device running this op must hold (tied weights included)."""
         return sum(w.nbytes for w in self.weights)
 
     @property
     def num_parameters(self) -> int:
-        return sum(w.numel for w in self.weights)
+        """Parameters this op owns (a tied weight is counted under its owner)."""
+        return sum(w.numel for w in self.weights if not w.tied)
 
     @property
     def num_active_parameters(self) -> float:
@@ -124,7 +127,8 @@ class OpGraph:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(op.weight_bytes for op in self.ops)
+        """Bytes of all distinct weights of the model."""
+        return sum(w.nbytes for op in self.ops for w in op.weights if not w.tied)
 
     def state_bytes(self, context: int) -> int:
         """Per-sequence state (KV cache + recurrent state) at context length s."""
@@ -169,9 +173,12 @@ def verify(graph: OpGraph) -> OpGraph:
     afters = [c.after for c in graph.cuts]
     if afters != sorted(set(afters)) or any(not 0 <= a < len(graph.ops) - 1 for a in afters):
         raise IRError(f"cut points must be distinct, sorted and inside the graph: {afters}")
-    names = [w.name for op in graph.ops for w in op.weights]
+    names = [w.name for op in graph.ops for w in op.weights if not w.tied]
     if len(names) != len(set(names)):
         raise IRError("a weight is owned by two ops")
+    missing = {w.name for op in graph.ops for w in op.weights if w.tied} - set(names)
+    if missing:
+        raise IRError(f"tied weights without an owner: {sorted(missing)}")
     return graph
 
 
@@ -266,7 +273,8 @@ def from_json(data: dict[str, Any]) -> OpGraph:
         ops.append(Op(
             index=o["index"], name=o["name"], kind=OpKind(o["kind"]), cls=OpClass(o["cls"]), layer=o["layer"],
             inputs=tuple(o["inputs"]),
-            weights=tuple(Weight(name=w["name"], shape=tuple(w["shape"]), dtype=w["dtype"]) for w in o["weights"]),
+            weights=tuple(Weight(name=w["name"], shape=tuple(w["shape"]), dtype=w["dtype"], tied=w["tied"])
+                          for w in o["weights"]),
             active_weight_fraction=o["active_weight_fraction"], flops_per_token=o["flops_per_token"],
             flops_per_context_token=o["flops_per_context_token"], act_bytes_per_token=o["act_bytes_per_token"],
             state=StateSpec(**o["state"]) if o["state"] else None, tp_rule=TPRule(o["tp_rule"]), tp_units=o["tp_units"],

@@ -90,8 +90,9 @@ def _op_from_node(index: int, node: torch.fx.Node, module: OpModule, inputs: tup
                   act_bytes: int) -> Op:
     facts = module.facts()
     weights = tuple(
-        Weight(name=module.weight_keys[attr], shape=tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."))
-        for attr, p in module.named_parameters(recurse=False) if attr not in module.tied)
+        Weight(name=module.tied.get(attr) or module.weight_keys[attr], shape=tuple(p.shape),
+               dtype=str(p.dtype).removeprefix("torch."), tied=attr in module.tied)
+        for attr, p in module.named_parameters(recurse=False, remove_duplicate=False))
     return Op(
         index=index, name=str(node.target), kind=module.kind, cls=OP_CLASS.get(module.kind, OpClass.LIGHT),
         layer=module.layer, inputs=inputs, weights=weights,

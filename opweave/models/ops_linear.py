@@ -136,7 +136,7 @@ class GatedDeltaNet(OpModule):
             delta = (v - predicted) * beta[:, t, :, None]
             s = s + k[..., None] * delta[:, :, None, :]
             outs.append((s * q[..., None]).sum(dim=-2))                              # S^T q
-            state = s
+            state = torch.where(live[..., None], s, state)
         self.conv_state.copy_(conv_state)
         self.recurrent_state.copy_(state)
 
