@@ -168,6 +168,7 @@ def make_tiny_checkpoint(family: str, out_dir: str, **overrides) -> str:
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     config_cls, model_cls = _config_and_model_classes(family)
+    max_shard_size = overrides.pop("max_shard_size", None)  # e.g. "40KB": a sharded checkpoint + index
 
     kwargs = _base_kwargs(family)
     if "num_hidden_layers" in overrides and "layer_types" not in overrides:
@@ -193,7 +194,8 @@ def make_tiny_checkpoint(family: str, out_dir: str, **overrides) -> str:
                 param.add_(torch.randn_like(param) * _NORM_NOISE_STD)
 
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **save_kwargs)
     return out_dir
 
 
