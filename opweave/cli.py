@@ -33,6 +33,31 @@ def _cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from opweave.compiler.frontend import run_front_end
+    from opweave.cost.analysis import analyze
+    from opweave.cost.report import analysis_to_json, format_analysis, plot_analysis
+    from opweave.hardware.catalog import get_gpu, load_catalog
+    from opweave.units import parse_contexts
+
+    contexts = parse_contexts(args.context)
+    catalog = load_catalog(args.catalog)
+    names = [n for n in args.gpus.split(",") if n.strip()]
+    if not names:
+        raise OpWeaveError("--gpus needs at least one GPU type, e.g. --gpus h100,l40s")
+    gpus = [get_gpu(n.strip(), catalog) for n in names]
+    if len({g.name for g in gpus}) != len(gpus):
+        raise OpWeaveError(f"--gpus lists a GPU type twice: {args.gpus}")
+    fe = run_front_end(args.model)
+    result = analyze(fe.graph, gpus, contexts)
+    if args.plot:
+        plot_analysis(result, args.plot)
+    print(json.dumps(analysis_to_json(result), indent=1) if args.format == "json" else format_analysis(result))
+    if args.plot and args.format != "json":
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opweave", description="Compiler for LLM decode serving on mixed GPU clusters.")
     parser.add_argument("--version", action="version", version=f"opweave {__version__}")
@@ -45,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                       help="override the checkpoint's dtype for the cost facts")
     dump.set_defaults(func=_cmd_dump)
+
+    analyze = sub.add_parser("analyze", help="closed-form cost analysis of colocated vs disaggregated decode (§3)")
+    analyze.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
+    analyze.add_argument("--gpus", default="h100", help="comma-separated GPU types from the catalog (default h100)")
+    analyze.add_argument("--context", default="1k..128k",
+                         help="context lengths: 32k, 4k,32k,128k, or a doubling range 1k..128k (default)")
+    analyze.add_argument("--format", choices=("text", "json"), default="text")
+    analyze.add_argument("--plot", metavar="FILE.png", help="write cost and gain against context length")
+    analyze.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    analyze.set_defaults(func=_cmd_analyze)
     return parser
 
 

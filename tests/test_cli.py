@@ -107,3 +107,37 @@ def test_bad_input_is_one_line_exit_2(tmp_path, case):
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert lines[0].startswith("opweave: error: ") and message in lines[0], lines[0]
     assert out.stdout == ""
+
+
+def test_analyze_json_carries_the_named_quantities(capsys, tmp_path):
+    plot = tmp_path / "g.png"
+    assert main(["analyze", "qwen3-next-80b-a3b", "--gpus", "h100,a100", "--context", "4k..128k",
+                 "--format", "json", "--plot", str(plot)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [p["context"] for p in data["points"]] == [4096 * 2 ** i for i in range(6)]
+    for p in data["points"]:
+        for key in ("context", "b_max", "b_star", "g_hom", "g_hom_bound", "g_het"):
+            assert key in p
+        assert set(p["gpus"]) == {"h100", "a100"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(tmp_path.iterdir()) == [plot]  # no temporary file left behind
+
+
+def test_analyze_text(capsys):
+    assert main(["analyze", "gemma-3-27b", "--gpus", "h100", "--context", "1k..128k"]) == 0
+    out = capsys.readouterr().out
+    assert "memory-bound" in out and "128k" in out and "CAD on h100" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "h10"], "unknown GPU type 'h10'"),
+    (["--gpus", "h100,h100"], "lists a GPU type twice"),
+    (["--context", "1k..x"], "bad context length 'x'"),
+    (["--context", "8k..1k"], "start above end"),
+    (["--context", "0"], "positive whole number"),
+    (["--plot", "/nonexistent/dir/g.png"], "does not exist"),
+])
+def test_analyze_bad_input(capsys, args, message):
+    assert main(["analyze", "llama-3.1-8b", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

@@ -20,6 +20,8 @@ class StateSpec:
     bytes_per_token: int = 0
     max_tokens: int | None = None
     fixed_bytes: int = 0
+    max_shards: int = 1   # tensor parallelism splits the state at most this many ways (KV heads);
+    #                       beyond it the state is replicated
 
     def bytes_at(self, context: int) -> int:
         tokens = context if self.max_tokens is None else min(context, self.max_tokens)

@@ -279,7 +279,7 @@ class Attention(OpModule):
         return OpFacts(
             flops_per_token=0,
             flops_per_context_token=4 * c.num_heads * c.head_dim,  # q·k and p·v
-            state=StateSpec(bytes_per_token=kv_bytes, max_tokens=self.window),
+            state=StateSpec(bytes_per_token=kv_bytes, max_tokens=self.window, max_shards=c.num_kv_heads),
             tp_rule=TPRule.HEADS, tp_units=c.num_heads,
         )
 

@@ -158,5 +158,5 @@ class GatedDeltaNet(OpModule):
         norm = hv * (3 * dv + f) + hv * dv * (2 + f)       # rmsnorm over Dv, * w, * silu(z)
         state_bytes = c * (self.kernel - 1) * self.cfg.dtype_bytes + hv * dk * dv * 4
         return OpFacts(flops_per_token=conv + qk_norm + gates + recurrence + norm,
-                       state=StateSpec(fixed_bytes=state_bytes),
+                       state=StateSpec(fixed_bytes=state_bytes, max_shards=hk),
                        tp_rule=TPRule.HEADS, tp_units=hk)

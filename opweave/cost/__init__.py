@@ -1,0 +1,1 @@
+"""The cost model shared by the analysis, the planner and the simulator."""

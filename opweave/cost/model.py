@@ -1,0 +1,187 @@
+"""The cost model: one set of per-op cost functions for the analysis, the planner and the simulator.
+
+Per op, on a device group of `tp` GPUs of one type, at resident batch b and context s (summary
+§3.1, A.1, B.3):
+
+    latency = max(bytes / (bandwidth * mem_eff), flops / (peak * gemm_eff)) + launch overhead
+
+    flops  = b * flops_at(s) / shards
+    bytes  = weights read at batch b / shards + b * (activations + state_bytes(s)) / shards
+
+with `shards` = tp for sharded ops and 1 for replicated ones (the state shards at most
+`state.max_shards` ways: KV heads). Weights read at batch b are all of them for dense ops, the
+expected distinct experts E * (1 - (1 - k/E)^b) for routed experts, and b rows of the embedding.
+Tensor-parallel ops whose output is a partial sum (`ROW`, `EXPERT_FFN`, the vocab-split
+embedding) pay a ring all-reduce; a stage boundary pays latency + bytes / link bandwidth,
+inter-node when the two groups are on different nodes.
+
+A profiled table (`CostModel(profile=...)`) replaces the roofline latency op by op where it has
+a figure; the roofline covers the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from opweave.hardware.catalog import GPUSpec
+from opweave.ir.graph import Op
+from opweave.ir.kinds import OpKind, TPRule
+
+ALLREDUCE_RULES = (TPRule.ROW, TPRule.EXPERT_FFN)
+"""Rules whose output is a partial sum over the TP group (the vocab-split embedding too)."""
+
+INTRA_LINK_EFFICIENCY = 0.4
+"""Achieved / line rate inside a node: NCCL send/recv between two H100s plateaus near 180 GB/s
+of NVLink's 450 GB/s (refdata efficiency.nccl_and_network.H100_pair_sendrecv_busbw, NVIDIA/nccl-tests#268)."""
+
+INTER_LINK_EFFICIENCY = 0.94
+"""Achieved / line rate between nodes: 46-48 GB/s NCCL bus bandwidth per 400 Gb/s (50 GB/s) NDR NIC
+(refdata efficiency.nccl_and_network.NDR400_per_NIC_busbw, NVIDIA/nccl-tests#290)."""
+
+ACTIVATION_BUFFERS = 4
+"""Activation buffers per resident sequence in the memory estimate (in, out, two scratch)."""
+
+
+class OpProfile(Protocol):
+    """A measured latency table (see the profiler); None where it has no figure."""
+
+    def op_latency(self, op: Op, gpu: str, tp: int, batch: int, context: int) -> float | None: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class OpCost:
+    """Latency of one op on one device group, split into its terms (seconds)."""
+
+    compute_s: float        # max(memory time, math time) + launch overhead
+    memory_s: float         # bytes / effective bandwidth
+    math_s: float           # flops / effective FLOP/s
+    comm_s: float           # tensor-parallel all-reduce after the op
+    measured: bool = False  # compute_s came from a profile
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+def shards(op: Op, tp: int) -> int:
+    """How many ways the op's work divides over a TP group of `tp` GPUs."""
+    return 1 if op.tp_rule == TPRule.REPLICATE else tp
+
+
+def weight_bytes_read(op: Op, batch: int) -> float:
+    """Weight bytes one step reads at resident batch `batch` (whole group, before sharding)."""
+    if op.kind == OpKind.EMBED:
+        rows = op.weights[0].shape[0] if op.weights else 1
+        return op.weight_bytes * min(batch, rows) / rows
+    if op.active_weight_fraction < 1.0:  # routed experts: expected distinct experts touched
+        return op.weight_bytes * (1.0 - (1.0 - op.active_weight_fraction) ** batch)
+    return float(op.weight_bytes)
+
+
+def state_shards(op: Op, tp: int) -> int:
+    if op.state is None or op.tp_rule == TPRule.REPLICATE:
+        return 1
+    return max(1, min(tp, op.state.max_shards))
+
+
+def op_bytes(op: Op, tp: int, batch: int, context: int) -> float:
+    """Bytes one GPU of the group moves for this op in one step."""
+    n = shards(op, tp)
+    return (weight_bytes_read(op, batch) / n + batch * op.act_bytes_per_token / n
+            + batch * op.state_bytes(context) / state_shards(op, tp))
+
+
+def op_flops(op: Op, tp: int, batch: int, context: int) -> float:
+    return batch * op.flops_at(context) / shards(op, tp)
+
+
+def allreduce_s(nbytes: float, tp: int, gpu: GPUSpec) -> float:
+    """Ring all-reduce of `nbytes` over `tp` GPUs of one node."""
+    if tp <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (tp - 1)
+    return steps * gpu.intra_link_latency + steps / tp * nbytes / intra_bandwidth(gpu)
+
+
+def allgather_s(nbytes_per_rank: float, tp: int, gpu: GPUSpec) -> float:
+    """Ring all-gather: every rank ends with all `tp` pieces of `nbytes_per_rank`."""
+    if tp <= 1 or nbytes_per_rank <= 0:
+        return 0.0
+    return (tp - 1) * (gpu.intra_link_latency + nbytes_per_rank / intra_bandwidth(gpu))
+
+
+SAMPLE_CANDIDATE_BYTES = 16
+"""A vocab-split greedy sample gathers one (max logit, index) pair per token from each rank."""
+
+
+def needs_allreduce(op: Op) -> bool:
+    return op.tp_rule in ALLREDUCE_RULES or op.kind == OpKind.EMBED
+
+
+def allreduce_bytes(op: Op, batch: int, hidden_bytes: int) -> float:
+    return batch * hidden_bytes if needs_allreduce(op) else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Per-op latency, communication and memory on a catalog of GPU types."""
+
+    profile: OpProfile | None = None
+
+    def op_cost(self, op: Op, gpu: GPUSpec, tp: int, batch: int, context: int, hidden_bytes: int) -> OpCost:
+        memory_s = op_bytes(op, tp, batch, context) / gpu.effective_bandwidth
+        math_s = op_flops(op, tp, batch, context) / gpu.effective_flops
+        compute_s = max(memory_s, math_s) + gpu.launch_overhead
+        measured = False
+        if self.profile is not None:
+            figure = self.profile.op_latency(op, gpu.name, tp, batch, context)
+            if figure is not None:
+                compute_s, measured = figure, True
+        comm_s = allreduce_s(allreduce_bytes(op, batch, hidden_bytes), tp, gpu)
+        if op.kind == OpKind.SAMPLE and op.tp_rule == TPRule.VOCAB:
+            comm_s += allgather_s(batch * SAMPLE_CANDIDATE_BYTES, tp, gpu)
+        return OpCost(compute_s=compute_s, memory_s=memory_s, math_s=math_s, comm_s=comm_s, measured=measured)
+
+    def ops_latency(self, ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, batch: int, context: int,
+                    hidden_bytes: int) -> float:
+        return sum(self.op_cost(op, gpu, tp, batch, context, hidden_bytes).total_s for op in ops)
+
+
+def intra_bandwidth(gpu: GPUSpec) -> float:
+    return gpu.intra_link_bandwidth * INTRA_LINK_EFFICIENCY
+
+
+def inter_bandwidth(gpu: GPUSpec) -> float:
+    return gpu.inter_link_bandwidth * INTER_LINK_EFFICIENCY
+
+
+def transfer_s(nbytes: float, src: GPUSpec, dst: GPUSpec, inter_node: bool) -> float:
+    """Point-to-point transfer between two GPUs (latency + bytes / the slower end's bandwidth).
+
+    GPUs of different types are never in one node, so their transfers are inter-node."""
+    if nbytes <= 0:
+        return 0.0
+    if inter_node or src.name != dst.name:
+        return max(src.inter_link_latency, dst.inter_link_latency) + nbytes / min(
+            inter_bandwidth(src), inter_bandwidth(dst))
+    return src.intra_link_latency + nbytes / intra_bandwidth(src)
+
+
+def boundary_s(nbytes: float, src: GPUSpec, dst: GPUSpec, dst_tp: int, inter_node: bool) -> float:
+    """A stage boundary: the unsharded activation goes once to the destination group's leader,
+    which fans it out to its TP peers over the node's link (summary §6.2)."""
+    if nbytes <= 0:
+        return 0.0
+    fanout = 0.0 if dst_tp <= 1 else dst.intra_link_latency + nbytes / intra_bandwidth(dst)
+    return transfer_s(nbytes, src, dst, inter_node) + fanout
+
+
+def memory_per_gpu(ops: tuple[Op, ...] | list[Op], tp: int, resident_batch: int, context: int) -> float:
+    """Bytes one GPU of a TP group holds: its share of the weights, of the resident sequences'
+    state, and activation buffers (B.4)."""
+    per_weight = {w.name: w.nbytes / shards(op, tp) for op in ops for w in op.weights}  # a tied weight once
+    weights = sum(per_weight.values())
+    state = sum(resident_batch * op.state_bytes(context) / state_shards(op, tp) for op in ops)
+    act = max((op.act_bytes_per_token for op in ops), default=0)
+    return weights + state + ACTIVATION_BUFFERS * resident_batch * act

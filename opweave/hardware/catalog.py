@@ -1,0 +1,266 @@
+"""The GPU catalog: `catalog.json` loaded into `GPUSpec`s, with an optional override file.
+
+Note: every number is in SI units (FLOP/s, bytes/s, bytes, seconds, USD per GPU-hour) and has a
+source string in the entry's `sources` map (refdata citation and confidence, or "assumption: why").
+Link bandwidths are one-direction line rates per GPU; the cost model applies its own factors.
+An override file (YAML or JSON, same layout as `catalog.json`) may change any field of an entry or
+add an entry with every field; docs/hardware.md has the price policy and an example.
+"""
+
+import dataclasses
+import difflib
+import functools
+import json
+import math
+import os
+import re
+
+from opweave.errors import OpWeaveError
+
+CATALOG_PATH = os.path.join(os.path.dirname(__file__), "catalog.json")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GPUSpec:
+    """One GPU type; derived figures are properties so overrides cannot make them disagree."""
+
+    name: str  # catalog key, e.g. "h100"
+    description: str
+    peak_flops: float  # dense BF16 FLOP/s
+    mem_bandwidth: float  # bytes/s
+    memory_bytes: float  # bytes
+    usable_memory_fraction: float  # of memory_bytes, for weights + KV/state
+    intra_link_bandwidth: float  # bytes/s per GPU, one direction (NVLink, else PCIe)
+    intra_link_latency: float  # s
+    inter_link_bandwidth: float  # bytes/s per GPU, one direction (node network)
+    inter_link_latency: float  # s
+    gpus_per_node: int
+    gemm_efficiency: float  # achievable fraction of peak_flops
+    mem_efficiency: float  # achievable fraction of mem_bandwidth
+    launch_overhead: float  # s per kernel
+    price_per_hour: float  # USD per GPU-hour
+    sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+    @property
+    def effective_flops(self) -> float:
+        return self.peak_flops * self.gemm_efficiency
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.mem_bandwidth * self.mem_efficiency
+
+    @property
+    def price_per_second(self) -> float:
+        return self.price_per_hour / 3600.0
+
+
+FRACTION_FIELDS = ("usable_memory_fraction", "gemm_efficiency", "mem_efficiency")
+INT_FIELDS = ("gpus_per_node",)
+NUMERIC_FIELDS = tuple(
+    f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "description", "sources")
+)
+VALUE_FIELDS = ("description",) + NUMERIC_FIELDS  # what a file gives for a new entry
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+# Other spellings of catalog names, after normalisation (lower case, '_' and ' ' -> '-', no
+# leading "nvidia-"); NVML's device names ("NVIDIA H100 80GB HBM3") normalise into this table.
+ALIASES = {
+    "h100-sxm": "h100", "h100-sxm5": "h100", "h100-80gb": "h100", "h100-sxm-80gb": "h100",
+    "h100-sxm5-80gb": "h100", "h100-80gb-hbm3": "h100",
+    "h100-pcie-80gb": "h100-pcie", "h100-80gb-pcie": "h100-pcie",
+    "h200-sxm": "h200", "h200-141gb": "h200", "h200-sxm-141gb": "h200", "h200-141gb-hbm3e": "h200",
+    "a100-sxm": "a100", "a100-sxm4": "a100", "a100-80gb": "a100", "a100-sxm-80gb": "a100",
+    "a100-sxm4-80gb": "a100", "a100-80gb-sxm": "a100",
+    "a100-40gb-sxm": "a100-40gb", "a100-sxm-40gb": "a100-40gb", "a100-sxm4-40gb": "a100-40gb",
+    "l40s-48gb": "l40s", "l4-24gb": "l4", "a10g-24gb": "a10g",
+    "b200-hgx": "b200", "b200-sxm": "b200", "b200-180gb": "b200",
+}
+
+
+def normalize_name(name: str) -> str:
+    """Lower case, '_' and spaces to '-', without a leading 'nvidia-': 'A100_SXM_80GB' -> 'a100-sxm-80gb'."""
+    key = re.sub(r"[\s_]+", "-", str(name).strip().lower())
+    return key[len("nvidia-"):] if key.startswith("nvidia-") else key
+
+
+def find_gpu_name(name: str, catalog: dict[str, "GPUSpec"]) -> str | None:
+    """The catalog key `name` refers to (directly or by alias), or None."""
+    key = normalize_name(name)
+    if key in catalog:
+        return key
+    target = ALIASES.get(key)
+    return target if target in catalog else None
+
+
+def get_gpu(name: str, catalog: dict[str, GPUSpec]) -> GPUSpec:
+    """The entry for `name` (case-insensitive, aliases accepted); OpWeaveError naming the nearest."""
+    key = find_gpu_name(name, catalog)
+    if key is None:
+        raise OpWeaveError(unknown_gpu_message(name, catalog))
+    return catalog[key]
+
+
+def unknown_gpu_message(name: str, catalog: dict[str, GPUSpec]) -> str:
+    """"unknown GPU type 'h10' (did you mean: h100, h200?; known: ...)"."""
+    spellings = {k: k for k in catalog} | {a: t for a, t in ALIASES.items() if t in catalog}
+    near = difflib.get_close_matches(normalize_name(name), list(spellings), n=6, cutoff=0.5)
+    suggested = list(dict.fromkeys(spellings[s] for s in near))[:3]
+    hint = f"did you mean: {', '.join(suggested)}?; " if suggested else ""
+    return f"unknown GPU type '{name}' ({hint}known: {', '.join(catalog)})"
+
+
+def load_catalog(override_path: str | None = None) -> dict[str, GPUSpec]:
+    """The built-in catalog, then `override_path` (YAML or JSON) applied on top.
+
+    Args:
+        override_path: a file mapping entry names to fields; an existing entry (or alias) takes
+            the given fields, a new name needs every field. Validated field by field.
+    Returns:
+        name -> GPUSpec, built-in entries first in file order, new entries after.
+    """
+    catalog = dict(_builtin_catalog())
+    if override_path is not None:
+        catalog = _apply_entries(read_data_file(override_path, "catalog override"), catalog, override_path)
+    return catalog
+
+
+@functools.cache
+def _builtin_catalog() -> dict[str, GPUSpec]:
+    catalog = _apply_entries(read_data_file(CATALOG_PATH, "catalog"), {}, CATALOG_PATH)
+    for spec in catalog.values():  # the data file itself must source every number
+        missing = [f for f in NUMERIC_FIELDS if f not in spec.sources]
+        if missing:
+            raise OpWeaveError(f"{CATALOG_PATH}: entry '{spec.name}' has no source for {', '.join(missing)}")
+    return catalog
+
+
+def read_data_file(path: str, what: str) -> dict:
+    """A YAML (.yaml/.yml) or JSON (.json) file holding a mapping; OpWeaveError on any problem."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".yaml", ".yml", ".json"):
+        raise OpWeaveError(f"{path}: a {what} file must end in .yaml, .yml or .json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            if ext == ".json":
+                data = json.load(f)
+            else:
+                import yaml  # PyYAML; only needed for YAML files
+
+                data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise OpWeaveError(f"{what} file '{path}' not found") from None
+    except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        raise OpWeaveError(f"{path}: cannot read {what} file: {_one_line(err)}") from None
+    except Exception as err:  # yaml.YAMLError; PyYAML is imported lazily
+        if type(err).__module__.split(".")[0] != "yaml":
+            raise
+        raise OpWeaveError(f"{path}: cannot read {what} file: {_one_line(err)}") from None
+    if not isinstance(data, dict):
+        raise OpWeaveError(f"{path}: a {what} file must hold a mapping, not {type(data).__name__}")
+    return data
+
+
+def override_spec(spec: GPUSpec, fields: dict, where: str) -> GPUSpec:
+    """`spec` with `fields` (validated; `where` prefixes errors and becomes the default source)."""
+    values, sources = _check_fields(fields, where, default_source=f"override: {where}")
+    return dataclasses.replace(spec, **values, sources={**spec.sources, **sources})
+
+
+def _apply_entries(raw: dict, catalog: dict[str, GPUSpec], path: str) -> dict[str, GPUSpec]:
+    out = dict(catalog)
+    for key, fields in raw.items():
+        if str(key).startswith("_"):  # "_meta", "_comment": notes for people
+            continue
+        where = f"{path}: entry '{key}'"
+        if not isinstance(fields, dict):
+            raise OpWeaveError(f"{where}: must be a mapping of field: value")
+        existing = find_gpu_name(str(key), out)
+        if existing is not None:
+            out[existing] = override_spec(out[existing], fields, where)
+            continue
+        name = normalize_name(str(key))
+        if not NAME_RE.fullmatch(name) or name == "local":
+            raise OpWeaveError(f"{where}: a GPU name is letters, digits, '.', '_' or '-' (and not 'local')")
+        missing = [f for f in VALUE_FIELDS if f not in fields]
+        if missing:
+            raise OpWeaveError(f"{where}: not in the catalog, so it needs every field; missing: {', '.join(missing)}")
+        values, sources = _check_fields(fields, where, default_source=f"{path} (no source given)")
+        out[name] = GPUSpec(name=name, **values, sources=sources)
+    return out
+
+
+def _check_fields(fields: dict, where: str, default_source: str) -> tuple[dict, dict[str, str]]:
+    values: dict = {}
+    given_sources = fields.get("sources", {})
+    if not isinstance(given_sources, dict):
+        raise OpWeaveError(f"{where}, field 'sources': must be a mapping of field: source text")
+    for field, value in fields.items():
+        if field == "sources":
+            continue
+        if field not in VALUE_FIELDS:
+            near = difflib.get_close_matches(str(field), VALUE_FIELDS, n=1)
+            hint = f"did you mean {near[0]}?; " if near else ""
+            raise OpWeaveError(f"{where}: unknown field '{field}' ({hint}fields: {', '.join(VALUE_FIELDS)})")
+        values[field] = _check_value(field, value, f"{where}, field '{field}'")
+    sources = {}
+    for field, text in given_sources.items():
+        if field not in NUMERIC_FIELDS or not isinstance(text, str):
+            raise OpWeaveError(f"{where}, field 'sources': '{field}' must name a numeric field and map to text")
+        sources[field] = text
+    for field in values:
+        if field in NUMERIC_FIELDS and field not in sources:
+            sources[field] = default_source
+    return values, sources
+
+
+def _check_value(field: str, value, where: str):
+    if field == "description":
+        if not isinstance(value, str) or not value.strip():
+            raise OpWeaveError(f"{where}: must be non-empty text, got {value!r}")
+        return value
+    if isinstance(value, str):  # YAML 1.1 reads 1e12 (no '.') as text
+        try:
+            value = float(value) if field not in INT_FIELDS else int(value)
+        except ValueError:
+            raise OpWeaveError(f"{where}: must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OpWeaveError(f"{where}: must be a number, got {value!r}")
+    if field in INT_FIELDS:
+        if not isinstance(value, int):
+            raise OpWeaveError(f"{where}: must be a whole number, got {value!r}")
+        if value <= 0:
+            raise OpWeaveError(f"{where}: must be positive, got {value!r}")
+        return value
+    if not math.isfinite(value) or value <= 0:
+        raise OpWeaveError(f"{where}: must be a positive number, got {value!r}")
+    if field in FRACTION_FIELDS and value > 1:
+        raise OpWeaveError(f"{where}: is a fraction and must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def format_catalog(catalog: dict[str, GPUSpec]) -> str:
+    """A Markdown table of the catalog, one row per entry, aligned for a terminal."""
+    header = ("name", "BF16 TFLOP/s", "mem GB/s", "memory GB", "usable GB", "intra GB/s",
+              "inter GB/s", "GPUs/node", "GEMM eff", "mem eff", "$/GPU-h")
+    rows = [header]
+    for s in catalog.values():
+        rows.append((s.name, f"{s.peak_flops / 1e12:g}", f"{s.mem_bandwidth / 1e9:g}", f"{s.memory_bytes / 1e9:g}",
+                     f"{s.usable_memory_bytes / 1e9:.1f}", f"{s.intra_link_bandwidth / 1e9:g}",
+                     f"{s.inter_link_bandwidth / 1e9:g}", str(s.gpus_per_node), f"{s.gemm_efficiency:g}",
+                     f"{s.mem_efficiency:g}", f"{s.price_per_hour:g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+
+    def line(cells):
+        padded = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" if i else ":" + "-" * (w + 1) for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(rows[0]), rule] + [line(r) for r in rows[1:]])

@@ -1,0 +1,48 @@
+"""Parsing the quantities users type: context lengths (`32k`, `1k..128k`) and durations (`50ms`)."""
+
+from __future__ import annotations
+
+import re
+
+from opweave.errors import OpWeaveError
+
+_TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|ms|us)\s*$")
+
+
+def parse_tokens(text: str) -> int:
+    """`4096`, `4k` (= 4096), `1m` (= 1048576) -> a positive token count."""
+    m = _TOKENS.match(text)
+    if not m:
+        raise OpWeaveError(f"bad context length '{text}' (expected e.g. 4096, 32k, 1m)")
+    value = float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+    if value != int(value) or value <= 0:
+        raise OpWeaveError(f"bad context length '{text}' (must be a positive whole number of tokens)")
+    return int(value)
+
+
+def parse_contexts(text: str) -> list[int]:
+    """`32k`, `4k,32k,128k`, or a doubling range `1k..128k` -> sorted context lengths."""
+    if ".." in text:
+        lo_text, _, hi_text = text.partition("..")
+        lo, hi = parse_tokens(lo_text), parse_tokens(hi_text)
+        if lo > hi:
+            raise OpWeaveError(f"bad context range '{text}' (start above end)")
+        out = []
+        s = lo
+        while s < hi:
+            out.append(s)
+            s *= 2
+        return out + [hi]
+    values = sorted({parse_tokens(part) for part in text.split(",") if part.strip()})
+    if not values:
+        raise OpWeaveError(f"bad context list '{text}'")
+    return values
+
+
+def parse_duration(text: str) -> float:
+    """`50ms`, `0.05s`, `800us` -> seconds."""
+    m = _DURATION.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise OpWeaveError(f"bad duration '{text}' (expected e.g. 50ms, 0.05s, 800us)")
+    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
