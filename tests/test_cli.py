@@ -141,3 +141,14 @@ def test_analyze_bad_input(capsys, args, message):
     assert main(["analyze", "llama-3.1-8b", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_analyze_catalog_override_changes_prices(capsys, tmp_path):
+    override = tmp_path / "prices.yaml"
+    override.write_text("h100:\n  price_per_hour: 2.0\n")
+    assert main(["analyze", "llama-3.1-8b", "--context", "8k", "--format", "json"]) == 0
+    default = json.loads(capsys.readouterr().out)["points"][0]["cost_hom_ods_per_mtok"]
+    assert main(["analyze", "llama-3.1-8b", "--context", "8k", "--format", "json", "--catalog", str(override)]) == 0
+    cheap = json.loads(capsys.readouterr().out)["points"][0]["cost_hom_ods_per_mtok"]
+    from opweave.hardware.catalog import get_gpu, load_catalog
+    assert cheap == pytest.approx(default * 2.0 / get_gpu("h100", load_catalog()).price_per_hour)
