@@ -58,6 +58,34 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from opweave.compiler.compile import compile_model, write_artifact
+    from opweave.hardware.catalog import load_catalog
+    from opweave.hardware.cluster import detect_local, parse_cluster
+    from opweave.ir.plan import format_plan, plan_to_json
+    from opweave.passes.search import SearchOptions
+    from opweave.units import parse_duration, parse_tokens
+
+    slo = parse_duration(args.tpot_slo)
+    context = parse_tokens(args.context)
+    catalog = load_catalog(args.catalog)
+    cluster = detect_local(catalog) if args.cluster == "local" else parse_cluster(args.cluster, catalog)
+    options = SearchOptions(templates=args.templates, pareto=not args.no_pareto, bnb=not args.no_bnb)
+
+    def progress(message: str) -> None:
+        if not args.quiet:
+            print(f"  ... {message}", file=sys.stderr, flush=True)
+
+    compiled = compile_model(args.model, cluster, slo, context, options, progress=progress)
+    write_artifact(args.output, compiled)
+    if args.format == "json":
+        print(json.dumps(plan_to_json(compiled.plan), indent=1))
+    else:
+        print(format_plan(compiled.plan))
+        print(f"wrote {args.output}/ (plan.json, plan.txt, ir.txt, trace.json, gantt.png)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opweave", description="Compiler for LLM decode serving on mixed GPU clusters.")
     parser.add_argument("--version", action="version", version=f"opweave {__version__}")
@@ -80,6 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--plot", metavar="FILE.png", help="write cost and gain against context length")
     analyze.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
     analyze.set_defaults(func=_cmd_analyze)
+
+    comp = sub.add_parser("compile", help="search the cheapest serving plan that meets a TPOT SLO")
+    comp.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
+    comp.add_argument("--cluster", required=True, help="e.g. h100x8+l40sx8, a100x16, a YAML/JSON file, or local")
+    comp.add_argument("--tpot-slo", required=True, help="time per output token target, e.g. 50ms")
+    comp.add_argument("--context", required=True, help="context length to plan for, e.g. 32k")
+    comp.add_argument("-o", "--output", required=True, help="artifact folder to write")
+    comp.add_argument("--templates", choices=("all", "colocated", "afd", "cad"), default="all",
+                      help="restrict the stage templates (baselines): default all")
+    comp.add_argument("--no-pareto", action="store_true", help="switch off per-owner Pareto pruning (ablation)")
+    comp.add_argument("--no-bnb", action="store_true", help="switch off branch-and-bound (ablation)")
+    comp.add_argument("--format", choices=("text", "json"), default="text")
+    comp.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    comp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    comp.set_defaults(func=_cmd_compile)
     return parser
 
 

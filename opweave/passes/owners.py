@@ -1,0 +1,96 @@
+"""Owners (device-group types) and their configurations (summary §4, B.2–B.4, §5.2).
+
+A stage plan's stages map round-robin onto k owner slots: stage i -> slot (i mod stages_per_block)
+mod k, with k dividing stages_per_block so every block maps the same way. An owner configuration
+is (GPU type, TP degree, replicas) for one slot; given the replica set's resident batch B and its
+microbatch count n, each replica holds B / r sequences and processes ceil(B / (n·r)) of every
+microbatch. A configuration carries its per-occurrence latency vector (one entry per stage of the
+slot, in token order), its cost rate and its memory per GPU.
+
+Network-safe Pareto frontiers (§5.2): configuration A dominates B only if no complete plan can
+prefer B. The simulator's TPOT is monotone in every stage and transfer duration (fixed-order
+max-plus schedule), so A dominates B when
+  - A's latency vector is <= B's element-wise and A's cost rate is <= B's,
+  - their TP degree is equal (transfer fan-out and volume depend on it non-monotonically),
+  - A's transfers are never slower: A's GPU type has link bandwidths >= and latencies <= B's,
+    and A's replicas each send no more (per-replica microbatch share <= B's),
+  - A never uses cluster GPUs that B would leave free: same GPU type and replicas <= B's, unless
+    the slot's GPU demand can never bind on this cluster (`capacity_free`).
+Ties (equal in every respect) keep the first in enumeration order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from opweave.hardware.catalog import GPUSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class OwnerConfig:
+    slot: int
+    gpu: GPUSpec
+    tp: int
+    replicas: int
+    share: int                     # sequences of each microbatch one replica processes (and sends on)
+    latencies: tuple[float, ...]   # per occurrence of the slot's stages, one microbatch on one replica
+    memory_per_gpu: float
+
+    @property
+    def num_gpus(self) -> int:
+        return self.replicas * self.tp
+
+    @property
+    def cost_per_hour(self) -> float:
+        return self.num_gpus * self.gpu.price_per_hour
+
+    @property
+    def busy_s(self) -> float:
+        return sum(self.latencies)
+
+    def key(self) -> tuple:
+        return (self.gpu.name, self.tp, self.replicas)
+
+    def describe(self) -> str:
+        return f"{self.replicas}x {self.gpu.name} tp{self.tp}"
+
+
+def microbatch_share(batch: int, microbatches: int, replicas: int) -> int:
+    """Sequences one replica processes of one microbatch."""
+    return max(1, math.ceil(batch / (microbatches * replicas)))
+
+
+def _links_no_worse(a: GPUSpec, b: GPUSpec) -> bool:
+    return (a.inter_link_bandwidth >= b.inter_link_bandwidth and a.inter_link_latency <= b.inter_link_latency
+            and a.intra_link_bandwidth >= b.intra_link_bandwidth and a.intra_link_latency <= b.intra_link_latency)
+
+
+def dominates(a: OwnerConfig, b: OwnerConfig, capacity_free: bool) -> bool:
+    """True when `a` can replace `b` in every complete plan without making it worse (module docstring)."""
+    if a.tp != b.tp or a.cost_per_hour > b.cost_per_hour:
+        return False
+    if len(a.latencies) != len(b.latencies) or any(x > y for x, y in zip(a.latencies, b.latencies)):
+        return False
+    if not _links_no_worse(a.gpu, b.gpu) or a.share > b.share:
+        return False
+    if not capacity_free and (a.gpu.name != b.gpu.name or a.replicas > b.replicas):
+        return False
+    return True
+
+
+def pareto_frontier(configs: list[OwnerConfig], capacity_free: bool) -> list[OwnerConfig]:
+    """The configurations no other configuration dominates (first of equal ones kept), in input order."""
+    keep = []
+    for i, c in enumerate(configs):
+        dominated = False
+        for j, d in enumerate(configs):
+            if i == j or not dominates(d, c, capacity_free):
+                continue
+            if dominates(c, d, capacity_free) and i < j:  # equal in every respect: keep the first
+                continue
+            dominated = True
+            break
+        if not dominated:
+            keep.append(c)
+    return keep

@@ -1,0 +1,400 @@
+"""Plan search (summary §5.2, §5.3, C.1): stage templates x owners x batching, judged by the simulator.
+
+Search state, outermost first:
+    template t (regularity-aware family, or one named template)      -> StagePlan (stages, slots)
+    k owner slots (k divides stages per block; 1 only for colocated)
+    resident batch B of one replica set, microbatches n (n <= B)
+    per slot o = 0..k-1: an owner configuration (GPU type, TP degree, replicas)   <- DFS level o
+
+Reductions, each switchable for ablation:
+  1. Pareto (`pareto`): per slot, drop configurations another one dominates (owners.py).
+  2. Branch-and-bound (`bnb`): DFS over the frontier product; a prefix is cut when its optimistic
+     TPOT (sum of stage latencies along one microbatch's path, the cheapest unassigned choices,
+     the least possible transfer latency) exceeds the SLO, or its optimistic cost (cheapest
+     completion's cost rate x that TPOT / B) cannot beat the incumbent. Both bounds are below the
+     simulated figures, so the search stays exact over its grid.
+  3. The schedule simulator judges every surviving complete plan.
+With neither reduction every configuration product is simulated (the exhaustive reference).
+Complexity: sum over (t, k, B, n) of prod_o |frontier_o| simulator calls in the worst case.
+Deterministic: fixed enumeration order; ties broken by that order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+from opweave.cost.model import CostModel, boundary_s, memory_per_gpu, transfer_s
+from opweave.hardware.cluster import Cluster
+from opweave.ir.graph import OpGraph
+from opweave.ir.kinds import TPRule
+from opweave.passes.blocks import BlockedGraph
+from opweave.passes.owners import OwnerConfig, microbatch_share, pareto_frontier
+from opweave.passes.simulate import SimOwner, SimProblem, SimResult, SimStage, simulate
+from opweave.passes.templates import StagePlan, build_stages, enumerate_templates
+
+TOKEN_ID_BYTES = 8
+"""Bytes per sequence handed back from the last stage to the embedding owner (an int64 token id)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SearchOptions:
+    """The plan grid and the reductions. Allowed values: templates in all|colocated|afd|cad."""
+
+    templates: str = "all"
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    microbatches: tuple[int, ...] = (1, 2, 4)
+    tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    replicas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    max_owners: int = 3
+    pareto: bool = True
+    bnb: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlanSpace:
+    """What to plan for."""
+
+    graph: OpGraph
+    blocks: BlockedGraph
+    cluster: Cluster
+    context: int
+    tpot_slo_s: float
+    cost_model: CostModel = CostModel()
+
+
+@dataclasses.dataclass
+class Counters:
+    templates: int = 0
+    stage_plans: int = 0           # (template, k, B, n) combinations looked at
+    owner_configs: int = 0         # memory-feasible owner configurations built
+    frontier_configs: int = 0      # of which survive the Pareto reduction
+    candidates: int = 0            # complete plans reached
+    simulator_calls: int = 0
+    pruned_prefixes: int = 0       # DFS prefixes cut by the bounds
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    stage_plan: StagePlan
+    batch: int
+    microbatches: int
+    owners: tuple[OwnerConfig, ...]
+    problem: SimProblem
+    result: SimResult
+
+    @property
+    def cost(self) -> float:
+        return self.result.cost_per_mtok_usd
+
+    @property
+    def tpot_s(self) -> float:
+        return self.result.tpot_s
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SearchResult:
+    best: Candidate | None          # cheapest plan meeting the SLO
+    closest: Candidate | None       # lowest TPOT among plans that fit (for "no plan meets the SLO")
+    counters: Counters
+    reason: str = ""                # why there is no plan, when `best` is None
+
+
+class _Evaluator:
+    """Stage latencies and memory footprints for one plan space.
+
+    Stage signatures are interned to small ints once per stage plan, and GPU types are named by
+    their pool index, so the hot caches hash small tuples."""
+
+    def __init__(self, space: PlanSpace):
+        self.space = space
+        self.hidden_bytes = space.graph.cuts[0].bytes_per_token if space.graph.cuts else 0
+        self._sig_ids: dict[tuple, int] = {}
+        self._sig_stage: list = []                       # sig id -> a representative stage
+        self._latency: dict[tuple[int, int, int, int], float] = {}
+        self._footprint: dict[tuple, tuple[float, float] | None] = {}
+        self._plans: dict[str, tuple[int, ...]] = {}
+        self._slots: dict[tuple[str, int, int], tuple[list, tuple[int, ...], list]] = {}
+
+    def sig_ids(self, plan: StagePlan) -> tuple[int, ...]:
+        name = plan.template.name
+        if name not in self._plans:
+            ids = []
+            for st in plan.stages:
+                if st.signature not in self._sig_ids:
+                    self._sig_ids[st.signature] = len(self._sig_stage)
+                    self._sig_stage.append(st)
+                ids.append(self._sig_ids[st.signature])
+            self._plans[name] = tuple(ids)
+        return self._plans[name]
+
+    def latency(self, sig: int, pool: int, tp: int, share: int) -> float:
+        key = (sig, pool, tp, share)
+        value = self._latency.get(key)
+        if value is None:
+            st = self._sig_stage[sig]
+            value = self.space.cost_model.ops_latency(
+                self.space.graph.ops[st.first:st.last + 1], self.space.cluster.pools[pool].gpu, tp, share,
+                self.space.context, self.hidden_bytes)
+            self._latency[key] = value
+        return value
+
+    def slot(self, plan: StagePlan, k: int, slot: int) -> tuple[list, tuple[int, ...], list]:
+        """(stages, their signature ids, their ops) of one owner slot."""
+        key = (plan.template.name, k, slot)
+        if key not in self._slots:
+            ids = self.sig_ids(plan)
+            stages = [s for s in plan.stages if slot_of(s.index, plan.stages_per_block, k) == slot]
+            ops = [op for s in stages for op in self.space.graph.ops[s.first:s.last + 1]]
+            self._slots[key] = (stages, tuple(ids[s.index] for s in stages), ops)
+        return self._slots[key]
+
+    def footprint(self, key: tuple, ops, tp: int) -> tuple[float, float] | None:
+        """(weight bytes, bytes per resident sequence: state + buffers) per GPU of a TP group of
+        `tp` running `ops`; None when `tp` does not divide every sharded op."""
+        full = key + (tp,)
+        if full not in self._footprint:
+            if not all(op.tp_rule == TPRule.REPLICATE or op.tp_units % tp == 0 for op in ops):
+                self._footprint[full] = None
+            else:
+                weights = memory_per_gpu(ops, tp, 0, self.space.context)
+                self._footprint[full] = (weights, memory_per_gpu(ops, tp, 1, self.space.context) - weights)
+        return self._footprint[full]
+
+
+def slot_of(stage_index: int, stages_per_block: int, k: int) -> int:
+    return (stage_index % stages_per_block) % k
+
+
+def _owner_configs(ev: _Evaluator, plan: StagePlan, k: int, slot: int, batch: int, n: int,
+                   options: SearchOptions) -> list[OwnerConfig]:
+    stages, sigs, ops = ev.slot(plan, k, slot)
+    distinct = sorted(set(sigs))
+    out = []
+    for p, pool in enumerate(ev.space.cluster.pools):
+        gpu = pool.gpu
+        for tp in options.tp_degrees:
+            if tp > gpu.gpus_per_node or tp > pool.count:
+                continue
+            fp = ev.footprint((plan.template.name, k, slot), ops, tp)
+            if fp is None:
+                continue
+            for r in options.replicas:
+                if r * tp > pool.count or r * n > batch:
+                    continue
+                mem = fp[0] + math.ceil(batch / r) * fp[1]
+                if mem > gpu.usable_memory_bytes:
+                    continue
+                share = microbatch_share(batch, n, r)
+                by_sig = {sig: ev.latency(sig, p, tp, share) for sig in distinct}
+                out.append(OwnerConfig(slot=slot, gpu=gpu, tp=tp, replicas=r, share=share,
+                                       latencies=tuple(by_sig[sig] for sig in sigs), memory_per_gpu=mem))
+    return out
+
+
+def build_sim_problem(ev: _Evaluator, plan: StagePlan, batch: int, n: int,
+                      owners: tuple[OwnerConfig, ...]) -> SimProblem:
+    """The simulator's view of a complete plan."""
+    k = len(owners)
+    slots = [slot_of(s.index, plan.stages_per_block, k) for s in plan.stages]
+    per_slot_index = [0] * k
+    stages = []
+    mb = math.ceil(batch / n)
+    for i, s in enumerate(plan.stages):
+        o = owners[slots[i]]
+        compute = o.latencies[per_slot_index[slots[i]]]
+        per_slot_index[slots[i]] += 1
+        send_s = send_bytes = 0.0
+        if i + 1 < len(plan.stages) and slots[i + 1] != slots[i]:
+            dst = owners[slots[i + 1]]
+            share = microbatch_share(batch, n, o.replicas)
+            send_s = boundary_s(s.out_bytes_per_token * share, o.gpu, dst.gpu, dst.tp, inter_node=True)
+            send_bytes = s.out_bytes_per_token * mb
+        stages.append(SimStage(owner=slots[i], compute_s=compute, send_s=send_s, send_bytes=send_bytes,
+                               inter_node=send_s > 0, label=_label(ev.space.graph, s)))
+    last, first = owners[slots[-1]], owners[slots[0]]
+    return_s = return_bytes = 0.0
+    if slots[-1] != slots[0]:
+        share = microbatch_share(batch, n, last.replicas)
+        return_s = transfer_s(TOKEN_ID_BYTES * share, last.gpu, first.gpu, inter_node=True)
+        return_bytes = TOKEN_ID_BYTES * mb
+    sim_owners = tuple(SimOwner(name=f"o{o.slot} {o.describe()}", replicas=o.replicas, gpus_per_replica=o.tp,
+                                price_per_hour=o.gpu.price_per_hour, memory_per_gpu=o.memory_per_gpu)
+                       for o in owners)
+    return SimProblem(owners=sim_owners, stages=tuple(stages), return_s=return_s, batch=batch,
+                      num_microbatches=n, return_bytes=return_bytes, return_inter_node=return_s > 0)
+
+
+def _label(graph: OpGraph, stage) -> str:
+    a, b = graph.ops[stage.first], graph.ops[stage.last]
+    layers = f"L{a.layer}" if a.layer == b.layer else f"L{a.layer}-{b.layer}"
+    return f"s{stage.index} {layers} {a.kind.value}..{b.kind.value}"
+
+
+class _Search:
+    def __init__(self, space: PlanSpace, options: SearchOptions, progress: Callable[[str], None] | None):
+        self.space, self.options, self.progress = space, options, progress
+        self.ev = _Evaluator(space)
+        self.counters = Counters()
+        self.best: Candidate | None = None
+        self.closest: Candidate | None = None
+        self.min_link_latency = min(p.gpu.inter_link_latency for p in space.cluster.pools)
+        self.fits_anywhere = False
+        self._crossings: dict[tuple[str, int], int] = {}
+
+    # ---- bounds
+    def _bound(self, plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]) -> tuple[float, float]:
+        """Optimistic (TPOT, $/Mtok) of any completion of `chosen` (C.1).
+
+        TPOT >= one microbatch's round trip (every stage once, plus the least link latency at each
+        owner change), and TPOT >= n x each owner's work per microbatch (the simulator's TPOT is the
+        steady-state period, at least every stream's load per round)."""
+        busy = [chosen[o].busy_s if o < len(chosen) else self._min_busy[o] for o in range(k)]
+        path = sum(busy) + self._crossings[(plan.template.name, k)] * self.min_link_latency
+        tpot = max(path, n * max(busy))
+        rate = sum(c.cost_per_hour for c in chosen) + sum(self._min_rate[len(chosen):])
+        cost_time = sum(c.cost_per_hour * n * c.busy_s for c in chosen) + sum(self._min_cost_time[len(chosen):])
+        return tpot, max(rate * tpot, cost_time) / 3600.0 / batch * 1e6
+
+    def _capacity_ok(self, chosen: list[OwnerConfig]) -> bool:
+        used: dict[str, int] = {}
+        for c in chosen:
+            used[c.gpu.name] = used.get(c.gpu.name, 0) + c.num_gpus
+        return all(n <= self.space.cluster.count(name) for name, n in used.items())
+
+    # ---- leaves
+    def _leaf(self, plan: StagePlan, batch: int, n: int, chosen: list[OwnerConfig]) -> None:
+        self.counters.candidates += 1
+        owners = tuple(chosen)
+        problem = build_sim_problem(self.ev, plan, batch, n, owners)
+        self.counters.simulator_calls += 1
+        result = simulate(problem)
+        cand = Candidate(stage_plan=plan, batch=batch, microbatches=n, owners=owners, problem=problem, result=result)
+        if self.closest is None or result.tpot_s < self.closest.tpot_s:
+            self.closest = cand
+        if result.tpot_s <= self.space.tpot_slo_s and (self.best is None or cand.cost < self.best.cost):
+            self.best = cand
+
+    def _dfs(self, plan, k, batch, n, frontiers, chosen):
+        if not self._capacity_ok(chosen):
+            return
+        if self.options.bnb:
+            tpot_lb, cost_lb = self._bound(plan, k, batch, n, chosen)
+            if tpot_lb > self.space.tpot_slo_s or (self.best is not None and cost_lb >= self.best.cost):
+                self.counters.pruned_prefixes += 1
+                if len(chosen) == k:
+                    self.counters.candidates += 1
+                return
+        if len(chosen) == k:
+            self._leaf(plan, batch, n, chosen)
+            return
+        for config in frontiers[len(chosen)]:
+            self._dfs(plan, k, batch, n, frontiers, chosen + [config])
+
+    # ---- outer loops
+    def run(self) -> SearchResult:
+        start = time.perf_counter()
+        templates = enumerate_templates(self.space.blocks, self.options.templates)
+        self.counters.templates = len(templates)
+        for ti, template in enumerate(templates):
+            plan = build_stages(self.space.blocks, template)
+            for batch in self.options.batches:
+                for n in self.options.microbatches:
+                    if n > batch:
+                        continue
+                    if self.options.bnb:
+                        tpot_lb, cost_lb = self._root_bound(plan, batch, n)
+                        if tpot_lb > self.space.tpot_slo_s or (self.best is not None and cost_lb >= self.best.cost):
+                            self.counters.pruned_prefixes += 1
+                            continue
+                    for k in self._owner_counts(plan):
+                        if k > 1 or n == 1:
+                            self._plan(plan, k, batch, n)
+            if self.progress and (ti + 1) % 16 == 0:
+                best = f"${self.best.cost:.4g}/Mtok" if self.best else "none yet"
+                self.progress(f"templates {ti + 1}/{len(templates)}, simulator calls "
+                              f"{self.counters.simulator_calls}, best {best}")
+        self.counters.seconds = time.perf_counter() - start
+        return SearchResult(best=self.best, closest=self.closest, counters=self.counters,
+                            reason="" if self.best else self._reason())
+
+    def _root_bound(self, plan: StagePlan, batch: int, n: int) -> tuple[float, float]:
+        """Optimistic (TPOT, $/Mtok) of any plan with this stage plan, batch and microbatch count,
+        whatever its owners: each stage at its fastest, and at its cheapest GPU-time
+        (rate x TPOT >= sum over owners of rate_o x n x busy_o, since TPOT >= n x busy_o)."""
+        counts: dict[int, int] = {}
+        for sig in self.ev.sig_ids(plan):
+            counts[sig] = counts.get(sig, 0) + 1
+        tpot = cost_time = 0.0
+        for sig, count in counts.items():
+            best_lat = best_ct = math.inf
+            for p, pool in enumerate(self.space.cluster.pools):
+                for tp in self.options.tp_degrees:
+                    if tp > pool.gpu.gpus_per_node or tp > pool.count:
+                        continue
+                    for r in self.options.replicas:
+                        if r * tp > pool.count or r * n > batch:
+                            continue
+                        lat = self.ev.latency(sig, p, tp, microbatch_share(batch, n, r))
+                        best_lat = min(best_lat, lat)
+                        best_ct = min(best_ct, r * tp * pool.gpu.price_per_hour * n * lat)
+            tpot += count * best_lat
+            cost_time += count * best_ct
+        return tpot, cost_time / 3600.0 / batch * 1e6
+
+    def _owner_counts(self, plan: StagePlan) -> list[int]:
+        if plan.stages_per_block <= 1 and len(plan.stages) == 1:
+            return [1]
+        return [k for k in range(2, self.options.max_owners + 1) if plan.stages_per_block % k == 0]
+
+    def _plan(self, plan: StagePlan, k: int, batch: int, n: int) -> None:
+        self.counters.stage_plans += 1
+        frontiers = []
+        for slot in range(k):
+            configs = _owner_configs(self.ev, plan, k, slot, batch, n, self.options)
+            self.counters.owner_configs += len(configs)
+            if not configs:
+                return
+            if self.options.pareto:
+                configs = pareto_frontier(configs, capacity_free=False)
+            self.counters.frontier_configs += len(configs)
+            frontiers.append(configs)
+        self.fits_anywhere = True
+        key = (plan.template.name, k)
+        if key not in self._crossings:
+            m = len(plan.stages)
+            self._crossings[key] = sum(1 for i in range(m) if slot_of(i, plan.stages_per_block, k)
+                                       != slot_of((i + 1) % m, plan.stages_per_block, k))
+        self._min_busy = [min(c.busy_s for c in f) for f in frontiers]
+        self._min_rate = [min(c.cost_per_hour for c in f) for f in frontiers]
+        self._min_cost_time = [min(c.cost_per_hour * n * c.busy_s for c in f) for f in frontiers]
+        self._dfs(plan, k, batch, n, frontiers, [])
+
+    def _reason(self) -> str:
+        if not self.fits_anywhere:
+            return (f"{self.space.graph.model} does not fit on {self.space.cluster.spec} at context "
+                    f"{self.space.context} (weights {self.space.graph.weight_bytes / 1e9:.1f} GB, state "
+                    f"{self.space.graph.state_bytes(self.space.context) / 1e9:.2f} GB per sequence)")
+        if self.closest is None:
+            return f"no plan comes near the TPOT SLO of {self.space.tpot_slo_s * 1e3:g} ms on {self.space.cluster.spec}"
+        c = self.closest
+        owners = " + ".join(o.describe() for o in c.owners)
+        return (f"best TPOT {c.tpot_s * 1e3:.3g} ms > SLO {self.space.tpot_slo_s * 1e3:g} ms "
+                f"with {owners} ({c.stage_plan.template.name}, batch {c.batch})")
+
+
+def search(space: PlanSpace, options: SearchOptions = SearchOptions(),
+           progress: Callable[[str], None] | None = None) -> SearchResult:
+    """The cheapest plan over the grid that meets the TPOT SLO and fits in memory and in the cluster."""
+    run = _Search(space, options, progress)
+    result = run.run()
+    if result.best is None and run.fits_anywhere and result.closest is None:
+        # every plan was cut by the TPOT bound: search again without the SLO to name the closest plan
+        relaxed = _Search(dataclasses.replace(space, tpot_slo_s=math.inf), options, None)
+        relaxed.run()
+        run.closest = relaxed.closest
+        result = dataclasses.replace(result, closest=relaxed.closest, reason=run._reason())
+    return result
