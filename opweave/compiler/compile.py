@@ -130,6 +130,11 @@ def write_artifact(out_dir: str, compiled: Compiled) -> None:
         with open(os.path.join(tmp, "trace.json"), "w") as f:
             json.dump(chrome_trace(cand.problem, cand.result), f)
         gantt_png(cand.problem, cand.result, os.path.join(tmp, "gantt.png"))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp and temp files are private; the artifact is not
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
         if os.path.isdir(out_dir):
             old = tempfile.mkdtemp(prefix=".opweave-old-", dir=parent)
             os.rename(out_dir, os.path.join(old, "prev"))

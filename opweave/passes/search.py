@@ -44,6 +44,7 @@ class SearchOptions:
     """The plan grid and the reductions. Allowed values: templates in all|colocated|afd|cad."""
 
     templates: str = "all"
+    only_templates: tuple[str, ...] | None = None   # restrict to these template names (tests, users)
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     microbatches: tuple[int, ...] = (1, 2, 4)
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
@@ -298,6 +299,8 @@ class _Search:
     def run(self) -> SearchResult:
         start = time.perf_counter()
         templates = enumerate_templates(self.space.blocks, self.options.templates)
+        if self.options.only_templates is not None:
+            templates = tuple(t for t in templates if t.name in self.options.only_templates)
         self.counters.templates = len(templates)
         for ti, template in enumerate(templates):
             plan = build_stages(self.space.blocks, template)
@@ -391,10 +394,10 @@ def search(space: PlanSpace, options: SearchOptions = SearchOptions(),
     """The cheapest plan over the grid that meets the TPOT SLO and fits in memory and in the cluster."""
     run = _Search(space, options, progress)
     result = run.run()
-    if result.best is None and run.fits_anywhere and result.closest is None:
+    if result.best is None and result.closest is None and math.isfinite(space.tpot_slo_s):
         # every plan was cut by the TPOT bound: search again without the SLO to name the closest plan
         relaxed = _Search(dataclasses.replace(space, tpot_slo_s=math.inf), options, None)
         relaxed.run()
-        run.closest = relaxed.closest
+        run.closest, run.fits_anywhere = relaxed.closest, relaxed.fits_anywhere
         result = dataclasses.replace(result, closest=relaxed.closest, reason=run._reason())
     return result

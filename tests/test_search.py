@@ -1,0 +1,128 @@
+"""The planner: the pruned search (Pareto + branch-and-bound) returns the same optimum as
+exhaustive enumeration through the simulator, on small spaces with random hardware."""
+
+import dataclasses
+import functools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opweave.hardware.catalog import GPUSpec
+from opweave.hardware.cluster import Cluster, Pool
+from opweave.ir.trace import build_graph
+from opweave.models.config import config_from_hf
+from opweave.models.model import build_model
+from opweave.passes.blocks import find_blocks
+from opweave.passes.owners import OwnerConfig, dominates, pareto_frontier
+from opweave.passes.search import PlanSpace, SearchOptions, search
+from opweave.passes.templates import enumerate_templates
+
+TINY_LLAMA = dict(model_type="llama", vocab_size=1024, hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  rope_theta=5e5, torch_dtype="bfloat16")
+
+
+@functools.cache
+def tiny():
+    graph = build_graph(build_model(config_from_hf(TINY_LLAMA, "tiny-llama"), "meta"))
+    return graph, find_blocks(graph)
+
+
+def gpu(name, bw, flops, mem, price, link=1e10):
+    return GPUSpec(name=name, description=name, peak_flops=flops, mem_bandwidth=bw, memory_bytes=mem,
+                   usable_memory_fraction=0.9, intra_link_bandwidth=link * 10, intra_link_latency=2e-6,
+                   inter_link_bandwidth=link, inter_link_latency=1e-5, gpus_per_node=8, gemm_efficiency=0.8,
+                   mem_efficiency=0.9, launch_overhead=2e-6, price_per_hour=price)
+
+
+@st.composite
+def hardware(draw):
+    graph, _ = tiny()
+    weights = graph.weight_bytes
+
+    def one(name):
+        return gpu(name, bw=draw(st.floats(5e9, 5e10)), flops=draw(st.floats(1e11, 1e13)),
+                   mem=weights * draw(st.floats(0.7, 3.0)), price=draw(st.floats(0.5, 5.0)),
+                   link=draw(st.floats(1e9, 1e11)))
+
+    return Cluster(pools=(Pool(gpu=one("fast"), count=4), Pool(gpu=one("cheap"), count=4)), spec="fastx4+cheapx4")
+
+
+SMALL = dict(batches=(1, 4, 16), microbatches=(1, 2), tp_degrees=(1, 2), replicas=(1, 2), max_owners=2)
+
+
+def run(cluster, slo, context, templates, **flags):
+    graph, blocks = tiny()
+    space = PlanSpace(graph=graph, blocks=blocks, cluster=cluster, context=context, tpot_slo_s=slo)
+    return search(space, SearchOptions(only_templates=templates, **SMALL, **flags))
+
+
+def chosen_templates(draw_indices):
+    _, blocks = tiny()
+    names = [t.name for t in enumerate_templates(blocks, "all")]
+    return tuple(sorted({names[i % len(names)] for i in draw_indices} | {"colocated", "afd", "cad"}))
+
+
+@settings(max_examples=12, deadline=None)
+@given(cluster=hardware(), slo_ms=st.floats(0.05, 2.0), context=st.sampled_from([256, 2048, 16384]),
+       picks=st.lists(st.integers(0, 15), min_size=1, max_size=2))
+def test_pruned_search_matches_exhaustive(cluster, slo_ms, context, picks):
+    templates = chosen_templates(picks)
+    exhaustive = run(cluster, slo_ms / 1e3, context, templates, pareto=False, bnb=False)
+    for flags in (dict(pareto=True, bnb=True), dict(pareto=True, bnb=False), dict(pareto=False, bnb=True)):
+        pruned = run(cluster, slo_ms / 1e3, context, templates, **flags)
+        if exhaustive.best is None:
+            assert pruned.best is None, flags
+            continue
+        assert pruned.best is not None, flags
+        assert pruned.best.cost == pytest.approx(exhaustive.best.cost, rel=1e-9), flags
+        assert pruned.best.tpot_s <= slo_ms / 1e3
+        assert pruned.counters.simulator_calls <= exhaustive.counters.simulator_calls
+
+
+def test_reductions_cut_work_and_search_is_deterministic():
+    cluster = Cluster(pools=(Pool(gpu=gpu("fast", 4e10, 5e12, 3e8, 3.0), count=4),
+                             Pool(gpu=gpu("cheap", 1e10, 1e12, 3e8, 1.0), count=4)), spec="x")
+    templates = chosen_templates([3, 9])
+    full = run(cluster, 0.01, 2048, templates, pareto=True, bnb=True)
+    none = run(cluster, 0.01, 2048, templates, pareto=False, bnb=False)
+    assert full.best is not None and full.best.cost == pytest.approx(none.best.cost)
+    assert full.counters.simulator_calls < none.counters.simulator_calls
+    again = run(cluster, 0.01, 2048, templates, pareto=True, bnb=True)
+    assert again.best.owners == full.best.owners and again.best.batch == full.best.batch
+    assert again.counters.simulator_calls == full.counters.simulator_calls
+
+
+def _config(gpu_spec, tp, replicas, share, lat, slot=0):
+    return OwnerConfig(slot=slot, gpu=gpu_spec, tp=tp, replicas=replicas, share=share, latencies=lat,
+                       memory_per_gpu=1.0)
+
+
+def test_dominance_is_network_and_capacity_safe():
+    a_gpu = gpu("a", 1e10, 1e12, 1e9, 1.0)
+    same = _config(a_gpu, 1, 1, 4, (1.0, 2.0))
+    slower = _config(a_gpu, 1, 1, 4, (1.5, 2.0))
+    assert dominates(same, slower, capacity_free=False) and not dominates(slower, same, capacity_free=False)
+    more_replicas = _config(a_gpu, 1, 2, 4, (1.5, 2.0))        # costs more, same share: dominated
+    assert dominates(same, more_replicas, capacity_free=False)
+    other_tp = _config(a_gpu, 2, 1, 4, (1.5, 2.0))
+    assert not dominates(same, other_tp, capacity_free=False)  # TP degrees never compared
+    bigger_share = _config(a_gpu, 1, 1, 8, (0.5, 1.0))
+    assert not dominates(bigger_share, slower, capacity_free=False)  # would send more per replica
+    b_gpu = dataclasses.replace(a_gpu, name="b", price_per_hour=0.5)
+    cheaper_type = _config(b_gpu, 1, 1, 4, (1.0, 2.0))
+    assert not dominates(cheaper_type, same, capacity_free=False)  # other type: cluster capacity differs
+    assert dominates(cheaper_type, same, capacity_free=True)
+    assert pareto_frontier([slower, same, more_replicas, other_tp], capacity_free=False) == [same, other_tp]
+
+
+def test_no_plan_names_the_binding_constraint():
+    cluster = Cluster(pools=(Pool(gpu=gpu("fast", 4e10, 5e12, 3e8, 3.0), count=2),), spec="fastx2")
+    result = run(cluster, 1e-6, 2048, ("colocated",))
+    assert result.best is None
+    assert result.reason.startswith("best TPOT") and "> SLO 0.001 ms" in result.reason
+    tiny_mem = Cluster(pools=(Pool(gpu=gpu("small", 4e10, 5e12, 1e3, 3.0), count=2),), spec="smallx2")
+    result = run(tiny_mem, 1.0, 2048, ("colocated",))
+    assert result.best is None and "does not fit" in result.reason
