@@ -244,6 +244,7 @@ class _Search:
         self.closest: Candidate | None = None
         self.min_link_latency = min(p.gpu.inter_link_latency for p in space.cluster.pools)
         self.fits_anywhere = False
+        self.min_gpus_needed = math.inf
         self._crossings: dict[tuple[str, int], int] = {}
 
     # ---- bounds
@@ -366,6 +367,7 @@ class _Search:
             self.counters.frontier_configs += len(configs)
             frontiers.append(configs)
         self.fits_anywhere = True
+        self.min_gpus_needed = min(self.min_gpus_needed, sum(min(c.num_gpus for c in f) for f in frontiers))
         key = (plan.template.name, k)
         if key not in self._crossings:
             m = len(plan.stages)
@@ -382,7 +384,9 @@ class _Search:
                     f"{self.space.context} (weights {self.space.graph.weight_bytes / 1e9:.1f} GB, state "
                     f"{self.space.graph.state_bytes(self.space.context) / 1e9:.2f} GB per sequence)")
         if self.closest is None:
-            return f"no plan comes near the TPOT SLO of {self.space.tpot_slo_s * 1e3:g} ms on {self.space.cluster.spec}"
+            return (f"{self.space.cluster.spec} is too small for {self.space.graph.model} at context "
+                    f"{self.space.context}: the smallest plan that fits in memory needs {self.min_gpus_needed} GPUs "
+                    f"(of the pools' types), placed together")
         c = self.closest
         owners = " + ".join(o.describe() for o in c.owners)
         return (f"best TPOT {c.tpot_s * 1e3:.3g} ms > SLO {self.space.tpot_slo_s * 1e3:g} ms "
@@ -399,5 +403,6 @@ def search(space: PlanSpace, options: SearchOptions = SearchOptions(),
         relaxed = _Search(dataclasses.replace(space, tpot_slo_s=math.inf), options, None)
         relaxed.run()
         run.closest, run.fits_anywhere = relaxed.closest, relaxed.fits_anywhere
+        run.min_gpus_needed = relaxed.min_gpus_needed
         result = dataclasses.replace(result, closest=relaxed.closest, reason=run._reason())
     return result
