@@ -24,6 +24,8 @@ def _cmd_dump(args: argparse.Namespace) -> int:
     from opweave.ir.graph import format_graph, to_json
     from opweave.passes.blocks import blocks_to_json, format_blocks
 
+    if args.what == "plan":
+        return _dump_plan(args)
     fe = run_front_end(args.model, dtype=args.dtype)
     if args.what == "ir":
         out = to_json(fe.graph) if args.format == "json" else format_graph(fe.graph)
@@ -86,14 +88,32 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dump_plan(args: argparse.Namespace) -> int:
+    import os
+
+    from opweave.ir.plan import format_plan, plan_from_json, plan_to_json
+
+    path = os.path.join(args.model, "plan.json") if os.path.isdir(args.model) else args.model
+    if not os.path.isfile(path):
+        raise OpWeaveError(f"{args.model}: no plan.json (give an artifact folder written by opweave compile)")
+    try:
+        with open(path) as f:
+            plan = plan_from_json(json.load(f))
+    except (ValueError, KeyError, TypeError) as e:
+        raise OpWeaveError(f"{path}: not a readable plan ({type(e).__name__}: {e})") from None
+    print(json.dumps(plan_to_json(plan), indent=1) if args.format == "json" else format_plan(plan))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opweave", description="Compiler for LLM decode serving on mixed GPU clusters.")
     parser.add_argument("--version", action="version", version=f"opweave {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    dump = sub.add_parser("dump", help="print a model's operator IR or partition blocks")
-    dump.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
-    dump.add_argument("--what", choices=("ir", "blocks"), default="ir")
+    dump = sub.add_parser("dump", help="print a model's operator IR or partition blocks, or an artifact's plan")
+    dump.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, model.py, "
+                                    "or (with --what plan) an artifact folder")
+    dump.add_argument("--what", choices=("ir", "blocks", "plan"), default="ir")
     dump.add_argument("--format", choices=("text", "json"), default="text")
     dump.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                       help="override the checkpoint's dtype for the cost facts")

@@ -46,6 +46,13 @@ def test_plan_json_contents(artifact):
                                      "simulator_calls", "seconds"}
 
 
+def test_dump_plan_of_an_artifact(artifact, capsys, tmp_path):
+    assert main(["dump", str(artifact), "--what", "plan"]) == 0
+    assert "Plan for llama-3.1-8b on h100x4+l40sx4" in capsys.readouterr().out
+    assert main(["dump", str(tmp_path), "--what", "plan"]) == 2
+    assert "no plan.json" in capsys.readouterr().err
+
+
 def test_baseline_templates_never_beat_opweave(tmp_path):
     costs = {}
     for templates in ("all", "colocated", "afd", "cad"):
