@@ -72,7 +72,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     context = parse_tokens(args.context)
     catalog = load_catalog(args.catalog)
     cluster = detect_local(catalog) if args.cluster == "local" else parse_cluster(args.cluster, catalog)
-    options = SearchOptions(templates=args.templates, pareto=not args.no_pareto, bnb=not args.no_bnb)
+    batches = tuple(b for b in SearchOptions().batches if b <= args.max_batch)
+    if not batches:
+        raise OpWeaveError(f"--max-batch must be at least 1, got {args.max_batch}")
+    options = SearchOptions(templates=args.templates, pareto=not args.no_pareto, bnb=not args.no_bnb,
+                            batches=batches)
 
     def progress(message: str) -> None:
         if not args.quiet:
@@ -102,6 +106,22 @@ def _dump_plan(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, TypeError) as e:
         raise OpWeaveError(f"{path}: not a readable plan ({type(e).__name__}: {e})") from None
     print(json.dumps(plan_to_json(plan), indent=1) if args.format == "json" else format_plan(plan))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from opweave.runtime.launch import RunConfig, read_requests, run
+
+    requests = read_requests(args.prompts, args.prompt_ids, args.max_new_tokens)
+    cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests)
+    outputs = run(cfg)
+    if args.json:
+        print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
+                                      | ({"error": r.error} if r.error else {}) for r in outputs]}))
+    else:
+        for r in outputs:
+            shown = f"error: {r.error}" if r.error else " ".join(map(str, r.output))
+            print(f"[{r.index}] {len(r.prompt)} prompt tokens -> {shown}")
     return 0
 
 
@@ -139,10 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="restrict the stage templates (baselines): default all")
     comp.add_argument("--no-pareto", action="store_true", help="switch off per-owner Pareto pruning (ablation)")
     comp.add_argument("--no-bnb", action="store_true", help="switch off branch-and-bound (ablation)")
+    comp.add_argument("--max-batch", type=int, default=512, help="largest resident batch per replica set")
     comp.add_argument("--format", choices=("text", "json"), default="text")
     comp.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
     comp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     comp.set_defaults(func=_cmd_compile)
+
+    run = sub.add_parser("run", help="run a compiled artifact: one process per rank, greedy generation")
+    run.add_argument("artifact", help="folder written by opweave compile")
+    run.add_argument("--weights", required=True, help="Hugging Face checkpoint folder, or 'random'")
+    run.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt_ids": [...]} per line')
+    run.add_argument("--prompt-ids", help="one prompt as comma-separated token ids")
+    run.add_argument("--max-new-tokens", type=int, default=16)
+    run.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
+    run.add_argument("--json", action="store_true", help='print {"outputs": [{"prompt_ids", "token_ids"}]}')
+    run.set_defaults(func=_cmd_run)
     return parser
 
 

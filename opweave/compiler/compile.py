@@ -22,7 +22,11 @@ from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import format_graph
 from opweave.ir.plan import PLAN_FORMAT, Plan, PlanOwner, PlanStage, Predicted, format_plan, plan_to_json
 from opweave.passes.search import Candidate, PlanSpace, SearchOptions, SearchResult, search, slot_of
+from opweave.codegen.render import render_rank
+from opweave.ir.program import program_to_json
+from opweave.passes.lower import lower
 from opweave.passes.trace_export import chrome_trace, gantt_png
+from opweave.runtime.manifest import sha256_text, write_manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +115,29 @@ def compile_model(model: str, cluster: Cluster, tpot_slo_s: float, context: int,
     return Compiled(front_end=fe, result=result, plan=make_plan(fe, cluster, context, tpot_slo_s, result))
 
 
+def _write_rank_programs(folder: str, compiled: Compiled, plan_hash: str) -> str:
+    """Lowers the plan and writes model_config.json, ops.json, rank_XX.json and rank_XX.py.
+    Returns the model hash ("" for a model.py model, which `opweave run` cannot load)."""
+    fe = compiled.front_end
+    if fe.source.kind == "file":
+        return ""
+    config_path = fe.source.path if fe.source.kind == "builtin" else os.path.join(fe.source.path, "config.json")
+    with open(config_path) as f:
+        config_text = f.read()
+    with open(os.path.join(folder, "model_config.json"), "w") as f:
+        f.write(config_text)
+    op_names = [op.name for op in fe.graph.ops]
+    with open(os.path.join(folder, "ops.json"), "w") as f:
+        json.dump(op_names, f, indent=0)
+    programs = lower(compiled.plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, plan_hash)
+    for program in programs:
+        with open(os.path.join(folder, f"rank_{program.rank:02d}.json"), "w") as f:
+            json.dump(program_to_json(program), f, indent=1)
+        with open(os.path.join(folder, f"rank_{program.rank:02d}.py"), "w") as f:
+            f.write(render_rank(program, op_names, compiled.plan.template, compiled.plan.num_stages))
+    return sha256_text(config_text)
+
+
 def write_artifact(out_dir: str, compiled: Compiled) -> None:
     """Writes the artifact into a temporary sibling folder, then renames it into place."""
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
@@ -121,8 +148,10 @@ def write_artifact(out_dir: str, compiled: Compiled) -> None:
     tmp = tempfile.mkdtemp(prefix=".opweave-", dir=parent)
     try:
         cand = compiled.result.best
+        plan_text = json.dumps(plan_to_json(compiled.plan), indent=1)
         with open(os.path.join(tmp, "plan.json"), "w") as f:
-            json.dump(plan_to_json(compiled.plan), f, indent=1)
+            f.write(plan_text)
+        model_hash = _write_rank_programs(tmp, compiled, sha256_text(plan_text))
         with open(os.path.join(tmp, "plan.txt"), "w") as f:
             f.write(format_plan(compiled.plan) + "\n")
         with open(os.path.join(tmp, "ir.txt"), "w") as f:
@@ -130,6 +159,7 @@ def write_artifact(out_dir: str, compiled: Compiled) -> None:
         with open(os.path.join(tmp, "trace.json"), "w") as f:
             json.dump(chrome_trace(cand.problem, cand.result), f)
         gantt_png(cand.problem, cand.result, os.path.join(tmp, "gantt.png"))
+        write_manifest(tmp, model_hash, sha256_text(plan_text))
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp and temp files are private; the artifact is not

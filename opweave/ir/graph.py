@@ -103,6 +103,7 @@ class CutPoint:
     after: int
     bytes_per_token: int      # activations that must cross the cut, per token
     values: tuple[str, ...]   # the live values crossing it
+    value_shapes: tuple[tuple[int, ...], ...]  # each value's shape per token (after [batch, tokens])
     reason: str               # residual stream | before core attention | after core attention
 
 
@@ -283,5 +284,6 @@ def from_json(data: dict[str, Any]) -> OpGraph:
         model=data["model"], family=data["family"], dtype=data["dtype"], num_layers=data["num_layers"],
         layer_types=tuple(data["layer_types"]), inputs=tuple(data["inputs"]), ops=tuple(ops),
         cuts=tuple(CutPoint(after=c["after"], bytes_per_token=c["bytes_per_token"], values=tuple(c["values"]),
-                            reason=c["reason"]) for c in data["cuts"]),
+                            value_shapes=tuple(tuple(s) for s in c["value_shapes"]), reason=c["reason"])
+                   for c in data["cuts"]),
     )

@@ -58,15 +58,18 @@ class _SizeInterpreter(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule):
         super().__init__(gm)
         self.sizes: dict[str, int] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}   # per-token trailing shape of tensor values
 
     def run_node(self, n: torch.fx.Node):
         out = super().run_node(n)
         self.sizes[n.name] = _nbytes(out)
+        if isinstance(out, torch.Tensor) and out.dim() >= 2:
+            self.shapes[n.name] = tuple(out.shape[2:])
         return out
 
 
-def value_sizes(gm: torch.fx.GraphModule, model: CausalLM) -> dict[str, int]:
-    """Bytes of every fx value for one sequence and one token."""
+def value_sizes(gm: torch.fx.GraphModule, model: CausalLM) -> tuple[dict[str, int], dict[str, tuple[int, ...]]]:
+    """Bytes of every fx value for one sequence and one token, and the per-token shapes."""
     model.allocate_state(1, SHAPE_CONTEXT, "meta")
     ids = torch.zeros(1, 1, dtype=torch.long, device="meta")
     positions = torch.zeros(1, 1, dtype=torch.long, device="meta")
@@ -76,7 +79,7 @@ def value_sizes(gm: torch.fx.GraphModule, model: CausalLM) -> dict[str, int]:
     except Exception as e:
         raise OpWeaveError(f"{model.cfg.name}: the decode step does not run on meta tensors "
                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    return interp.sizes
+    return interp.sizes, interp.shapes
 
 
 def _value_name(node: torch.fx.Node, op_name: dict[str, str]) -> str:
@@ -117,13 +120,14 @@ def _cut_reason(ops: tuple[Op, ...], after: int) -> str | None:
 def build_graph(model: CausalLM) -> OpGraph:
     """Traces `model`'s decode step into a verified OpGraph."""
     gm = trace_step(model)
-    sizes = value_sizes(gm, model)
+    sizes, shapes = value_sizes(gm, model)
     modules = dict(gm.named_modules())
     inputs = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     op_name: dict[str, str] = {}
     ops: list[Op] = []
     producer: dict[str, int] = {}        # value name -> op index (graph inputs: -1)
     value_bytes: dict[str, int] = {}
+    value_shape: dict[str, tuple[int, ...]] = {}
     consumers: dict[str, list[int]] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -131,12 +135,16 @@ def build_graph(model: CausalLM) -> OpGraph:
         elif node.op == "call_module" and isinstance(modules[node.target], OpModule):
             index = len(ops)
             op_name[node.name] = str(node.target)
-            args = [a for a in node.all_input_nodes]
+            args = [a for a in node.args if a is not None]
+            if len(node.kwargs) or not all(isinstance(a, torch.fx.Node) for a in args):
+                raise OpWeaveError(f"{model.cfg.name}: operator {node.target} takes a constant or keyword "
+                                   "argument; operator modules take only tensors, positionally")
             in_values = tuple(_value_name(a, op_name) for a in args)
             act = sum(sizes[a.name] for a in args if a.op != "placeholder") + sizes[node.name]
             ops.append(_op_from_node(index, node, modules[node.target], in_values, act))
             for a, v in zip(args, in_values):
                 value_bytes[v] = sizes[a.name]
+                value_shape[v] = shapes.get(a.name, ())
                 consumers.setdefault(v, []).append(index)
             producer[str(node.target)] = index
         elif node.op == "call_function" and node.target is operator.getitem:
@@ -156,7 +164,7 @@ def build_graph(model: CausalLM) -> OpGraph:
                       if producer.get(v.split("[")[0], -1) >= 0 and producer[v.split("[")[0]] <= after
                       and max(users) > after)
         cuts.append(CutPoint(after=after, bytes_per_token=sum(value_bytes[v] for v in live),
-                             values=tuple(live), reason=reason))
+                             values=tuple(live), value_shapes=tuple(value_shape[v] for v in live), reason=reason))
     cfg = model.cfg
     graph = OpGraph(model=cfg.name, family=cfg.family, dtype=cfg.dtype, num_layers=cfg.num_layers,
                     layer_types=cfg.layer_types, inputs=inputs, ops=ops_t, cuts=tuple(cuts))

@@ -57,11 +57,30 @@ class CheckpointReader:
     def has(self, key: str) -> bool:
         return self._resolve(key) is not None
 
-    def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Reads one tensor; checks its shape when `shape` is given."""
+    def shape(self, key: str) -> tuple[int, ...]:
+        real = self._require(key)
+        with self._safe_open(os.path.join(self.folder, self.key_to_file[real]), framework="pt") as f:
+            return tuple(f.get_slice(real).get_shape())
+
+    def get_slice(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Reads only rows [start, stop) of dimension `dim` (a tensor-parallel shard)."""
+        real = self._require(key)
+        with self._safe_open(os.path.join(self.folder, self.key_to_file[real]), framework="pt") as f:
+            part = f.get_slice(real)
+            index = tuple([slice(None)] * dim + [slice(start, stop)])
+            tensor = part[index]
+        self.num_reads += 1
+        return tensor
+
+    def _require(self, key: str) -> str:
         real = self._resolve(key)
         if real is None:
             raise OpWeaveError(f"{self.folder}: checkpoint has no tensor '{key}'")
+        return real
+
+    def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Reads one tensor; checks its shape when `shape` is given."""
+        real = self._require(key)
         with self._safe_open(os.path.join(self.folder, self.key_to_file[real]), framework="pt") as f:
             tensor = f.get_tensor(real)
         self.num_reads += 1

@@ -41,6 +41,7 @@ class OpModule(nn.Module):
     """
 
     kind: OpKind
+    state_attrs: tuple[str, ...] = ()  # per-sequence state tensors, batch-major (set by allocate_state)
 
     def __init__(self, cfg: ModelConfig, layer: int | None):
         super().__init__()
@@ -67,6 +68,9 @@ class OpModule(nn.Module):
 
     def allocate_state(self, batch: int, max_len: int, device) -> None:
         """Allocates per-sequence state for `batch` slots and `max_len` positions (default: none)."""
+
+    def init_buffers(self) -> None:
+        """Recomputes derived buffers after the module is materialised from the meta device."""
 
 
 def _gemm_facts(op: OpModule, rule: TPRule, units: int) -> OpFacts:
@@ -213,6 +217,9 @@ class Rope(OpModule):
         self.rot_dim = int(cfg.head_dim * spec.partial_rotary_factor)
         self.register_buffer("inv_freq", rope_inv_freq(spec, cfg.head_dim), persistent=False)
 
+    def init_buffers(self) -> None:
+        self.inv_freq = rope_inv_freq(self.spec, self.cfg.head_dim).to(self.inv_freq.device)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         freqs = positions.clamp(min=0)[..., None].float() * self.inv_freq.float()  # [B,T,rot/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # broadcast over heads
@@ -234,6 +241,8 @@ class Attention(OpModule):
     """Decode/prefill softmax attention over a per-slot KV cache (full or sliding window).
 
     The cache holds `max_len` positions plus one scratch slot that padding writes go to."""
+
+    state_attrs = ("k_cache", "v_cache")
 
     def __init__(self, cfg: ModelConfig, layer: int, window: int | None):
         super().__init__(cfg, layer)
@@ -466,8 +475,8 @@ class LMHead(OpModule):
             self._param("weight", "lm_head.weight", cfg.vocab_size, cfg.hidden_size)
 
     def load_weights(self, reader) -> None:
-        if not self.tied:
-            super().load_weights(reader)
+        key = self.tied.get("weight") or self.weight_keys["weight"]
+        self.weight.data = reader.get(key, tuple(self.weight.shape)).to(self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

@@ -83,6 +83,8 @@ class GatedDeltaNet(OpModule):
 
     kind = OpKind.ATTN_LINEAR
 
+    state_attrs = ("conv_state", "recurrent_state")
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
         la = cfg.linear_attn

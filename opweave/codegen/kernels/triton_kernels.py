@@ -1,0 +1,569 @@
+"""Triton decode kernels: the CUDA path of the runtime, same interface as `reference`.
+
+Each `@triton.jit` kernel has a host wrapper with the reference's name and signature; the wrapper
+asserts shapes, dtypes and strides, allocates the outputs and computes the grid. Arithmetic is in
+float32; where an operator module rounds an intermediate to the model dtype (an activation before
+the `* up`, an expert's output before its routing weight) the kernel rounds it too, so the two
+backends agree to a few units in the last place of the model dtype (`tests/test_kernels.py`).
+
+On CPU the kernels run under `TRITON_INTERPRET=1` (set before triton is imported).
+
+Note: the interpreter computes `tl.dot` on bfloat16 operands from their raw bit patterns, so
+decode attention casts its `tl.dot` operands to float32 when interpreting bfloat16 (`_dot_fp32`);
+float32 operands use IEEE precision (not TF32) on the GPU too, so float32 runs match the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# l2-normalisation epsilon of Gated-DeltaNet's q and k (ops_linear._l2_normalize's default)
+_L2_EPS = tl.constexpr(1e-6)
+
+# 2*pi split for Cody-Waite range reduction in `_rope_kernel`: _TWO_PI_HI has 8 significant bits,
+# so k * _TWO_PI_HI is exact in float32 for |k| < 2**16 (angles up to ~4e5 rad; positions up to
+# 4e5 at inv_freq <= 1); _TWO_PI_MID and _TWO_PI_LO are the float32 roundings of the remainders.
+_TWO_PI_HI = tl.constexpr(6.28125)
+_TWO_PI_MID = tl.constexpr(0.0019353071693331003)
+_TWO_PI_LO = tl.constexpr(1.0253131677018246e-11)
+_INV_TWO_PI = tl.constexpr(0.15915494309189535)
+
+_MAX_BLOCK = 1024  # elements per program along a streamed dimension (vocab, intermediate, hidden)
+ATTN_BLOCK_N = 64  # cache slots per decode-attention iteration (power of two >= 16; tests lower it)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pow2(n: int, minimum: int = 1) -> int:
+    return max(triton.next_power_of_2(n), minimum)
+
+
+def _check_last_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        assert t.stride(-1) == 1, f"{name}: last dim must be contiguous (stride {t.stride()})"
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,                    # [N, H] input rows, model dtype
+    w_ptr,                    # [H] weight, model dtype
+    y_ptr,                    # [N, H] output rows, model dtype
+    stride_x,                 # elements between rows of x
+    stride_y,                 # elements between rows of y
+    H,                        # row length
+    eps,                      # added to the mean square
+    OFFSET: tl.constexpr,     # True: scale by (1 + w) in float32; False: round norm(x) to dtype, then * w
+    BLOCK_H: tl.constexpr,    # power of two >= H: one program holds a whole row
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    h = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        y = h * (1.0 + w)
+    else:
+        y = h.to(y_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """See `reference.rms_norm`."""
+    h = x.shape[-1]
+    assert weight.shape == (h,), f"weight {tuple(weight.shape)} != ({h},)"
+    assert weight.dtype == x.dtype, f"weight dtype {weight.dtype} != x dtype {x.dtype}"
+    rows = x.reshape(-1, h)
+    _check_last_contiguous(x=rows, weight=weight)
+    y = torch.empty_like(rows)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, y, rows.stride(0), y.stride(0), h, eps,
+                                           OFFSET=bool(offset), BLOCK_H=_pow2(h))
+    return y.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+@triton.jit
+def _rope_rotate(
+    x_ptr, o_ptr,             # this token's first head of the input / output
+    stride_xh, stride_oh,     # elements between heads
+    num_heads, D,             # heads of this tensor, head size
+    cos, sin,                 # [1, BLOCK_HALF] float32, rounded through the model dtype
+    HALF: tl.constexpr,       # rot_dim // 2
+    ROT: tl.constexpr,        # rotated dims per head
+    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    c = tl.arange(0, BLOCK_HALF)[None, :]
+    m = (heads < num_heads) & (c < HALF)
+    xh = x_ptr + heads * stride_xh
+    oh = o_ptr + heads * stride_oh
+    x1 = tl.load(xh + c, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(xh + HALF + c, mask=m, other=0.0).to(tl.float32)
+    # rotate-half: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]
+    tl.store(oh + c, (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(oh + HALF + c, (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=m)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    keep = (heads < num_heads) & (d >= ROT) & (d < D)  # partial rotary: the rest passes through
+    tl.store(oh + d, tl.load(xh + d, mask=keep, other=0.0), mask=keep)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr,             # [N, Hq, D], [N, Hkv, D] inputs, model dtype
+    qo_ptr, ko_ptr,           # outputs, same shapes, contiguous
+    pos_ptr,                  # [N] int positions (negative -> 0)
+    inv_freq_ptr,             # [rot_dim // 2] float32 inverse frequencies
+    stride_qn, stride_qh,     # q strides (tokens, heads)
+    stride_kn, stride_kh,     # k strides
+    stride_qon, stride_qoh,   # q output strides
+    stride_kon, stride_koh,   # k output strides
+    HQ, HKV, D,               # heads of q, of k; head size
+    HALF: tl.constexpr,       # rot_dim // 2
+    ROT: tl.constexpr,        # rotated dims per head
+    BLOCK_HEADS: tl.constexpr,  # power of two >= max(Hq, Hkv)
+    BLOCK_HALF: tl.constexpr,   # power of two >= HALF
+    BLOCK_D: tl.constexpr,      # power of two >= D
+):
+    n = tl.program_id(0).to(tl.int64)
+    pos = tl.maximum(tl.load(pos_ptr + n), 0).to(tl.float32)
+    c = tl.arange(0, BLOCK_HALF)[None, :]
+    ang = pos * tl.load(inv_freq_ptr + c, mask=c < HALF, other=0.0)
+    # Cody-Waite reduction to [-pi, pi]: exact for small angles, accurate for long contexts even
+    # where the GPU's sin/cos are approximations valid near zero
+    turns = tl.floor(ang * _INV_TWO_PI + 0.5)
+    ang = ((ang - turns * _TWO_PI_HI) - turns * _TWO_PI_MID) - turns * _TWO_PI_LO
+    dtype = qo_ptr.dtype.element_ty
+    cos = tl.cos(ang).to(dtype).to(tl.float32)  # the reference rounds cos/sin to the model dtype
+    sin = tl.sin(ang).to(dtype).to(tl.float32)
+    _rope_rotate(q_ptr + n * stride_qn, qo_ptr + n * stride_qon, stride_qh, stride_qoh, HQ, D, cos, sin,
+                 HALF, ROT, BLOCK_HEADS, BLOCK_HALF, BLOCK_D)
+    _rope_rotate(k_ptr + n * stride_kn, ko_ptr + n * stride_kon, stride_kh, stride_koh, HKV, D, cos, sin,
+                 HALF, ROT, BLOCK_HEADS, BLOCK_HALF, BLOCK_D)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+         rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `reference.rope`."""
+    d = q.shape[-1]
+    assert k.shape[-1] == d and q.shape[:-2] == k.shape[:-2], f"q {tuple(q.shape)} vs k {tuple(k.shape)}"
+    assert tuple(positions.shape) == tuple(q.shape[:-2]), f"positions {tuple(positions.shape)} vs q {tuple(q.shape)}"
+    assert rot_dim % 2 == 0 and 0 < rot_dim <= d, f"rot_dim {rot_dim} with head size {d}"
+    assert inv_freq.shape == (rot_dim // 2,) and inv_freq.dtype == torch.float32, "inv_freq: [rot_dim/2] float32"
+    assert q.dtype == k.dtype, f"q dtype {q.dtype} != k dtype {k.dtype}"
+    hq, hkv = q.shape[-2], k.shape[-2]
+    q3, k3 = q.reshape(-1, hq, d), k.reshape(-1, hkv, d)
+    pos = positions.reshape(-1).contiguous()
+    _check_last_contiguous(q=q3, k=k3, inv_freq=inv_freq)
+    qo, ko = torch.empty_like(q3), torch.empty_like(k3)
+    if q3.shape[0]:
+        _rope_kernel[(q3.shape[0],)](
+            q3, k3, qo, ko, pos, inv_freq,
+            q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
+            qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
+            hq, hkv, d, HALF=rot_dim // 2, ROT=rot_dim,
+            BLOCK_HEADS=_pow2(max(hq, hkv)), BLOCK_HALF=_pow2(rot_dim // 2), BLOCK_D=_pow2(d))
+    return qo.view(q.shape), ko.view(k.shape)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr,                    # [B, Hq, D] queries, model dtype
+    k_ptr, v_ptr,             # [B, L, Hkv, D] caches, model dtype
+    o_ptr,                    # [B, Hq, D] output, model dtype
+    pos_ptr,                  # [B] int positions: attend slots j <= pos (none when pos < 0)
+    stride_qb, stride_qh,     # q strides (batch, head)
+    stride_kb, stride_kl, stride_kh,  # k cache strides (batch, slot, head)
+    stride_vb, stride_vl, stride_vh,  # v cache strides
+    stride_ob, stride_oh,     # output strides
+    L, D,                     # cache slots, head size
+    scale,                    # softmax scale of q·k
+    window,                   # sliding window (slots j > pos - window), 0 for full attention
+    GROUP: tl.constexpr,      # query heads per kv head (GQA group size)
+    BLOCK_G: tl.constexpr,    # power of two >= max(GROUP, 16) (tl.dot needs 16 rows)
+    BLOCK_N: tl.constexpr,    # cache slots per iteration
+    BLOCK_D: tl.constexpr,    # power of two >= max(D, 16)
+    DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    q_mask = (g < GROUP)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    first = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    end = tl.minimum(pos + 1, L)
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a fully masked block gives exp(-inf) = 0, not NaN
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    for start in range(first // BLOCK_N * BLOCK_N, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        kv_mask = (n < end)[:, None] & (d < D)[None, :]
+        k = tl.load(k_ptr + b * stride_kb + n[:, None] * stride_kl + kvh * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + b * stride_vb + n[:, None] * stride_vl + kvh * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(((n >= first) & (n < end))[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)  # probabilities in the model dtype, like the reference
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no slot attended (padding): zeros
+    tl.store(o_ptr + b * stride_ob + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _dot_fp32(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreting())
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     scale: float, window: int | None) -> torch.Tensor:
+    """See `reference.decode_attention`."""
+    b, hq, d = q.shape
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+    assert k_cache.shape[0] == b and k_cache.shape[3] == d, f"cache {tuple(k_cache.shape)} vs q {tuple(q.shape)}"
+    hkv = k_cache.shape[2]
+    assert hq % hkv == 0, f"{hq} query heads not a multiple of {hkv} kv heads"
+    assert positions.shape == (b,), f"positions {tuple(positions.shape)} != ({b},)"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and caches must share a dtype"
+    block_n = ATTN_BLOCK_N
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, "ATTN_BLOCK_N: power of two >= 16"
+    _check_last_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
+    o = torch.empty_like(q)
+    group = hq // hkv
+    if b:
+        _decode_attention_kernel[(b, hkv)](
+            q, k_cache, v_cache, o, positions.contiguous(),
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), o.stride(1),
+            k_cache.shape[1], d, float(scale), int(window or 0),
+            GROUP=group, BLOCK_G=_pow2(group, 16), BLOCK_N=block_n, BLOCK_D=_pow2(d, 16),
+            DOT_FP32=_dot_fp32(q.dtype))
+    return o
+
+
+# ---------------------------------------------------------------------------------------------- Gated-DeltaNet
+
+@triton.jit
+def _gdn_step_kernel(
+    q_ptr, k_ptr,             # [B, Hk, Dk] conv outputs (before l2norm), any float dtype
+    v_ptr,                    # [B, Hv, Dv] values, model dtype
+    g_ptr, beta_ptr,          # [B, Hv] log decay and write strength, float32
+    s_ptr,                    # [B, Hv, Dk, Dv] state in, float32
+    o_ptr,                    # [B, Hv, Dv] output, model dtype
+    ns_ptr,                   # [B, Hv, Dk, Dv] state out, float32, contiguous
+    pos_ptr,                  # [B] int positions (read only when HAS_POS)
+    stride_qb, stride_qh, stride_kb, stride_kh,   # q, k strides (batch, head)
+    stride_vb, stride_vh, stride_gb, stride_betab,  # v strides; g, beta batch strides
+    stride_sb, stride_sh, stride_sk,              # state strides (batch, head, key dim)
+    stride_ob, stride_oh,                          # output strides
+    HV, DK, DV,               # value heads, key head size, value head size
+    R,                        # value heads per key head
+    q_scale,                  # Dk ** -0.5
+    HAS_POS: tl.constexpr,    # position 0 resets the state, position < 0 keeps it
+    BLOCK_DK: tl.constexpr,   # power of two >= Dk: the whole key dim in one program
+    BLOCK_DV: tl.constexpr,   # value dims per program
+):
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // HV, bh % HV
+    kh = h // R
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    mk, mv = dk < DK, dv < DV
+    q = tl.load(q_ptr + b * stride_qb + kh * stride_qh + dk, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_kb + kh * stride_kh + dk, mask=mk, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + _L2_EPS) * q_scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + _L2_EPS)
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + dv, mask=mv, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * stride_gb + h).to(tl.float32)
+    beta = tl.load(beta_ptr + b * stride_betab + h).to(tl.float32)
+    m2 = mk[:, None] & mv[None, :]
+    s_in = tl.load(s_ptr + b * stride_sb + h * stride_sh + dk[:, None] * stride_sk + dv[None, :], mask=m2, other=0.0)
+    s = s_in
+    if HAS_POS:
+        pos = tl.load(pos_ptr + b)
+        s = tl.where(pos == 0, 0.0, s)
+    s = s * tl.exp(g)                                   # decay
+    predicted = tl.sum(s * k[:, None], axis=0)          # S^T k
+    s = s + k[:, None] * ((v - predicted) * beta)[None, :]  # delta rule
+    o = tl.sum(s * q[:, None], axis=0)                  # S^T q
+    if HAS_POS:
+        s = tl.where(pos >= 0, s, s_in)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+    tl.store(ns_ptr + ((b * HV + h) * DK + dk[:, None]) * DV + dv[None, :], s, mask=m2)
+
+
+def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `reference.gdn_step`."""
+    b, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    assert k.shape == q.shape, f"k {tuple(k.shape)} != q {tuple(q.shape)}"
+    assert v.shape[0] == b and hv % hk == 0, f"v {tuple(v.shape)} vs q {tuple(q.shape)}"
+    assert g.shape == beta.shape == (b, hv), f"g {tuple(g.shape)}, beta {tuple(beta.shape)} != ({b}, {hv})"
+    assert state.shape == (b, hv, dk, dv) and state.dtype == torch.float32, f"state {tuple(state.shape)} {state.dtype}"
+    assert positions is None or positions.shape == (b,), f"positions {tuple(positions.shape)}"
+    _check_last_contiguous(q=q, k=k, v=v, state=state)
+    assert g.stride(1) == 1 and beta.stride(1) == 1, "g, beta: head dim must be contiguous"
+    o = torch.empty(b, hv, dv, dtype=v.dtype, device=v.device)
+    new_state = torch.empty_like(state, memory_format=torch.contiguous_format)
+    block_dv = min(_pow2(dv), 64)
+    pos = positions.contiguous() if positions is not None else state  # dummy pointer when unused
+    if b:
+        _gdn_step_kernel[(b * hv, triton.cdiv(dv, block_dv))](
+            q, k, v, g, beta, state, o, new_state, pos,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+            beta.stride(0), state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
+            hv, dk, dv, hv // hk, dk ** -0.5,
+            HAS_POS=positions is not None, BLOCK_DK=_pow2(dk), BLOCK_DV=block_dv)
+    return o, new_state
+
+
+# ---------------------------------------------------------------------------------------------- gated MLP
+
+@triton.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+    return x * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
+
+
+@triton.jit
+def _gated_act_kernel(
+    gate_ptr, up_ptr,         # [N, I] inputs, model dtype
+    out_ptr,                  # [N, I] output, model dtype
+    stride_g, stride_u, stride_o,  # elements between rows
+    I,                        # row length
+    SILU: tl.constexpr,       # True: silu; False: tanh-approximated gelu
+    BLOCK_I: tl.constexpr,    # columns per program
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = cols < I
+    x = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        a = x * tl.sigmoid(x)
+    else:
+        a = _gelu_tanh(x)
+    a = a.to(out_ptr.dtype.element_ty).to(tl.float32)  # the reference rounds act(gate) before * up
+    tl.store(out_ptr + row * stride_o + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    """See `reference.gated_act`."""
+    assert gate.shape == up.shape and gate.dtype == up.dtype, f"gate {tuple(gate.shape)} vs up {tuple(up.shape)}"
+    i = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, i), up.reshape(-1, i)
+    _check_last_contiguous(gate=g2, up=u2)
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    block = min(_pow2(i), _MAX_BLOCK)
+    if g2.shape[0]:
+        _gated_act_kernel[(g2.shape[0], triton.cdiv(i, block))](
+            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), i, SILU=kind == "silu", BLOCK_I=block)
+    return out.view(gate.shape)
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr,               # [N, E] router logits, model dtype
+    w_ptr,                    # [N, K] routing weights out, model dtype
+    ids_ptr,                  # [N, K] int64 expert ids out
+    stride_l,                 # elements between rows of logits
+    E,                        # experts
+    TOP_K: tl.constexpr,      # experts per token
+    RENORM: tl.constexpr,     # divide the k weights by their sum
+    BLOCK_E: tl.constexpr,    # power of two >= E
+    BLOCK_K: tl.constexpr,    # power of two >= TOP_K
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(cols < E, e / tl.sum(e, axis=0), -1.0)  # padding lanes below any probability
+    slot = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], tl.float32)
+    top_i = tl.zeros([BLOCK_K], tl.int64)
+    for j in tl.static_range(TOP_K):  # k rounds of argmax; ties go to the lower expert id
+        best = tl.argmax(p, axis=0)
+        top_w = tl.where(slot == j, tl.max(p, axis=0), top_w)
+        top_i = tl.where(slot == j, best.to(tl.int64), top_i)
+        p = tl.where(cols == best, -2.0, p)
+    if RENORM:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(w_ptr + row * TOP_K + slot, top_w.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slot, top_i, mask=slot < TOP_K)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `reference.moe_route`."""
+    e = logits.shape[-1]
+    assert 0 < top_k <= e, f"top_k {top_k} with {e} experts"
+    rows = logits.reshape(-1, e)
+    _check_last_contiguous(logits=rows)
+    weights = torch.empty(rows.shape[0], top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(rows.shape[0], top_k, dtype=torch.int64, device=logits.device)
+    if rows.shape[0]:
+        _moe_route_kernel[(rows.shape[0],)](rows, weights, ids, rows.stride(0), e, TOP_K=top_k,
+                                            RENORM=bool(renormalize), BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k))
+    lead = tuple(logits.shape[:-1])
+    return weights.view(*lead, top_k), ids.view(*lead, top_k)
+
+
+@triton.jit
+def _moe_gate_up_act_kernel(
+    x_ptr,                    # [N, H] tokens, model dtype
+    ids_ptr,                  # [N, K] int64 expert ids
+    gu_ptr,                   # [E, 2I, H] gate rows then up rows, model dtype
+    act_ptr,                  # [N, K, I] silu(gate) * up out, model dtype, contiguous
+    stride_x,                 # elements between rows of x
+    stride_ids,               # elements between rows of ids
+    stride_ge, stride_gi,     # gate_up strides (expert, row)
+    H, I,                     # hidden size, expert intermediate size
+    K: tl.constexpr,          # experts per token
+    BLOCK_I: tl.constexpr,    # intermediate rows per program
+    BLOCK_H: tl.constexpr,    # hidden columns per iteration
+):
+    nk = tl.program_id(0).to(tl.int64)
+    n, j = nk // K, nk % K
+    expert = tl.load(ids_ptr + n * stride_ids + j).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    acc_g = tl.zeros([BLOCK_I], tl.float32)
+    acc_u = tl.zeros([BLOCK_I], tl.float32)
+    w_base = gu_ptr + expert * stride_ge + rows[:, None] * stride_gi
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + n * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
+        m = (rows < I)[:, None] & (cols < H)[None, :]
+        wg = tl.load(w_base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        wu = tl.load(w_base + I * stride_gi + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        acc_g += tl.sum(wg * x[None, :], axis=1)
+        acc_u += tl.sum(wu * x[None, :], axis=1)
+    dtype = act_ptr.dtype.element_ty
+    gate = acc_g.to(dtype).to(tl.float32)   # the reference rounds each step to the model dtype
+    up = acc_u.to(dtype).to(tl.float32)
+    a = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    tl.store(act_ptr + (n * K + j) * I + rows, (a * up).to(dtype), mask=rows < I)
+
+
+@triton.jit
+def _moe_down_kernel(
+    act_ptr,                  # [N, K, I] expert activations, model dtype, contiguous
+    w_ptr,                    # [N, K] routing weights, model dtype
+    ids_ptr,                  # [N, K] int64 expert ids
+    down_ptr,                 # [E, H, I] down projections, model dtype
+    y_ptr,                    # [N, H] output, model dtype, contiguous
+    stride_w, stride_ids,     # elements between rows of weights / ids
+    stride_de, stride_dh,     # down strides (expert, row)
+    H, I,                     # hidden size, expert intermediate size
+    K: tl.constexpr,          # experts per token
+    BLOCK_H: tl.constexpr,    # output columns per program
+    BLOCK_I: tl.constexpr,    # intermediate columns per iteration
+):
+    n = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dtype = y_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(K):
+        expert = tl.load(ids_ptr + n * stride_ids + j).to(tl.int64)
+        weight = tl.load(w_ptr + n * stride_w + j).to(tl.float32)
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            cols = i0 + tl.arange(0, BLOCK_I)
+            a = tl.load(act_ptr + (n * K + j) * I + cols, mask=cols < I, other=0.0).to(tl.float32)
+            m = (hs < H)[:, None] & (cols < I)[None, :]
+            w = tl.load(down_ptr + expert * stride_de + hs[:, None] * stride_dh + cols[None, :], mask=m, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        total += (acc.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+    tl.store(y_ptr + n * H + hs, total.to(dtype), mask=hs < H)
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """See `reference.moe_experts`. Two launches: gate_up + activation per (token, expert), then
+    down projection + weighted sum per token."""
+    h = x.shape[-1]
+    e, two_i, h2 = gate_up.shape
+    i = two_i // 2
+    assert h2 == h and two_i == 2 * i, f"gate_up {tuple(gate_up.shape)} vs hidden {h}"
+    assert down.shape == (e, h, i), f"down {tuple(down.shape)} != ({e}, {h}, {i})"
+    k = ids.shape[-1]
+    x2, w2, ids2 = x.reshape(-1, h), weights.reshape(-1, k), ids.reshape(-1, k)
+    n = x2.shape[0]
+    assert w2.shape == ids2.shape == (n, k), f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)} vs x {tuple(x.shape)}"
+    assert x.dtype == weights.dtype == gate_up.dtype == down.dtype, "x, weights and expert weights must share a dtype"
+    assert ids.dtype == torch.int64, f"ids dtype {ids.dtype}"
+    _check_last_contiguous(x=x2, weights=w2, ids=ids2, gate_up=gate_up, down=down)
+    act = torch.empty(n, k, i, dtype=x.dtype, device=x.device)
+    y = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    if n:
+        block_i, block_h = min(_pow2(i), 64), min(_pow2(h), 128)
+        _moe_gate_up_act_kernel[(n * k, triton.cdiv(i, block_i))](
+            x2, ids2, gate_up, act, x2.stride(0), ids2.stride(0), gate_up.stride(0), gate_up.stride(1),
+            h, i, K=k, BLOCK_I=block_i, BLOCK_H=block_h)
+        block_h, block_i = min(_pow2(h), 64), min(_pow2(i), 128)
+        _moe_down_kernel[(n, triton.cdiv(h, block_h))](
+            act, w2, ids2, down, y, w2.stride(0), ids2.stride(0), down.stride(0), down.stride(1),
+            h, i, K=k, BLOCK_H=block_h, BLOCK_I=block_i)
+    return y.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+@triton.jit
+def _argmax_kernel(
+    logits_ptr,               # [B, V] logits
+    ids_ptr,                  # [B] int64 out
+    stride_l,                 # elements between rows of logits
+    V,                        # vocabulary size
+    BLOCK_V: tl.constexpr,    # vocabulary entries per iteration
+):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK_V)
+    best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_idx = lanes.to(tl.int64)  # an all -inf row gives 0, like torch.argmax
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + lanes
+        x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        better = x > best_val  # strict: each lane keeps its first maximum
+        best_val = tl.where(better, x, best_val)
+        best_idx = tl.where(better, cols.to(tl.int64), best_idx)
+    top = tl.max(best_val, axis=0)
+    idx = tl.min(tl.where(best_val == top, best_idx, V), axis=0)  # the first index among the maxima
+    tl.store(ids_ptr + row, idx.to(tl.int64))
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """See `reference.argmax` (NaN logits are not handled: torch picks a NaN, this kernel skips them)."""
+    assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
+    _check_last_contiguous(logits=logits)
+    b, v = logits.shape
+    ids = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if b:
+        _argmax_kernel[(b,)](logits, ids, logits.stride(0), v, BLOCK_V=min(_pow2(v), _MAX_BLOCK))
+    return ids

@@ -1,0 +1,133 @@
+"""`RankProgram`: the straight-line per-round work of one rank (summary §6).
+
+One decode round of a rank is, for every stage its owner runs (in token order) and every
+microbatch: receive the stage's inputs (from the previous owner's replicas whose rows overlap,
+fanned out to the TP peers), launch its ops (with an all-reduce after row-parallel ones), and
+send its outputs on (or, at the last stage, the new token ids back to the embedding owner).
+Every rank follows the same global order (round, stage, microbatch), so blocking receives and
+non-blocking sends never deadlock, and there is no coordinator between stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Peer:
+    """A transfer partner (a replica leader) and the rows of each microbatch exchanged with it."""
+
+    rank: int
+    lo: int
+    hi: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Transfer:
+    """Values crossing a cut (after op `cut`), to or from `peers`."""
+
+    cut: int
+    values: tuple[str, ...]                   # IR value names, in packing order
+    shapes: tuple[tuple[int, ...], ...]       # per-token shape of each value
+    peers: tuple[Peer, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Launch:
+    op: int                   # index in the OpGraph
+    name: str                 # module path, e.g. model.layers.3.mixer.attn
+    kind: str
+    layer: int | None
+    block: int | None
+    inputs: tuple[str, ...]   # IR value names
+    output: str               # IR value name of the op's output (tuple outputs: name, indexed name[i])
+    allreduce: bool           # row-parallel partial sums: all-reduce over the TP group after the op
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StageProgram:
+    stage: int
+    block: int | None
+    layers: tuple[int, ...]
+    recv: Transfer | None     # None: the stage starts the step (embedding owner: the scheduler's tokens)
+    launches: tuple[Launch, ...]
+    send: Transfer | None     # None: the last stage
+    returns: tuple[Peer, ...] = ()  # last stage: where the new token ids go (embedding owner leaders)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RankProgram:
+    rank: int
+    world_size: int
+    owner: int
+    replica: int
+    tp: int
+    tp_rank: int
+    tp_group: tuple[int, ...]       # global ranks of this replica's TP group (leader first)
+    tp_groups: tuple[tuple[int, ...], ...]  # every TP group of the world (created by all ranks, in order)
+    rows: tuple[int, int]           # rows [lo, hi) of every microbatch this replica processes
+    microbatch_size: int
+    num_microbatches: int
+    scheduler: bool                 # this replica owns stage 0: it schedules requests into its rows
+    scheduler_leaders: tuple[int, ...]  # leaders of every scheduling replica (request i -> i mod len)
+    token_sources: tuple[Peer, ...]  # scheduler: where its rows' new token ids come from
+    stages: tuple[StageProgram, ...]
+    model: str
+    plan_hash: str
+    context: int
+
+    @property
+    def leader(self) -> int:
+        return self.tp_group[0]
+
+    @property
+    def ops(self) -> tuple[int, ...]:
+        return tuple(sorted({l.op for s in self.stages for l in s.launches}))
+
+
+def program_to_json(program: RankProgram) -> dict[str, Any]:
+    return dataclasses.asdict(program)
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def _transfer(d: dict | None) -> Transfer | None:
+    if d is None:
+        return None
+    return Transfer(cut=d["cut"], values=tuple(d["values"]), shapes=_tuples(d["shapes"]),
+                    peers=tuple(Peer(**p) for p in d["peers"]))
+
+
+def program_from_json(d: dict[str, Any]) -> RankProgram:
+    stages = tuple(StageProgram(stage=s["stage"], block=s["block"], layers=tuple(s["layers"]),
+                                recv=_transfer(s["recv"]), send=_transfer(s["send"]),
+                                launches=tuple(Launch(**{**l, "inputs": tuple(l["inputs"])}) for l in s["launches"]),
+                                returns=tuple(Peer(**p) for p in s["returns"]))
+                   for s in d["stages"])
+    return RankProgram(**{**d, "tp_group": tuple(d["tp_group"]), "tp_groups": _tuples(d["tp_groups"]),
+                          "rows": tuple(d["rows"]), "scheduler_leaders": tuple(d["scheduler_leaders"]),
+                          "token_sources": tuple(Peer(**p) for p in d["token_sources"]),
+                          "stages": stages})
+
+
+def format_program(program: RankProgram) -> str:
+    """Readable listing (what `opweave dump ARTIFACT --what ranks` prints)."""
+    p = program
+    lines = [f"rank {p.rank}/{p.world_size}: owner o{p.owner} replica {p.replica} tp {p.tp_rank}/{p.tp} "
+             f"(group {list(p.tp_group)}), rows {p.rows[0]}..{p.rows[1] - 1} of each of {p.num_microbatches} "
+             f"microbatch(es) of {p.microbatch_size}" + (", scheduler" if p.scheduler else "")]
+    for s in p.stages:
+        lines.append(f"  stage {s.stage} (layers {list(s.layers)}):")
+        if s.recv:
+            lines.append(f"    recv after op {s.recv.cut} {list(s.recv.values)} from "
+                         + ", ".join(f"r{q.rank}[{q.lo}:{q.hi}]" for q in s.recv.peers))
+        for l in s.launches:
+            lines.append(f"    launch op {l.op} {l.kind} ({l.name})" + (" + all-reduce" if l.allreduce else ""))
+        if s.send:
+            lines.append(f"    send {list(s.send.values)} to " + ", ".join(f"r{q.rank}[{q.lo}:{q.hi}]" for q in s.send.peers))
+        if s.returns:
+            lines.append("    return token ids to " + ", ".join(f"r{q.rank}[{q.lo}:{q.hi}]" for q in s.returns))
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Request scheduling on an embedding-owner replica: its rows of every microbatch are slots.
+
+A free slot takes the next request of this replica's queue; its first step feeds the whole
+prompt (prefill through the same compiled stages), later steps feed one token. A step's tokens
+for a microbatch are left-padded to the longest chunk with position -1 (no state is written for
+padding), so the last column always holds each slot's newest token. A slot frees when its
+sequence emits an EOS id, reaches `max_new_tokens`, or fills the planned context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import torch
+
+
+@dataclasses.dataclass
+class Request:
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Slot:
+    request: Request | None = None
+    position: int = 0          # next position to write
+    pending: list[int] | None = None  # tokens to feed at the next step
+
+
+class Scheduler:
+    def __init__(self, requests: list[Request], num_microbatches: int, rows: int, context: int,
+                 eos_ids: tuple[int, ...]):
+        self.queue = deque(requests)
+        self.slots = [[_Slot() for _ in range(rows)] for _ in range(num_microbatches)]
+        self.context = context
+        self.eos = set(eos_ids)
+        self.done: list[Request] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.queue) or any(s.request for row in self.slots for s in row)
+
+    def _fill(self, slot: _Slot) -> None:
+        while self.queue and slot.request is None:
+            req = self.queue.popleft()
+            if not req.prompt:
+                req.error = "empty prompt"
+            elif len(req.prompt) >= self.context:
+                req.error = f"prompt of {len(req.prompt)} tokens does not fit the planned context of {self.context}"
+            else:
+                slot.request, slot.position, slot.pending = req, 0, list(req.prompt)
+                return
+            self.done.append(req)
+
+    def step_inputs(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, positions) [rows, T] for microbatch `mb`, left-padded with position -1."""
+        for slot in self.slots[mb]:
+            if slot.request is None:
+                self._fill(slot)
+        chunks = [s.pending if s.request else [] for s in self.slots[mb]]
+        width = max([len(c) for c in chunks] + [1])
+        ids = torch.zeros(len(chunks), width, dtype=torch.long)
+        positions = torch.full((len(chunks), width), -1, dtype=torch.long)
+        for row, (slot, chunk) in enumerate(zip(self.slots[mb], chunks)):
+            if chunk:
+                ids[row, width - len(chunk):] = torch.tensor(chunk)
+                positions[row, width - len(chunk):] = torch.arange(slot.position, slot.position + len(chunk))
+        return ids, positions
+
+    def take_tokens(self, mb: int, tokens: torch.Tensor) -> None:
+        """Records the ids the last stage produced for microbatch `mb`'s previous step."""
+        for slot, token in zip(self.slots[mb], tokens.tolist()):
+            req = slot.request
+            if req is None or slot.pending is None:
+                continue
+            slot.position += len(slot.pending)
+            req.output.append(int(token))
+            finished = (int(token) in self.eos or len(req.output) >= req.max_new_tokens
+                        or slot.position >= self.context)
+            if finished:
+                self.done.append(req)
+                slot.request, slot.pending = None, None
+            else:
+                slot.pending = [int(token)]

@@ -1,0 +1,250 @@
+"""One rank: loads its operators and weights, allocates its state, and runs its generated module.
+
+`Runtime` is the object the generated `rank_XX.py` calls (`rt.begin`, `rt.recv`, `rt.send`,
+`rt.finish`, `rt.allreduce`, `rt.tp_argmax`). Transfers are point-to-point (gloo on CPU, NCCL on
+CUDA): a header (tokens per row, then positions) and one packed payload per peer; sends are
+non-blocking, receives blocking, all in the plan's global order, so nothing waits on a
+coordinator. The replica leader receives and fans out to its TP peers with a group broadcast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from opweave.errors import OpWeaveError
+from opweave.ir.program import Peer, RankProgram, program_from_json
+from opweave.models.config import config_from_hf
+from opweave.models.model import DecodeStep, build_model
+from opweave.models.ops import OpModule, torch_dtype
+from opweave.runtime.scheduler import Request, Scheduler
+from opweave.runtime.shard import materialize
+
+
+class Runtime:
+    def __init__(self, artifact: str, program: RankProgram, weights: str, device: str,
+                 groups: dict[tuple[int, ...], object], requests: list[Request]):
+        self.program = program
+        self.device = torch.device(device)
+        self.group = groups[program.tp_group] if program.tp > 1 else None
+        with open(os.path.join(artifact, "model_config.json")) as f:
+            cfg = config_from_hf(json.load(f), program.model)
+        self.cfg = cfg
+        self.dtype = torch_dtype(cfg)
+        step = DecodeStep(build_model(cfg, "meta"))
+        modules = dict(step.named_modules())
+        with open(os.path.join(artifact, "ops.json")) as f:
+            op_names = json.load(f)
+        self.ops: dict[int, OpModule] = materialize(
+            {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device)
+        rows = program.rows[1] - program.rows[0]
+        self._state: dict[int, dict[str, torch.Tensor]] = {}
+        for i, m in self.ops.items():
+            m.allocate_state(program.num_microbatches * rows, program.context, self.device)
+            if m.state_attrs:
+                self._state[i] = {a: getattr(m, a) for a in m.state_attrs}
+        self.rows = rows
+        self.scheduler = (Scheduler(requests, program.num_microbatches, rows, program.context, cfg.eos_token_ids)
+                          if program.scheduler and program.tp_rank == 0 else None)
+        self._pending: list = []   # this round's sends (work, buffer kept alive)
+        self._previous: list = []  # the previous round's
+        self._local_tokens: dict[int, torch.Tensor] = {}  # colocated: the last stage returns to itself
+        self.round_index = 0
+
+    # ---------------------------------------------------------------- state per microbatch
+    def _select(self, mb: int) -> None:
+        lo, hi = mb * self.rows, (mb + 1) * self.rows
+        for i, tensors in self._state.items():
+            for attr, full in tensors.items():
+                setattr(self.ops[i], attr, full[lo:hi])
+
+    @property
+    def is_leader(self) -> bool:
+        return self.program.tp_rank == 0
+
+    def _fanout(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.group is None:
+            return tensors
+        for t in tensors:
+            dist.broadcast(t, src=self.program.tp_group[0], group=self.group)
+        return tensors
+
+    def _fanout_shape(self, width: int) -> int:
+        if self.group is None:
+            return width
+        t = torch.tensor([width], dtype=torch.long)
+        dist.broadcast(t, src=self.program.tp_group[0], group=self.group)
+        return int(t)
+
+    # ---------------------------------------------------------------- generated-code API
+    def begin(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 0: the new token ids of the previous step come back, the scheduler picks this step's."""
+        if self.is_leader:
+            if self.round_index > 0:
+                self.scheduler.take_tokens(mb, self._recv_tokens(mb))
+            ids, positions = self.scheduler.step_inputs(mb)
+            width = self._fanout_shape(ids.shape[1])
+        else:
+            width = self._fanout_shape(0)
+            ids = torch.zeros(self.rows, width, dtype=torch.long)
+            positions = torch.zeros(self.rows, width, dtype=torch.long)
+        ids, positions = self._fanout([ids, positions])
+        self._select(mb)
+        return ids.to(self.device), positions.to(self.device)
+
+    def _recv_tokens(self, mb: int) -> torch.Tensor:
+        out = torch.zeros(self.rows, dtype=torch.long)
+        lo = self.program.rows[0]
+        for p in self.program.token_sources:
+            if p.rank == self.program.rank:
+                part = self._local_tokens.pop(mb)
+            else:
+                part = torch.zeros(p.hi - p.lo, dtype=torch.long)
+                dist.recv(part, src=p.rank)
+            out[p.lo - lo:p.hi - lo] = part
+        return out
+
+    def recv(self, stage: int, mb: int):
+        prog = self.program
+        st = next(s for s in prog.stages if s.stage == stage)
+        lo = prog.rows[0]
+        if self.is_leader:
+            width = None
+            positions = values = None
+            for p in st.recv.peers:
+                w = torch.zeros(1, dtype=torch.long)
+                dist.recv(w, src=p.rank)
+                width = int(w)
+                if positions is None:
+                    positions = torch.full((self.rows, width), -1, dtype=torch.long)
+                    values = [torch.zeros(self.rows, width, *shape, dtype=self.dtype) for shape in st.recv.shapes]
+                pos = torch.zeros(p.hi - p.lo, width, dtype=torch.long)
+                dist.recv(pos, src=p.rank)
+                positions[p.lo - lo:p.hi - lo] = pos
+                payload = torch.zeros(sum((p.hi - p.lo) * width * _numel(s) for s in st.recv.shapes), dtype=self.dtype)
+                dist.recv(payload, src=p.rank)
+                offset = 0
+                for v, shape in zip(values, st.recv.shapes):
+                    n = (p.hi - p.lo) * width * _numel(shape)
+                    v[p.lo - lo:p.hi - lo] = payload[offset:offset + n].view(p.hi - p.lo, width, *shape)
+                    offset += n
+            self._fanout_shape(width)
+        else:
+            width = self._fanout_shape(0)
+            positions = torch.zeros(self.rows, width, dtype=torch.long)
+            values = [torch.zeros(self.rows, width, *shape, dtype=self.dtype) for shape in st.recv.shapes]
+        self._fanout([positions, *values])
+        self._select(mb)
+        return positions.to(self.device), tuple(v.to(self.device) for v in values)
+
+    def send(self, stage: int, mb: int, positions: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
+        if not self.is_leader:
+            return
+        st = next(s for s in self.program.stages if s.stage == stage)
+        lo = self.program.rows[0]
+        width = positions.shape[1]
+        for p in st.send.peers:
+            a, b = p.lo - lo, p.hi - lo
+            self._isend(torch.tensor([width], dtype=torch.long), p.rank)
+            self._isend(positions[a:b].contiguous().cpu(), p.rank)
+            self._isend(torch.cat([v[a:b].reshape(-1) for v in values]).cpu(), p.rank)
+
+    def finish(self, mb: int, tokens: torch.Tensor) -> None:
+        if not self.is_leader:
+            return
+        st = self.program.stages[-1]
+        lo = self.program.rows[0]
+        for p in st.returns:
+            part = tokens[p.lo - lo:p.hi - lo].contiguous().cpu()
+            if p.rank == self.program.rank:
+                self._local_tokens[mb] = part
+            else:
+                self._isend(part, p.rank)
+
+    def _isend(self, tensor: torch.Tensor, dst: int) -> None:
+        if dst == self.program.rank:
+            raise RuntimeError("a rank never sends to itself: consecutive stages of one owner are merged")
+        self._pending.append((dist.isend(tensor, dst=dst), tensor))
+
+    def allreduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def tp_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy sample over a vocabulary split across the TP group (lowest index wins ties)."""
+        last = logits[:, -1, :].float()
+        best, idx = last.max(dim=-1)
+        idx = idx + self.program.tp_rank * last.shape[-1]
+        gathered_v = [torch.zeros_like(best) for _ in range(self.program.tp)]
+        gathered_i = [torch.zeros_like(idx) for _ in range(self.program.tp)]
+        dist.all_gather(gathered_v, best, group=self.group)
+        dist.all_gather(gathered_i, idx, group=self.group)
+        values, indices = torch.stack(gathered_v), torch.stack(gathered_i)
+        winner = values.argmax(dim=0)  # first maximum = lowest vocabulary shard
+        return indices.gather(0, winner[None])[0]
+
+    # ---------------------------------------------------------------- round control
+    def end_round(self) -> bool:
+        """Completes the previous round's sends (this round's token ids are only received at the
+        start of the next round); True while any scheduler still has work."""
+        for work, _ in self._previous:
+            work.wait()
+        self._previous, self._pending = self._pending, []
+        self.round_index += 1
+        flag = torch.tensor([1 if self.scheduler is not None and self.scheduler.active else 0], dtype=torch.long)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(int(flag))
+
+    def drain(self) -> None:
+        """After the last round: take the last step's token ids so every send is matched."""
+        if self.scheduler is not None:
+            for mb in range(self.program.num_microbatches):
+                self.scheduler.take_tokens(mb, self._recv_tokens(mb))
+        for work, _ in self._previous + self._pending:
+            work.wait()
+        self._previous, self._pending = [], []
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def load_program_module(path: str):
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list[Request]) -> list[Request] | None:
+    """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the outputs."""
+    with open(os.path.join(artifact, f"rank_{rank:02d}.json")) as f:
+        program = program_from_json(json.load(f))
+    groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
+    mine = []
+    if program.scheduler:
+        k = program.scheduler_leaders.index(program.tp_group[0])
+        mine = [r for r in requests if r.index % len(program.scheduler_leaders) == k]
+    rt = Runtime(artifact, program, weights, device, groups, mine)
+    module = load_program_module(os.path.join(artifact, f"rank_{rank:02d}.py"))
+    prog = module.Program(rt)
+    with torch.no_grad():
+        while True:
+            prog.round()
+            if not rt.end_round():
+                break
+        rt.drain()
+    done = rt.scheduler.done if rt.scheduler is not None else []
+    gathered = [None] * program.world_size if rank == 0 else None
+    dist.gather_object(done, gathered, dst=0)
+    if rank != 0:
+        return None
+    out = [r for part in gathered if part for r in part]
+    return sorted(out, key=lambda r: r.index)

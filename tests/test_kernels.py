@@ -1,0 +1,297 @@
+"""The kernel library: torch references against the operator modules (bitwise), and the Triton
+kernels against the references (under TRITON_INTERPRET=1 on CPU; skipped without triton).
+
+Tolerances of the Triton tests: float32 1e-5; float16 2e-3 (about two units in the last place:
+the kernels round once where the references round after each torch op); bfloat16 (attention and
+RMSNorm only) 2e-2, because the interpreter truncates float32 -> bfloat16 casts instead of
+rounding them to nearest (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opweave.codegen.kernels import KERNEL_NAMES, get_backend
+from opweave.errors import OpWeaveError
+from opweave.models import ops, ops_linear
+from opweave.models.config import FULL, SLIDING, config_from_hf
+
+ref = get_backend("torch")
+
+TINY_NEXT = dict(model_type="qwen3_next", vocab_size=64, hidden_size=32, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e4,
+                 partial_rotary_factor=0.25, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                 norm_topk_prob=True, shared_expert_intermediate_size=16, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                 linear_conv_kernel_dim=4, torch_dtype="float32")
+TINY_GEMMA = dict(model_type="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  sliding_window=4, rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=16,
+                  torch_dtype="float32")
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+DTYPES = [torch.float32, torch.float16]
+
+
+def _randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) * 0.5).to(p.dtype)
+
+
+def _cfg(raw: dict, dtype: str = "float32"):
+    return config_from_hf(raw, "tiny").with_dtype(dtype)
+
+
+@pytest.fixture
+def tri(monkeypatch):
+    pytest.importorskip("triton")
+    mod = get_backend("triton")
+    monkeypatch.setattr(mod, "ATTN_BLOCK_N", 16)  # several cache blocks even on short test caches
+    return mod
+
+
+# ---------------------------------------------------------------------------------------------- interface
+
+def test_backends_share_one_interface():
+    for name in KERNEL_NAMES:
+        assert callable(getattr(ref, name)), name
+    with pytest.raises(OpWeaveError, match="unknown kernel backend"):
+        get_backend("cuda")
+    pytest.importorskip("triton")
+    tri = get_backend("triton")
+    for name in KERNEL_NAMES:
+        assert inspect.signature(getattr(tri, name)) == inspect.signature(getattr(ref, name)), name
+
+
+def test_triton_backend_without_triton_is_a_clear_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(OpWeaveError, match="needs the triton package"):
+        get_backend("triton")
+
+
+# ---------------------------------------------------------------------------------------------- references vs modules
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rms_norm_reference_is_the_module(dtype):
+    cfg = _cfg(TINY_NEXT, dtype)
+    for offset in (False, True):
+        c = dataclasses.replace(cfg, norm_offset=offset)
+        m = ops.RMSNorm(c, 0, "model.layers.0.input_layernorm.weight")
+        _randomize(m)
+        x = torch.randn(3, 1, c.hidden_size).to(m.weight.dtype)
+        assert torch.equal(ref.rms_norm(x, m.weight, c.rms_norm_eps, c.norm_offset), m(x))
+
+
+@pytest.mark.parametrize("raw,layer_type", [(TINY_NEXT, FULL), (TINY_GEMMA, SLIDING)], ids=["partial", "full"])
+def test_rope_reference_is_the_module(raw, layer_type):
+    cfg = _cfg(raw)
+    m = ops.Rope(cfg, 0, cfg.rope[layer_type])
+    q = torch.randn(3, 1, cfg.num_heads, cfg.head_dim)
+    k = torch.randn(3, 1, cfg.num_kv_heads, cfg.head_dim)
+    positions = torch.tensor([[0], [7], [-1]])
+    got = ref.rope(q, k, positions, m.inv_freq, m.rot_dim)
+    want = m(q, k, positions)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_decode_attention_reference_is_the_module(window):
+    cfg = _cfg(TINY_GEMMA)
+    m = ops.Attention(cfg, 0, window)
+    b, max_len, hq, hkv, d = 4, 12, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    m.allocate_state(b, max_len, "cpu")
+    m.k_cache.normal_()
+    m.v_cache.normal_()
+    q, k, v = torch.randn(b, 1, hq, d), torch.randn(b, 1, hkv, d), torch.randn(b, 1, hkv, d)
+    positions = torch.tensor([[0], [3], [11], [-1]])
+    want = m(q, k, v, positions)  # writes k, v into the cache, then attends
+    got = ref.decode_attention(q[:, 0], m.k_cache[:, :max_len], m.v_cache[:, :max_len], positions[:, 0],
+                               cfg.attn_scale, window)
+    assert torch.equal(got.reshape(want.shape), want)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_act_reference_is_the_module(act):
+    cfg = dataclasses.replace(_cfg(TINY_GEMMA), hidden_act=act)
+    gate, up = torch.randn(3, 1, cfg.intermediate_size), torch.randn(3, 1, cfg.intermediate_size)
+    assert torch.equal(ref.gated_act(gate, up, cfg.hidden_act), ops.Act(cfg, 0)(gate, up))
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_moe_reference_is_the_module(renorm):
+    raw = {**TINY_NEXT, "norm_topk_prob": renorm}
+    cfg = _cfg(raw)
+    router, experts = ops.MoERouter(cfg, 0), ops.MoEExperts(cfg, 0)
+    _randomize(router, 1)
+    _randomize(experts, 2)
+    x = torch.randn(3, 2, cfg.hidden_size)
+    w_mod, ids_mod = router(x)
+    w, ids = ref.moe_route(F.linear(x, router.weight), cfg.moe.top_k, cfg.moe.norm_topk_prob)
+    assert torch.equal(w, w_mod) and torch.equal(ids, ids_mod)
+    assert torch.equal(ref.moe_experts(x, w, ids, experts.gate_up, experts.down), experts(x, w, ids))
+
+
+def test_argmax_reference_is_the_module():
+    cfg = _cfg(TINY_GEMMA)
+    logits = torch.randn(4, 1, cfg.vocab_size)
+    assert torch.equal(ref.argmax(logits[:, -1]), ops.Sample(cfg)(logits))
+
+
+def _gdn_decode_with_kernels(backend, m: ops_linear.GatedDeltaNet, mixed, z, b, a, positions):
+    """One decode token of GatedDeltaNet with the recurrence from `backend.gdn_step` (conv, gates
+    and gated norm as in the module). Returns (out [B, 1, Hv*Dv], new recurrent state)."""
+    dtype = mixed.dtype
+    bsz = mixed.shape[0]
+    pos = positions[:, 0]
+    prev = torch.where((pos == 0)[:, None, None], 0.0, m.conv_state)
+    window = torch.cat((prev, mixed[:, 0, :, None]), dim=-1)
+    u = F.silu((window.float() * m.conv_weight[:, 0, :].float()).sum(dim=-1)).to(dtype)
+    q, k, v = torch.split(u, [m.key_dim, m.key_dim, m.hv * m.dv], dim=-1)
+    beta = torch.sigmoid(b[:, 0]).float()
+    g = -m.A_log.float().exp() * F.softplus(a[:, 0].float() + m.dt_bias.float())
+    o, state = backend.gdn_step(q.reshape(bsz, m.hk, m.dk), k.reshape(bsz, m.hk, m.dk), v.reshape(bsz, m.hv, m.dv),
+                                g, beta, m.recurrent_state, pos)
+    h = ref.rms_norm(o, m.norm_weight, m.cfg.rms_norm_eps, False) * F.silu(z[:, 0].float())
+    return h.to(dtype).reshape(bsz, 1, m.hv * m.dv), state
+
+
+def _gdn_module(dtype: str):
+    cfg = _cfg(TINY_NEXT, dtype)
+    m = ops_linear.GatedDeltaNet(cfg, 0)
+    _randomize(m, 3)
+    m.allocate_state(3, 16, "cpu")
+    m.conv_state.normal_()
+    m.recurrent_state.normal_()
+    la = cfg.linear_attn
+    x = (torch.randn(3, 1, m.conv_dim), torch.randn(3, 1, la.num_value_heads, la.value_head_dim),
+         torch.randn(3, 1, la.num_value_heads), torch.randn(3, 1, la.num_value_heads))
+    return m, tuple(t.to(m.conv_weight.dtype) for t in x), torch.tensor([[5], [0], [-1]])
+
+
+def test_gdn_step_reference_is_the_module():
+    m, (mixed, z, b, a), positions = _gdn_module("float32")
+    got, state = _gdn_decode_with_kernels(ref, m, mixed, z, b, a, positions)
+    want = m(mixed, z, b, a, positions)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(state, m.recurrent_state, atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- Triton vs references
+
+def _close(got, want, dtype):
+    if isinstance(want, tuple):
+        for g, w in zip(got, want):
+            _close(g, w, dtype)
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.is_floating_point():
+        torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 40), (2, 1, 64)])
+def test_rms_norm_triton(tri, dtype, shape):
+    x, w = torch.randn(shape).to(dtype), torch.randn(shape[-1]).to(dtype)
+    for offset in (False, True):
+        _close(tri.rms_norm(x, w, 1e-6, offset), ref.rms_norm(x, w, 1e-6, offset), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,rot", [(6, 2, 24, 24), (6, 2, 24, 6), (4, 4, 64, 16), (3, 1, 128, 128)])
+def test_rope_triton(tri, dtype, hq, hkv, d, rot):
+    q, k = torch.randn(4, hq, d).to(dtype), torch.randn(4, hkv, d).to(dtype)
+    positions = torch.tensor([0, 1, -1, 131071 if dtype == torch.float32 else 4097])
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, rot, 2).float() / rot))
+    _close(tri.rope(q, k, positions, inv_freq, rot), ref.rope(q, k, positions, inv_freq, rot), dtype)
+
+
+def test_rope_triton_leading_dims_and_strided_input(tri):
+    qkv = torch.randn(2, 3, 4 + 2 + 2, 16)  # q, k, v heads of one projection: q and k are strided views
+    q, k = qkv[:, :, :4], qkv[:, :, 4:6]
+    positions = torch.tensor([[0, 1, 2], [9, 10, 11]])
+    inv_freq = ops.rope_inv_freq(_cfg(TINY_NEXT).rope[FULL], 16)
+    _close(tri.rope(q, k, positions, inv_freq, 4), ref.rope(q, k, positions, inv_freq, 4), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.bfloat16])
+@pytest.mark.parametrize("hkv,group,d", [(2, 3, 24), (1, 8, 64), (3, 1, 16)])
+@pytest.mark.parametrize("window", [None, 5, 16])
+def test_decode_attention_triton(tri, dtype, hkv, group, d, window):
+    b, length = 5, 40
+    q = torch.randn(b, hkv * group, d).to(dtype)
+    # the module's caches have one scratch slot past the end: pass the strided view, like the runtime
+    k_cache = torch.randn(b, length + 1, hkv, d).to(dtype)[:, :length]
+    v_cache = torch.randn(b, length + 1, hkv, d).to(dtype)[:, :length]
+    # first slot; window boundary on and off block edges (16); last slot; padding
+    positions = torch.tensor([0, 20, 31, length - 1, -1])
+    _close(tri.decode_attention(q, k_cache, v_cache, positions, d ** -0.5, window),
+           ref.decode_attention(q, k_cache, v_cache, positions, d ** -0.5, window), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 8), (1, 3, 12, 20), (2, 2, 32, 128)])
+def test_gdn_step_triton(tri, dtype, hk, hv, dk, dv):
+    b = 3
+    q, k = torch.randn(b, hk, dk).to(dtype), torch.randn(b, hk, dk).to(dtype)
+    v = torch.randn(b, hv, dv).to(dtype)
+    g, beta = -torch.rand(b, hv) * 2, torch.rand(b, hv)
+    state = torch.randn(b, hv, dk, dv)
+    for positions in (None, torch.tensor([4, 0, -1])):
+        _close(tri.gdn_step(q, k, v, g, beta, state, positions), ref.gdn_step(q, k, v, g, beta, state, positions), dtype)
+
+
+def test_gdn_step_triton_in_the_module_pipeline(tri):
+    m, (mixed, z, b, a), positions = _gdn_module("float16")
+    got = _gdn_decode_with_kernels(tri, m, mixed, z, b, a, positions)
+    _close(got, _gdn_decode_with_kernels(ref, m, mixed, z, b, a, positions), torch.float16)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy sigmoid(-large): 0
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["silu", "gelu_pytorch_tanh"])
+def test_gated_act_triton(tri, dtype, kind):
+    gate_up = torch.randn(3, 2, 2 * 50).to(dtype) * 3
+    gate, up = gate_up.chunk(2, dim=-1)  # strided views, as a fused gate_up projection gives them
+    _close(tri.gated_act(gate, up, kind), ref.gated_act(gate, up, kind), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts,top_k", [(6, 2), (10, 3), (64, 8)])
+def test_moe_route_triton(tri, dtype, experts, top_k):
+    logits = (torch.randn(2, 3, experts) * 2).to(dtype)
+    for renorm in (True, False):
+        _close(tri.moe_route(logits, top_k, renorm), ref.moe_route(logits, top_k, renorm), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts,top_k,inter,hidden", [(6, 2, 24, 40), (4, 1, 16, 32), (5, 3, 200, 136)])
+def test_moe_experts_triton(tri, dtype, experts, top_k, inter, hidden):
+    x = torch.randn(3, hidden).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden) * hidden ** -0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter) * inter ** -0.5).to(dtype)
+    weights, ids = ref.moe_route(torch.randn(3, experts).to(dtype), top_k, True)
+    _close(tri.moe_experts(x, weights, ids, gate_up, down), ref.moe_experts(x, weights, ids, gate_up, down), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 1000, 2500])
+def test_argmax_triton(tri, dtype, vocab):
+    logits = torch.randn(4, vocab).to(dtype)
+    if vocab > 1:
+        logits[1, vocab - 1] = 100.0   # maximum in the last (partial) block
+        logits[2, :] = -1.0
+        logits[2, [3, vocab - 2]] = 5.0  # a tie: the first index wins, like torch.argmax
+        logits[3, :] = float("-inf")
+    _close(tri.argmax(logits), ref.argmax(logits), dtype)
