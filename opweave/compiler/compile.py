@@ -129,7 +129,7 @@ def _write_rank_programs(folder: str, compiled: Compiled, plan_hash: str) -> str
     op_names = [op.name for op in fe.graph.ops]
     with open(os.path.join(folder, "ops.json"), "w") as f:
         json.dump(op_names, f, indent=0)
-    programs = lower(compiled.plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, plan_hash)
+    programs = lower(compiled.plan, fe.graph, fe.source.cfg, fe.blocks.period, fe.blocks.num_blocks, plan_hash)
     for program in programs:
         with open(os.path.join(folder, f"rank_{program.rank:02d}.json"), "w") as f:
             json.dump(program_to_json(program), f, indent=1)

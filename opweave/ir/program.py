@@ -30,6 +30,7 @@ class Transfer:
     cut: int
     values: tuple[str, ...]                   # IR value names, in packing order
     shapes: tuple[tuple[int, ...], ...]       # per-token shape of each value
+    layouts: tuple[str, ...]                  # how TP splits each value: "rep", "split", "parts:a,b,c"
     peers: tuple[Peer, ...]
 
 
@@ -98,7 +99,7 @@ def _transfer(d: dict | None) -> Transfer | None:
     if d is None:
         return None
     return Transfer(cut=d["cut"], values=tuple(d["values"]), shapes=_tuples(d["shapes"]),
-                    peers=tuple(Peer(**p) for p in d["peers"]))
+                    layouts=tuple(d["layouts"]), peers=tuple(Peer(**p) for p in d["peers"]))
 
 
 def program_from_json(d: dict[str, Any]) -> RankProgram:

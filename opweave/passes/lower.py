@@ -15,6 +15,7 @@ from opweave.ir.graph import OpGraph
 from opweave.ir.kinds import OpKind, TPRule
 from opweave.ir.plan import Plan
 from opweave.ir.program import Launch, Peer, RankProgram, StageProgram, Transfer
+from opweave.models.config import ModelConfig
 
 
 def replica_rows(microbatch_size: int, replicas: int) -> list[tuple[int, int]]:
@@ -50,14 +51,36 @@ def _allreduce_after(graph: OpGraph, index: int, tp: int) -> bool:
     return not (op.kind == OpKind.MOE_EXPERTS and nxt is not None and nxt.kind == OpKind.SHARED_EXPERT)
 
 
-def _transfer(graph: OpGraph, cut: int, peers: tuple[Peer, ...]) -> Transfer:
+_SPLIT_KINDS = (OpKind.QKV_PROJ, OpKind.QK_NORM, OpKind.ROPE, OpKind.ATTN_FULL, OpKind.ATTN_SLIDING,
+                OpKind.ATTN_LINEAR)
+
+
+def value_layout(graph: OpGraph, cfg: ModelConfig, value: str) -> str:
+    """How a TP group holds a value: replicated ("rep"), split in contiguous head blocks along its
+    first per-token dim ("split"), or split part by part ("parts:a,b,c": Gated-DeltaNet's packed
+    q | k | v channels)."""
+    name, _, index = value.partition("[")
+    op = next(o for o in graph.ops if o.name == name)
+    if op.kind not in _SPLIT_KINDS:
+        return "rep"
+    if op.kind == OpKind.QKV_PROJ and cfg.linear_attn and op.layer is not None \
+            and cfg.layer_types[op.layer] == "linear_attention" and index.rstrip("]") == "0":
+        la = cfg.linear_attn
+        qk = la.num_key_heads * la.key_head_dim
+        return f"parts:{qk},{qk},{la.num_value_heads * la.value_head_dim}"
+    return "split"
+
+
+def _transfer(graph: OpGraph, cfg: ModelConfig, cut: int, peers: tuple[Peer, ...]) -> Transfer:
     point = graph.cut_after(cut)
     if point is None:
         raise ValueError(f"plan cuts after op {cut}, which is not a legal cut point")
-    return Transfer(cut=cut, values=point.values, shapes=point.value_shapes, peers=peers)
+    return Transfer(cut=cut, values=point.values, shapes=point.value_shapes,
+                    layouts=tuple(value_layout(graph, cfg, v) for v in point.values), peers=peers)
 
 
-def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: str) -> tuple[RankProgram, ...]:
+def lower(plan: Plan, graph: OpGraph, cfg: ModelConfig, period: int, num_blocks: int,
+          plan_hash: str) -> tuple[RankProgram, ...]:
     """One program per rank of replica set 0."""
     layout = rank_layout(plan)
     leaders = _leaders(plan)
@@ -81,12 +104,12 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
                                        inputs=op.inputs, output=op.name,
                                        allreduce=_allreduce_after(graph, index, owner.tp)))
             prev_owner = plan.stages[i - 1].owner if i > 0 else None
-            recv = (_transfer(graph, st.first_op - 1, _overlaps(plan, leaders, prev_owner, rows, mb))
+            recv = (_transfer(graph, cfg, st.first_op - 1, _overlaps(plan, leaders, prev_owner, rows, mb))
                     if i > 0 and prev_owner != o else None)
             last = i == len(plan.stages) - 1
             send = None
             if not last and plan.stages[i + 1].owner != o:
-                send = _transfer(graph, st.last_op, _overlaps(plan, leaders, plan.stages[i + 1].owner, rows, mb))
+                send = _transfer(graph, cfg, st.last_op, _overlaps(plan, leaders, plan.stages[i + 1].owner, rows, mb))
             returns = _overlaps(plan, leaders, first_owner, rows, mb) if last else ()
             layers = tuple(sorted({graph.ops[x].layer for x in range(st.first_op, st.last_op + 1)
                                    if graph.ops[x].layer is not None}))

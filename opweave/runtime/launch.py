@@ -81,7 +81,11 @@ def _worker(cfg: RunConfig, rank: int, world: int, port: int, results) -> None:
         if not isinstance(e, UserError) and os.environ.get("OPWEAVE_DEBUG"):
             detail += "\n" + traceback.format_exc()
         results.put(("error", rank, detail.splitlines()[0] if not os.environ.get("OPWEAVE_DEBUG") else detail))
+        results.close()
+        results.join_thread()  # flush the message before exiting
         os._exit(1)
+    results.close()
+    results.join_thread()
     os._exit(0)
 
 

@@ -113,24 +113,26 @@ class Runtime:
         st = next(s for s in prog.stages if s.stage == stage)
         lo = prog.rows[0]
         if self.is_leader:
-            width = None
-            positions = values = None
-            for p in st.recv.peers:
+            parts = []
+            for p in st.recv.peers:  # each upstream replica pads its rows to its own width
                 w = torch.zeros(1, dtype=torch.long)
                 dist.recv(w, src=p.rank)
-                width = int(w)
-                if positions is None:
-                    positions = torch.full((self.rows, width), -1, dtype=torch.long)
-                    values = [torch.zeros(self.rows, width, *shape, dtype=self.dtype) for shape in st.recv.shapes]
-                pos = torch.zeros(p.hi - p.lo, width, dtype=torch.long)
+                n, w = p.hi - p.lo, int(w)
+                pos = torch.zeros(n, w, dtype=torch.long)
                 dist.recv(pos, src=p.rank)
-                positions[p.lo - lo:p.hi - lo] = pos
-                payload = torch.zeros(sum((p.hi - p.lo) * width * _numel(s) for s in st.recv.shapes), dtype=self.dtype)
+                payload = torch.zeros(sum(n * w * _numel(s) for s in st.recv.shapes), dtype=self.dtype)
                 dist.recv(payload, src=p.rank)
+                parts.append((p, w, pos, payload))
+            width = max(w for _, w, _, _ in parts)
+            positions = torch.full((self.rows, width), -1, dtype=torch.long)
+            values = [torch.zeros(self.rows, width, *shape, dtype=self.dtype) for shape in st.recv.shapes]
+            for p, w, pos, payload in parts:  # left-pad narrower rows: padding has position -1
+                a, b = p.lo - lo, p.hi - lo
+                positions[a:b, width - w:] = pos
                 offset = 0
                 for v, shape in zip(values, st.recv.shapes):
-                    n = (p.hi - p.lo) * width * _numel(shape)
-                    v[p.lo - lo:p.hi - lo] = payload[offset:offset + n].view(p.hi - p.lo, width, *shape)
+                    n = (b - a) * w * _numel(shape)
+                    v[a:b, width - w:] = payload[offset:offset + n].view(b - a, w, *shape)
                     offset += n
             self._fanout_shape(width)
         else:
@@ -138,13 +140,43 @@ class Runtime:
             positions = torch.zeros(self.rows, width, dtype=torch.long)
             values = [torch.zeros(self.rows, width, *shape, dtype=self.dtype) for shape in st.recv.shapes]
         self._fanout([positions, *values])
+        values = [self._shard(v, layout) for v, layout in zip(values, st.recv.layouts)]
         self._select(mb)
         return positions.to(self.device), tuple(v.to(self.device) for v in values)
 
+    # ---------------------------------------------------------------- TP layouts of transferred values
+    def _parts(self, layout: str, size: int) -> list[int]:
+        return [int(x) for x in layout[len("parts:"):].split(",")] if layout.startswith("parts:") else [size]
+
+    def _shard(self, full: torch.Tensor, layout: str) -> torch.Tensor:
+        """This TP rank's block of a full value (see `opweave.passes.lower.value_layout`)."""
+        if self.program.tp == 1 or layout == "rep":
+            return full
+        out, offset = [], 0
+        for size in self._parts(layout, full.shape[2]):
+            block = size // self.program.tp
+            out.append(full.narrow(2, offset + self.program.tp_rank * block, block))
+            offset += size
+        return torch.cat(out, dim=2).contiguous()
+
+    def _gather(self, local: torch.Tensor, layout: str) -> torch.Tensor:
+        """The full value from every TP rank's block (all ranks take part)."""
+        if self.program.tp == 1 or layout == "rep":
+            return local
+        pieces = [torch.empty_like(local) for _ in range(self.program.tp)]
+        dist.all_gather(pieces, local.contiguous(), group=self.group)
+        sizes = [s // self.program.tp for s in self._parts(layout, local.shape[2] * self.program.tp)]
+        out, offset = [], 0
+        for block in sizes:
+            out += [p.narrow(2, offset, block) for p in pieces]
+            offset += block
+        return torch.cat(out, dim=2)
+
     def send(self, stage: int, mb: int, positions: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
+        st = next(s for s in self.program.stages if s.stage == stage)
+        values = tuple(self._gather(v, layout) for v, layout in zip(values, st.send.layouts))
         if not self.is_leader:
             return
-        st = next(s for s in self.program.stages if s.stage == stage)
         lo = self.program.rows[0]
         width = positions.shape[1]
         for p in st.send.peers:
