@@ -267,9 +267,12 @@ def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list
     rt = Runtime(artifact, program, weights, device, groups, mine)
     module = load_program_module(os.path.join(artifact, f"rank_{rank:02d}.py"))
     prog = module.Program(rt)
+    kill_at = _fault_injection(rank)
     with torch.no_grad():
         while True:
             prog.round()
+            if rt.round_index == kill_at:
+                os.kill(os.getpid(), 9)
             if not rt.end_round():
                 break
         rt.drain()
@@ -280,3 +283,12 @@ def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list
         return None
     out = [r for part in gathered if part for r in part]
     return sorted(out, key=lambda r: r.index)
+
+
+def _fault_injection(rank: int) -> int | None:
+    """OPWEAVE_FAULT_KILL=RANK:ROUND makes that rank kill itself after that round (fault tests)."""
+    spec = os.environ.get("OPWEAVE_FAULT_KILL")
+    if not spec:
+        return None
+    target, _, at = spec.partition(":")
+    return int(at or 0) if int(target) == rank else None

@@ -1,0 +1,68 @@
+"""Compiled plans run on CPU ranks (gloo) and generate exactly transformers' greedy tokens.
+
+Every family runs under colocated, AFD, CAD and an OpWeave multi-stage template, each with two
+GPU types, TP 2 on one owner, several replicas and two microbatches; prompts of different lengths
+(one longer than Gemma's sliding window) fill 4 batch slots, so slots are refilled.
+"""
+
+import functools
+import os
+
+import pytest
+
+from hf_fixtures import hf_generate
+from opweave.compiler.compile import write_artifact
+from opweave.compiler.frontend import run_front_end
+from opweave.compiler.pinned import pinned_plan
+from opweave.hardware.catalog import load_catalog
+from opweave.hardware.cluster import parse_cluster
+from opweave.passes.templates import enumerate_templates
+from opweave.runtime.launch import RunConfig, run
+from opweave.runtime.scheduler import Request
+
+PROMPTS = [[(7 * i + 3) % 100 for i in range(20)], [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11], [42],
+           [60, 61, 62, 63, 64, 65]]
+NEW_TOKENS = 6
+CONTEXT = 64
+LAYERS = {"llama": 3, "gemma3": 8, "qwen3_moe": 3, "qwen3_next": 5}
+PLANS = {
+    "colocated": [("h100", 2, 2)],
+    "afd": [("h100", 1, 1), ("l40s", 2, 1)],
+    "cad": [("l40s", 2, 1), ("h100", 1, 2)],
+    "opweave": [("h100", 2, 1), ("l40s", 1, 2)],
+}
+
+
+@functools.cache
+def reference(folder: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(hf_generate(folder, p, NEW_TOKENS)[1]) for p in PROMPTS)
+
+
+def general_template(fe) -> str:
+    """The first OpWeave template (not a named one) with an even number of stages per block."""
+    return next(t.name for t in enumerate_templates(fe.blocks, "all")
+                if t.family == "general" and t.num_cuts_per_block % 2 == 0)
+
+
+def compile_pinned(folder: str, plan: str, out: str) -> None:
+    fe = run_front_end(folder)
+    template = general_template(fe) if plan == "opweave" else plan
+    cluster = parse_cluster("h100x8+l40sx8", load_catalog())
+    compiled = pinned_plan(fe, cluster, template, PLANS[plan], batch=4, microbatches=2, context=CONTEXT)
+    write_artifact(out, compiled)
+
+
+def requests():
+    return tuple(Request(index=i, prompt=p, max_new_tokens=NEW_TOKENS) for i, p in enumerate(PROMPTS))
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("family", list(LAYERS))
+def test_plan_generates_reference_tokens(tiny_checkpoint, tmp_path, family, plan):
+    folder = tiny_checkpoint(family, num_hidden_layers=LAYERS[family])
+    out = str(tmp_path / "art")
+    compile_pinned(folder, plan, out)
+    outputs = run(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests(), timeout_s=300))
+    assert [r.index for r in outputs] == list(range(len(PROMPTS)))
+    assert all(r.error is None for r in outputs)
+    assert [tuple(r.output) for r in outputs] == list(reference(folder))
