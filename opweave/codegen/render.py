@@ -35,7 +35,7 @@ class _Names:
 
 def _where(st: StageProgram) -> str:
     layers = f"layers {st.layers[0]}-{st.layers[-1]}" if st.layers else "no layer"
-    block = f"block {st.block}" if st.block is not None else "tail/prologue/epilogue"
+    block = f"block {st.block}" if st.block is not None else "tail layers / epilogue"
     return f"{block}, {layers}, ops {st.launches[0].op}..{st.launches[-1].op}"
 
 

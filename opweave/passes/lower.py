@@ -113,7 +113,7 @@ def lower(plan: Plan, graph: OpGraph, cfg: ModelConfig, period: int, num_blocks:
             returns = _overlaps(plan, leaders, first_owner, rows, mb) if last else ()
             layers = tuple(sorted({graph.ops[x].layer for x in range(st.first_op, st.last_op + 1)
                                    if graph.ops[x].layer is not None}))
-            stages.append(StageProgram(stage=st.index, block=launches[0].block, layers=layers, recv=recv,
+            stages.append(StageProgram(stage=st.index, block=next((l.block for l in launches if l.block is not None), None), layers=layers, recv=recv,
                                        launches=tuple(launches), send=send, returns=returns))
         scheduler = o == first_owner
         programs.append(RankProgram(

@@ -22,6 +22,7 @@ from opweave.runtime.scheduler import Request
 
 POLL_S = 0.05
 KILL_GRACE_S = 2.0
+ROOT_CAUSE_WAIT_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,28 +118,43 @@ def run(cfg: RunConfig) -> list[Request]:
 def _watch(procs, results, timeout_s: float) -> list[Request]:
     start = time.monotonic()
     outputs = None
+    errors: dict[int, str] = {}
     while True:
         try:
             kind, rank, payload = results.get(timeout=POLL_S)
             if kind == "error":
-                raise OpWeaveError(f"rank {rank} failed: {payload}")
-            outputs = [Request(**r) for r in payload]
+                errors.setdefault(rank, payload)
+            else:
+                outputs = [Request(**r) for r in payload]
         except queue_mod.Empty:
             pass
-        for rank, p in enumerate(procs):
-            if p.exitcode not in (None, 0):
-                time.sleep(POLL_S)  # let its own error message arrive first
-                try:
-                    kind, r, payload = results.get_nowait()
-                    if kind == "error":
-                        raise OpWeaveError(f"rank {r} failed: {payload}")
-                except queue_mod.Empty:
-                    pass
-                raise OpWeaveError(f"rank {rank} died (exit code {p.exitcode})")
+        if errors or any(p.exitcode not in (None, 0) for p in procs):
+            raise OpWeaveError(_root_cause(procs, results, errors))
         if outputs is not None and all(p.exitcode == 0 for p in procs):
             return outputs
         if time.monotonic() - start > timeout_s:
             raise OpWeaveError(f"the run did not finish within {timeout_s:.0f} s")
+
+
+def _root_cause(procs, results, errors: dict[int, str]) -> str:
+    """The failure to report: a rank that died without a word (killed) before the errors its
+    peers then raise (lost connections), else the first error reported."""
+    deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            kind, rank, payload = results.get(timeout=POLL_S)
+            if kind == "error":
+                errors.setdefault(rank, payload)
+        except queue_mod.Empty:
+            pass
+    for rank, p in enumerate(procs):
+        if p.exitcode is not None and p.exitcode < 0 and rank not in errors:
+            return f"rank {rank} died (killed by signal {-p.exitcode})"
+    if errors:
+        rank = min(errors, key=lambda r: ("Connection closed" in errors[r] or "connection" in errors[r].lower(), r))
+        return f"rank {rank} failed: {errors[rank]}"
+    rank = next(r for r, p in enumerate(procs) if p.exitcode not in (None, 0))
+    return f"rank {rank} died (exit code {procs[rank].exitcode})"
 
 
 def _stop(procs) -> None:

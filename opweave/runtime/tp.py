@@ -64,7 +64,8 @@ class ShardReader:
             return self.reader.get(key, full)
         dims = [d for d in range(len(full)) if full[d] != shape[d]]
         if len(dims) != 1 or full[dims[0]] != shape[dims[0]] * self.tp:
-            raise OpWeaveError(f"cannot shard '{key}' of shape {full} into {self.tp} parts of {tuple(shape)}")
+            raise OpWeaveError(f"tensor '{key}' has shape {full}, the config implies {self.tp} TP shards "
+                               f"of {tuple(shape)}")
         dim = dims[0]
         if key.endswith("gate_up_proj"):
             half = full[dim] // 2

@@ -1,0 +1,97 @@
+"""Lowering and codegen: rank programs match the plan (counts of launches, sends and receives),
+every send has its receive, and one generated module is checked against a golden copy
+(regenerate with OPWEAVE_REGEN_GOLDEN=1)."""
+
+import collections
+import json
+import os
+
+import pytest
+
+from test_runtime import compile_pinned
+from opweave.ir.plan import plan_from_json
+from opweave.ir.program import format_program, program_from_json, program_to_json
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "rank_00_llama_afd.py")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_checkpoint, tmp_path_factory):
+    out = {}
+    for plan in ("afd", "cad", "opweave"):
+        folder = str(tmp_path_factory.mktemp(plan) / "art")
+        compile_pinned(tiny_checkpoint("llama", num_hidden_layers=3), plan, folder)
+        out[plan] = folder
+    return out
+
+
+def load(folder):
+    plan = plan_from_json(json.load(open(os.path.join(folder, "plan.json"))))
+    programs = [program_from_json(json.load(open(os.path.join(folder, n))))
+                for n in sorted(os.listdir(folder)) if n.startswith("rank_") and n.endswith(".json")]
+    return plan, programs
+
+
+@pytest.mark.parametrize("plan_name", ["afd", "cad", "opweave"])
+def test_programs_match_the_plan(artifacts, plan_name):
+    plan, programs = load(artifacts[plan_name])
+    assert len(programs) == sum(o.tp * o.replicas for o in plan.owners)
+    for p in programs:
+        assert program_from_json(program_to_json(p)) == p
+        mine = [s for s in plan.stages if s.owner == p.owner]
+        assert [s.stage for s in p.stages] == [s.index for s in mine]
+        assert sum(len(s.launches) for s in p.stages) == sum(s.last_op - s.first_op + 1 for s in mine)
+        # one receive per stage whose predecessor has another owner; one send per stage but the last
+        assert sum(s.recv is not None for s in p.stages) == sum(1 for s in mine if s.index > 0)
+        assert sum(s.send is not None for s in p.stages) == sum(1 for s in mine if s.index < plan.num_stages - 1)
+        assert "launch op" in format_program(p)
+
+
+@pytest.mark.parametrize("plan_name", ["afd", "cad", "opweave"])
+def test_every_send_has_its_receive(artifacts, plan_name):
+    _, programs = load(artifacts[plan_name])
+    by_rank = {p.rank: p for p in programs}
+    sends, recvs = collections.Counter(), collections.Counter()
+    for p in programs:
+        if p.tp_rank:
+            continue  # leaders send and receive; TP peers get a broadcast
+        for s in p.stages:
+            if s.send:
+                for q in s.send.peers:
+                    sends[(p.rank, q.rank, s.send.cut, q.lo, q.hi)] += 1
+            if s.recv:
+                for q in s.recv.peers:
+                    recvs[(q.rank, p.rank, s.recv.cut, q.lo, q.hi)] += 1
+            for q in s.returns:
+                sends[(p.rank, q.rank, "tokens", q.lo, q.hi)] += 1
+        for q in p.token_sources:
+            recvs[(q.rank, p.rank, "tokens", q.lo, q.hi)] += 1
+    assert sends == recvs and sends
+    assert all(by_rank[k[1]].tp_rank == 0 for k in sends)
+
+
+def test_generated_module_lines_name_stage_block_layer_and_op(artifacts):
+    _, programs = load(artifacts["cad"])
+    for p in programs:
+        source = open(os.path.join(artifacts["cad"], f"rank_{p.rank:02d}.py")).read()
+        compile(source, "rank", "exec")
+        calls = [line for line in source.splitlines() if "= self.op" in line or "= rt.tp_argmax(" in line]
+        assert len(calls) == sum(len(s.launches) for s in p.stages)
+        assert all("# stage " in line and " · block " in line and " · layer " in line for line in calls)
+        assert source.count("rt.allreduce(") == sum(l.allreduce for s in p.stages for l in s.launches)
+
+
+def test_golden_module(artifacts):
+    source = open(os.path.join(artifacts["afd"], "rank_00.py")).read()
+    if os.environ.get("OPWEAVE_REGEN_GOLDEN"):
+        with open(GOLDEN, "w") as f:
+            f.write(source)
+    assert source == open(GOLDEN).read(), "generated code changed: review, then OPWEAVE_REGEN_GOLDEN=1"
+
+
+def test_codegen_is_deterministic(artifacts, tiny_checkpoint, tmp_path):
+    again = str(tmp_path / "again")
+    compile_pinned(tiny_checkpoint("llama", num_hidden_layers=3), "afd", again)
+    for name in os.listdir(artifacts["afd"]):
+        if name.endswith((".py", ".json")):
+            assert open(os.path.join(again, name)).read() == open(os.path.join(artifacts["afd"], name)).read(), name
