@@ -66,3 +66,22 @@ def test_plan_generates_reference_tokens(tiny_checkpoint, tmp_path, family, plan
     assert [r.index for r in outputs] == list(range(len(PROMPTS)))
     assert all(r.error is None for r in outputs)
     assert [tuple(r.output) for r in outputs] == list(reference(folder))
+
+
+def test_interpreter_agrees_with_generated_modules(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("qwen3_next", num_hidden_layers=LAYERS["qwen3_next"])
+    out = str(tmp_path / "art")
+    compile_pinned(folder, "opweave", out)
+    interpreted = run(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests(), interpret=True))
+    assert [tuple(r.output) for r in interpreted] == list(reference(folder))
+
+
+def test_generated_module_benchmarks_alone(tiny_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "art")
+    compile_pinned(tiny_checkpoint("llama", num_hidden_layers=3), "cad", out)
+    proc = subprocess.run([sys.executable, os.path.join(out, "rank_00.py")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "ms per decode round" in proc.stdout

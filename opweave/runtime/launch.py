@@ -34,6 +34,7 @@ class RunConfig:
     device: str               # cpu | cuda
     requests: tuple[Request, ...]
     timeout_s: float = 3600.0
+    interpret: bool = False   # run the op-by-op interpreter instead of the generated modules
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -71,9 +72,10 @@ def _worker(cfg: RunConfig, rank: int, world: int, port: int, results) -> None:
         if cfg.device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        out = run_rank(cfg.artifact, rank, cfg.weights, cfg.device, list(cfg.requests))
+        out = run_rank(cfg.artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret)
         if rank == 0:
-            results.put(("done", rank, [dataclasses.asdict(r) for r in out]))
+            outputs, stats = out
+            results.put(("done", rank, ([dataclasses.asdict(r) for r in outputs], stats)))
         dist.destroy_process_group()
     except Exception as e:  # report to the launcher in one line, then exit non-zero
         from opweave.errors import OpWeaveError as UserError
@@ -92,6 +94,11 @@ def _worker(cfg: RunConfig, rank: int, world: int, port: int, results) -> None:
 
 def run(cfg: RunConfig) -> list[Request]:
     """Runs every rank to completion; returns the requests with their generated tokens."""
+    return run_detailed(cfg)[0]
+
+
+def run_detailed(cfg: RunConfig) -> tuple[list[Request], dict]:
+    """`run`, plus rank 0's per-round wall and host times."""
     import multiprocessing as mp
 
     verify_manifest(cfg.artifact)
@@ -115,7 +122,7 @@ def run(cfg: RunConfig) -> list[Request]:
         _stop(procs)
 
 
-def _watch(procs, results, timeout_s: float) -> list[Request]:
+def _watch(procs, results, timeout_s: float) -> tuple[list[Request], dict]:
     start = time.monotonic()
     outputs = None
     errors: dict[int, str] = {}
@@ -125,7 +132,7 @@ def _watch(procs, results, timeout_s: float) -> list[Request]:
             if kind == "error":
                 errors.setdefault(rank, payload)
             else:
-                outputs = [Request(**r) for r in payload]
+                outputs = ([Request(**r) for r in payload[0]], payload[1])
         except queue_mod.Empty:
             pass
         if errors or any(p.exitcode not in (None, 0) for p in procs):

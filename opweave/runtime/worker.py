@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -255,8 +256,10 @@ def load_program_module(path: str):
     return module
 
 
-def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list[Request]) -> list[Request] | None:
-    """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the outputs."""
+def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list[Request],
+             interpret: bool = False) -> tuple[list[Request], dict] | None:
+    """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the
+    outputs and its per-round wall and host (CPU) times."""
     with open(os.path.join(artifact, f"rank_{rank:02d}.json")) as f:
         program = program_from_json(json.load(f))
     groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
@@ -265,12 +268,20 @@ def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list
         k = program.scheduler_leaders.index(program.tp_group[0])
         mine = [r for r in requests if r.index % len(program.scheduler_leaders) == k]
     rt = Runtime(artifact, program, weights, device, groups, mine)
-    module = load_program_module(os.path.join(artifact, f"rank_{rank:02d}.py"))
-    prog = module.Program(rt)
+    if interpret:
+        from opweave.runtime.interpret import InterpretedProgram
+
+        prog = InterpretedProgram(rt, program)
+    else:
+        prog = load_program_module(os.path.join(artifact, f"rank_{rank:02d}.py")).Program(rt)
     kill_at = _fault_injection(rank)
+    wall, host = [], []
     with torch.no_grad():
         while True:
+            t0, c0 = time.perf_counter(), time.process_time()
             prog.round()
+            wall.append(time.perf_counter() - t0)
+            host.append(time.process_time() - c0)
             if rt.round_index == kill_at:
                 os.kill(os.getpid(), 9)
             if not rt.end_round():
@@ -282,7 +293,7 @@ def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list
     if rank != 0:
         return None
     out = [r for part in gathered if part for r in part]
-    return sorted(out, key=lambda r: r.index)
+    return sorted(out, key=lambda r: r.index), {"round_s": wall, "host_s": host}
 
 
 def _fault_injection(rank: int) -> int | None:

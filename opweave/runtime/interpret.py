@@ -1,0 +1,54 @@
+"""An op-by-op interpreter of a `RankProgram`: the same work as the generated module, dispatched
+through Python per operator, with the values of a stage looked up by name in a dictionary.
+
+It exists as the baseline of `bench/runtime.py` (generated straight-line code vs interpretation)
+and as a second path that must agree with the generated code.
+"""
+
+from __future__ import annotations
+
+import re
+
+from opweave.ir.program import RankProgram
+
+_VALUE = re.compile(r"^(?P<name>[^\[]+)(\[(?P<index>\d+)\])?$")
+
+
+class InterpretedProgram:
+    """Drop-in for the generated `Program`: `round()` runs one decode step of every microbatch."""
+
+    def __init__(self, rt, program: RankProgram):
+        self.rt = rt
+        self.program = program
+
+    @staticmethod
+    def _get(env: dict, value: str):
+        m = _VALUE.match(value)
+        if m.group("name") in env:
+            out = env[m.group("name")]
+            return out if m.group("index") is None else out[int(m.group("index"))]
+        return env[value]
+
+    def round(self) -> None:
+        rt = self.rt
+        for st in self.program.stages:
+            for mb in range(self.program.num_microbatches):
+                env: dict = {}
+                if st.recv is None:
+                    env["ids"], env["positions"] = rt.begin(mb)
+                else:
+                    env["positions"], values = rt.recv(st.stage, mb)
+                    env.update(zip(st.recv.values, values))
+                for launch in st.launches:
+                    args = [self._get(env, v) for v in launch.inputs]
+                    if launch.kind == "sample" and self.program.tp > 1:
+                        out = rt.tp_argmax(*args)
+                    else:
+                        out = rt.ops[launch.op](*args)
+                    if launch.allreduce:
+                        out = rt.allreduce(out)
+                    env[launch.output] = out
+                if st.send is not None:
+                    rt.send(st.stage, mb, env["positions"], tuple(self._get(env, v) for v in st.send.values))
+                elif st.returns:
+                    rt.finish(mb, env[st.launches[-1].output])

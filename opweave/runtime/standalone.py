@@ -1,0 +1,93 @@
+"""`python rank_XX.py`: benchmark one generated rank module alone.
+
+Its operators get deterministic random weights; receives return zeros of the planned shapes,
+sends and token returns go nowhere, TP collectives are skipped (one process), so the figure is
+this rank's compute and Python dispatch per decode round for the planned batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from opweave.ir.program import program_from_json
+from opweave.models.config import config_from_hf
+from opweave.models.model import DecodeStep, build_model
+from opweave.models.ops import torch_dtype
+from opweave.runtime.shard import materialize
+
+
+class _LoneRuntime:
+    def __init__(self, artifact: str, program, width: int):
+        with open(os.path.join(artifact, "model_config.json")) as f:
+            cfg = config_from_hf(json.load(f), program.model)
+        with open(os.path.join(artifact, "ops.json")) as f:
+            names = json.load(f)
+        modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
+        self.ops = materialize({i: modules[names[i]] for i in program.ops}, "random", program.tp, program.tp_rank,
+                               torch.device("cpu"))
+        self.rows = program.rows[1] - program.rows[0]
+        for m in self.ops.values():
+            m.allocate_state(self.rows, program.context, "cpu")
+        self.program, self.width, self.dtype = program, width, torch_dtype(cfg)
+        self.step = 0
+
+    def _positions(self):
+        return torch.full((self.rows, self.width), self.step, dtype=torch.long)
+
+    def begin(self, mb):
+        return torch.zeros(self.rows, self.width, dtype=torch.long), self._positions()
+
+    def recv(self, stage, mb):
+        st = next(s for s in self.program.stages if s.stage == stage)
+        tp = self.program.tp
+        vals = []
+        for shape, layout in zip(st.recv.shapes, st.recv.layouts):
+            shape = list(shape)
+            if tp > 1 and layout != "rep":
+                shape[0] //= tp
+            vals.append(torch.zeros(self.rows, self.width, *shape, dtype=self.dtype))
+        return self._positions(), tuple(vals)
+
+    def send(self, *args):
+        pass
+
+    def finish(self, *args):
+        pass
+
+    def allreduce(self, x):
+        return x
+
+    def tp_argmax(self, logits):
+        return logits[:, -1].argmax(-1)
+
+
+def main(module_path: str, rounds: int = 20) -> None:
+    from opweave.runtime.worker import load_program_module
+
+    artifact = os.path.dirname(os.path.abspath(module_path))
+    name = os.path.splitext(os.path.basename(module_path))[0]
+    with open(os.path.join(artifact, name + ".json")) as f:
+        program = program_from_json(json.load(f))
+    torch.set_num_threads(1)
+    rt = _LoneRuntime(artifact, program, width=1)
+    prog = load_program_module(module_path).Program(rt)
+    times = []
+    with torch.no_grad():
+        for i in range(rounds + 3):
+            rt.step = i
+            t0 = time.perf_counter()
+            prog.round()
+            if i >= 3:  # warm-up rounds excluded
+                times.append(time.perf_counter() - t0)
+    print(f"{name}: {len(program.ops)} ops, {program.num_microbatches} microbatch(es) of {rt.rows} rows: "
+          f"median {statistics.median(times) * 1e3:.3f} ms per decode round over {rounds} rounds")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
