@@ -7,6 +7,7 @@ traceback as well.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -125,10 +126,51 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on embedded defaults: plan a real model on a real cluster, then compile and
+    run a tiny built-in model on CPU ranks (random weights)."""
+    import os
+
+    from opweave.compiler.compile import compile_model, write_artifact
+    from opweave.hardware.catalog import load_catalog
+    from opweave.hardware.cluster import parse_cluster
+    from opweave.ir.plan import format_plan
+    from opweave.passes.search import SearchOptions
+    from opweave.runtime.launch import RunConfig, read_requests, run
+
+    catalog = load_catalog()
+    os.makedirs(args.out, exist_ok=True)
+    big = os.path.join(args.out, "gemma-3-27b")
+    print("== 1. gemma-3-27b on h100x32, TPOT SLO 100 ms, context 128k", flush=True)
+    compiled = compile_model("gemma-3-27b", parse_cluster("h100x32", catalog), 0.1, 131072)
+    write_artifact(big, compiled)
+    print(format_plan(compiled.plan))
+    print(f"   artifact: {big}/ ({compiled.plan.gpus_used} rank modules, trace.json, gantt.png)\n", flush=True)
+
+    tiny = os.path.join(args.out, "tiny-gemma3")
+    print("== 2. tiny-gemma3 (built-in, random weights) on h100x2+l40sx2, run on CPU ranks", flush=True)
+    compiled = compile_model("tiny-gemma3", parse_cluster("h100x2+l40sx2", catalog), 0.05, 64,
+                             SearchOptions(batches=(4,), templates="afd"))
+    write_artifact(tiny, compiled)
+    print(format_plan(compiled.plan), flush=True)
+    requests = read_requests(None, "1,2,3,4,5,6,7,8,9,10,11,12", 8) + tuple(
+        r for r in read_requests(None, "42,43,44", 8))
+    requests = tuple(dataclasses.replace(r, index=i) for i, r in enumerate(requests))
+    outputs = run(RunConfig(artifact=tiny, weights="random", device="cpu", requests=requests))
+    for r in outputs:
+        print(f"   prompt {r.prompt} -> generated {r.output}")
+    print(f"   artifact: {tiny}/ — rerun with: opweave run {tiny} --weights random --prompt-ids 1,2,3")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opweave", description="Compiler for LLM decode serving on mixed GPU clusters.")
     parser.add_argument("--version", action="version", version=f"opweave {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="plan gemma-3-27b on 32 H100s, then compile and run a tiny model on CPU ranks")
+    demo.add_argument("--out", default="opweave-demo", help="folder for the two artifacts (default ./opweave-demo)")
+    demo.set_defaults(func=_cmd_demo)
 
     dump = sub.add_parser("dump", help="print a model's operator IR or partition blocks, or an artifact's plan")
     dump.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, model.py, "

@@ -2,7 +2,8 @@
 
 Its operators get deterministic random weights; receives return zeros of the planned shapes,
 sends and token returns go nowhere, TP collectives are skipped (one process), so the figure is
-this rank's compute and Python dispatch per decode round for the planned batch.
+this rank's compute and Python dispatch per decode round for the planned batch. On CUDA the
+round is also captured once as a CUDA graph and replayed, and both times are printed.
 """
 
 from __future__ import annotations
@@ -23,25 +24,26 @@ from opweave.runtime.shard import materialize
 
 
 class _LoneRuntime:
-    def __init__(self, artifact: str, program, width: int):
+    def __init__(self, artifact: str, program, width: int, device: torch.device):
         with open(os.path.join(artifact, "model_config.json")) as f:
             cfg = config_from_hf(json.load(f), program.model)
         with open(os.path.join(artifact, "ops.json")) as f:
             names = json.load(f)
         modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
         self.ops = materialize({i: modules[names[i]] for i in program.ops}, "random", program.tp, program.tp_rank,
-                               torch.device("cpu"))
+                               device)
         self.rows = program.rows[1] - program.rows[0]
         for m in self.ops.values():
-            m.allocate_state(self.rows, program.context, "cpu")
-        self.program, self.width, self.dtype = program, width, torch_dtype(cfg)
-        self.step = 0
+            m.allocate_state(self.rows, program.context, device)
+        self.program, self.width, self.dtype, self.device = program, width, torch_dtype(cfg), device
+        self.positions = torch.zeros(self.rows, width, dtype=torch.long, device=device)  # static: graph-safe
+        self.ids = torch.zeros(self.rows, width, dtype=torch.long, device=device)
 
     def _positions(self):
-        return torch.full((self.rows, self.width), self.step, dtype=torch.long)
+        return self.positions
 
     def begin(self, mb):
-        return torch.zeros(self.rows, self.width, dtype=torch.long), self._positions()
+        return self.ids, self.positions
 
     def recv(self, stage, mb):
         st = next(s for s in self.program.stages if s.stage == stage)
@@ -51,7 +53,7 @@ class _LoneRuntime:
             shape = list(shape)
             if tp > 1 and layout != "rep":
                 shape[0] //= tp
-            vals.append(torch.zeros(self.rows, self.width, *shape, dtype=self.dtype))
+            vals.append(torch.zeros(self.rows, self.width, *shape, dtype=self.dtype, device=self.device))
         return self._positions(), tuple(vals)
 
     def send(self, *args):
@@ -75,18 +77,33 @@ def main(module_path: str, rounds: int = 20) -> None:
     with open(os.path.join(artifact, name + ".json")) as f:
         program = program_from_json(json.load(f))
     torch.set_num_threads(1)
-    rt = _LoneRuntime(artifact, program, width=1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rt = _LoneRuntime(artifact, program, width=1, device=device)
     prog = load_program_module(module_path).Program(rt)
-    times = []
-    with torch.no_grad():
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        times = []
         for i in range(rounds + 3):
-            rt.step = i
+            rt.positions.fill_(i)
+            sync()
             t0 = time.perf_counter()
-            prog.round()
+            fn()
+            sync()
             if i >= 3:  # warm-up rounds excluded
                 times.append(time.perf_counter() - t0)
-    print(f"{name}: {len(program.ops)} ops, {program.num_microbatches} microbatch(es) of {rt.rows} rows: "
-          f"median {statistics.median(times) * 1e3:.3f} ms per decode round over {rounds} rounds")
+        return statistics.median(times)
+
+    with torch.no_grad():
+        eager = timed(prog.round)
+        line = (f"{name} on {device.type}: {len(program.ops)} ops, {program.num_microbatches} microbatch(es) of "
+                f"{rt.rows} rows: median {eager * 1e3:.3f} ms per decode round over {rounds} rounds")
+        if device.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # capture once, replay per round
+                prog.round()
+            line += f"; as a CUDA graph {timed(graph.replay) * 1e3:.3f} ms"
+    print(line)
 
 
 if __name__ == "__main__":
