@@ -27,6 +27,8 @@ def _cmd_dump(args: argparse.Namespace) -> int:
 
     if args.what == "plan":
         return _dump_plan(args)
+    if args.what == "ranks":
+        return _dump_ranks(args)
     fe = run_front_end(args.model, dtype=args.dtype)
     if args.what == "ir":
         out = to_json(fe.graph) if args.format == "json" else format_graph(fe.graph)
@@ -90,6 +92,22 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     else:
         print(format_plan(compiled.plan))
         print(f"wrote {args.output}/ (plan.json, plan.txt, ir.txt, trace.json, gantt.png)")
+    return 0
+
+
+def _dump_ranks(args: argparse.Namespace) -> int:
+    import os
+
+    from opweave.ir.program import format_program, program_from_json, program_to_json
+
+    if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "rank_00.json")):
+        raise OpWeaveError(f"{args.model}: no rank programs (give an artifact folder written by opweave compile)")
+    names = sorted(n for n in os.listdir(args.model) if n.startswith("rank_") and n.endswith(".json"))
+    programs = [program_from_json(json.load(open(os.path.join(args.model, n)))) for n in names]
+    if args.format == "json":
+        print(json.dumps([program_to_json(p) for p in programs], indent=1))
+    else:
+        print("\n\n".join(format_program(p) for p in programs))
     return 0
 
 
@@ -174,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dump = sub.add_parser("dump", help="print a model's operator IR or partition blocks, or an artifact's plan")
     dump.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, model.py, "
-                                    "or (with --what plan) an artifact folder")
-    dump.add_argument("--what", choices=("ir", "blocks", "plan"), default="ir")
+                                    "or (with --what plan|ranks) an artifact folder")
+    dump.add_argument("--what", choices=("ir", "blocks", "plan", "ranks"), default="ir")
     dump.add_argument("--format", choices=("text", "json"), default="text")
     dump.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                       help="override the checkpoint's dtype for the cost facts")

@@ -74,7 +74,7 @@ def _bad_inputs(tmp_path):
         "model.py that raises": ([_write(tmp_path / "d.py", "def build_model():\n    raise ValueError('boom')\n")],
                                  "build_model() failed (ValueError: boom)"),
         "missing model.py": ([str(tmp_path / "none.py")], "no such file"),
-        "bad flag": (["llama-3.1-8b", "--what", "ranks"], "invalid choice"),
+        "bad flag": (["llama-3.1-8b", "--what", "kernels"], "invalid choice"),
     }
 
 

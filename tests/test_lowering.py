@@ -95,3 +95,22 @@ def test_codegen_is_deterministic(artifacts, tiny_checkpoint, tmp_path):
     for name in os.listdir(artifacts["afd"]):
         if name.endswith((".py", ".json")):
             assert open(os.path.join(again, name)).read() == open(os.path.join(artifacts["afd"], name)).read(), name
+
+
+def test_dump_ranks(artifacts, capsys):
+    from opweave.cli import main
+
+    assert main(["dump", artifacts["cad"], "--what", "ranks"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("rank ") >= 3 and "recv after op" in out and "return token ids" in out
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    """The README's main job: plan a real model, then compile and run a tiny one on CPU ranks."""
+    from opweave.cli import main
+
+    assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "Plan for gemma-3-27b on h100x32" in out and "Plan for tiny-gemma3" in out
+    assert out.count("-> generated [") == 2
+    assert os.path.isfile(tmp_path / "demo" / "gemma-3-27b" / "rank_27.py")
