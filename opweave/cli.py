@@ -91,7 +91,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         print(json.dumps(plan_to_json(compiled.plan), indent=1))
     else:
         print(format_plan(compiled.plan))
-        print(f"wrote {args.output}/ (plan.json, plan.txt, ir.txt, trace.json, gantt.png)")
+        print(f"wrote {args.output}/ (plan.json, plan.txt, ir.txt, trace.json, gantt.png, "
+              f"{compiled.plan.gpus_used // max(compiled.plan.replica_sets, 1)} rank modules, manifest.json)")
     return 0
 
 

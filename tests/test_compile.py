@@ -19,7 +19,15 @@ def artifact(tmp_path_factory):
 
 
 def test_artifact_files(artifact):
-    assert sorted(os.listdir(artifact)) == ["gantt.png", "ir.txt", "plan.json", "plan.txt", "trace.json"]
+    names = sorted(os.listdir(artifact))
+    ranks = [n for n in names if n.startswith("rank_")]
+    assert sorted(set(names) - set(ranks)) == ["gantt.png", "ir.txt", "manifest.json", "model_config.json",
+                                               "ops.json", "plan.json", "plan.txt", "trace.json"]
+    plan = json.loads((artifact / "plan.json").read_text())
+    world = sum(o["tp"] * o["replicas"] for o in plan["owners"])
+    assert ranks == sorted([f"rank_{r:02d}.py" for r in range(world)] + [f"rank_{r:02d}.json" for r in range(world)])
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert set(manifest["files"]) == set(names) - {"manifest.json"} and manifest["plan_hash"]
     assert (artifact / "gantt.png").read_bytes()[:4] == b"\x89PNG"
     trace = json.loads((artifact / "trace.json").read_text())
     assert trace["traceEvents"] and all("ph" in e for e in trace["traceEvents"])
