@@ -85,3 +85,16 @@ def test_generated_module_benchmarks_alone(tiny_checkpoint, tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(out, "rank_00.py")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "ms per decode round" in proc.stdout
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_triton_kernel_path_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch, family):
+    """The CUDA path's kernels (Triton, here under TRITON_INTERPRET=1 on CPU) give the same tokens."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("OPWEAVE_KERNELS", "triton")
+    folder = tiny_checkpoint(family, num_hidden_layers=LAYERS[family])
+    out = str(tmp_path / "art")
+    compile_pinned(folder, "afd", out)
+    short = tuple(Request(index=i, prompt=p, max_new_tokens=3) for i, p in enumerate(PROMPTS[:2]))
+    outputs = run(RunConfig(artifact=out, weights=folder, device="cpu", requests=short, timeout_s=300))
+    assert [tuple(r.output) for r in outputs] == [t[:3] for t in reference(folder)[:2]]

@@ -22,6 +22,7 @@ from opweave.ir.program import Peer, RankProgram, program_from_json
 from opweave.models.config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
+from opweave.runtime.kernel_ops import with_kernels
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import materialize
 
@@ -40,11 +41,12 @@ class Runtime:
         modules = dict(step.named_modules())
         with open(os.path.join(artifact, "ops.json")) as f:
             op_names = json.load(f)
-        self.ops: dict[int, OpModule] = materialize(
+        self.modules: dict[int, OpModule] = materialize(
             {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device)
+        self.ops = with_kernels(self.modules, self.device)  # what the generated code calls
         rows = program.rows[1] - program.rows[0]
         self._state: dict[int, dict[str, torch.Tensor]] = {}
-        for i, m in self.ops.items():
+        for i, m in self.modules.items():
             m.allocate_state(program.num_microbatches * rows, program.context, self.device)
             if m.state_attrs:
                 self._state[i] = {a: getattr(m, a) for a in m.state_attrs}
@@ -61,7 +63,7 @@ class Runtime:
         lo, hi = mb * self.rows, (mb + 1) * self.rows
         for i, tensors in self._state.items():
             for attr, full in tensors.items():
-                setattr(self.ops[i], attr, full[lo:hi])
+                setattr(self.modules[i], attr, full[lo:hi])
 
     @property
     def is_leader(self) -> bool:
