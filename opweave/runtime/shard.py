@@ -3,7 +3,7 @@
 Operators are built on the meta device with the model; a rank materialises the ones it runs.
 With TP degree t an operator is rebuilt for a sharded configuration (1/t of the heads, of the
 intermediate size, of the vocabulary) and loads the matching slices of its checkpoint tensors
-(`shard_spec` names the dimension and block layout of each); the runtime all-reduces the
+(`runtime/tp.py` says which dimension and block layout); the runtime all-reduces the
 partial sums of row-parallel operators.
 """
 

@@ -1,0 +1,249 @@
+"""The profiler: measuring a tiny model, the table's file format, interpolation, refusals, and
+the cost model's use of measured figures."""
+
+import dataclasses
+import json
+
+import pytest
+
+from opweave.compiler.frontend import run_front_end
+from opweave.cost.model import CostModel, intra_bandwidth
+from opweave.errors import OpWeaveError
+from opweave.hardware.catalog import load_catalog
+from opweave.ir.kinds import OpClass, OpKind
+from opweave.profile import OpEntry, ProfileTable, cpu_gpu_spec, interpolate, load_profile, op_signature
+from opweave.profile.comm import fit_link
+from opweave.profile.measure import profile
+from opweave.profile.signature import graph_hash
+from opweave.profile.table import FORMAT_VERSION
+
+BATCHES = (1, 2, 4)
+CONTEXTS = (16, 64)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return run_front_end("tiny-gemma3", "float32").graph
+
+
+@pytest.fixture(scope="module")
+def measured(graph):
+    lines = []
+    table = profile("tiny-gemma3", "cpu", batches=BATCHES, contexts=CONTEXTS, tp_degrees=(1, 2),
+                    progress=lines.append)
+    return table, lines
+
+
+@pytest.fixture
+def table(measured):
+    table = measured[0]
+    table.reset_counts()
+    return table
+
+
+@pytest.fixture(scope="module")
+def saved(measured, tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    measured[0].save(str(path))
+    return str(path)
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def test_profile_covers_every_op(table, graph, measured):
+    assert table.model == "tiny-gemma3" and table.gpu == "cpu" and table.dtype == "float32"
+    assert table.graph_hash == graph_hash(graph)
+    assert table.num_threads == 1 and table.device_name and table.torch_version and table.date
+    signatures = {op_signature(op) for op in graph.ops}
+    assert {e.signature for e in table.entries if e.tp == 1} == signatures
+    assert sum(e.num_ops for e in table.entries if e.tp == 1) == len(graph.ops)  # one group per signature
+    for e in table.entries:
+        assert e.batches == BATCHES and all(x > 0 for row in e.latency_s for x in row)
+        is_attn = e.kind in (OpKind.ATTN_FULL.value, OpKind.ATTN_SLIDING.value)
+        assert e.contexts == (CONTEXTS if is_attn else ())
+    tp2 = {e.kind for e in table.entries if e.tp == 2}
+    assert {"qkv_proj", "attn_full", "o_proj", "mlp_gate_up", "mlp_down", "lm_head"} <= tp2
+    assert not tp2 & {"embed", "norm", "residual", "final_norm"}  # replicated: measured at TP 1 only
+    assert 0 < table.dispatch_s < 1e-3
+    assert table.transfer_latency_s > 0 and table.transfer_bandwidth > 0 and len(table.transfer_samples) == 7
+    assert table.allreduce_latency_s > 0 and table.allreduce_bandwidth > 0
+    lines = measured[1]
+    assert any(line.startswith("qkv_proj x8 (tp 1") for line in lines) and any("dispatch" in x for x in lines)
+
+
+def test_every_op_hits_at_tp1_and_sharded_ops_at_tp2(table, graph):
+    for op in graph.ops:
+        assert table.op_latency(op, "cpu", 1, 2, 64) > 0
+        assert table.op_latency(op, "cpu", 2, 2, 64) > 0  # replicated ops reuse their TP-1 figure
+    assert table.counts["hit"] == 2 * len(graph.ops) and table.counts["miss"] == 0
+
+
+# ---------------------------------------------------------------- file format
+
+
+def test_save_load_round_trip(table, saved, graph):
+    loaded = load_profile(saved, graph=graph, device_name="cpu")
+    assert loaded == table and loaded.warnings == ()
+    assert load_profile(saved, device_name=table.device_name) == table
+    with open(saved) as f:
+        data = json.load(f)
+    assert data["format"] == "opweave-profile" and data["version"] == FORMAT_VERSION
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("{\"format\": \"opweave-profile\", \"version\": 1, \"model\": ", "truncated or not JSON"),
+    ("hello", "truncated or not JSON"),
+    ("{\"a\": 1}", "not an opweave profile"),
+    ("{\"format\": \"opweave-profile\", \"version\": 0}", "format version 0 is not supported"),
+    ("{\"format\": \"opweave-profile\", \"version\": 1, \"model\": \"x\"}", "missing field"),
+])
+def test_bad_files_are_one_line_errors(tmp_path, content, expected):
+    path = tmp_path / "p.json"
+    path.write_text(content)
+    with pytest.raises(OpWeaveError, match=expected) as err:
+        load_profile(str(path))
+    assert "\n" not in str(err.value)
+
+
+def test_truncated_saved_profile(saved, tmp_path):
+    text = open(saved).read()
+    path = tmp_path / "cut.json"
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(OpWeaveError, match="truncated"):
+        load_profile(str(path))
+    with pytest.raises(OpWeaveError, match="not found"):
+        load_profile(str(tmp_path / "missing.json"))
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_other_device_is_refused(saved):
+    with pytest.raises(OpWeaveError, match="not on NVIDIA H100"):
+        load_profile(saved, device_name="NVIDIA H100 80GB HBM3")
+
+
+def test_other_model_is_refused_naming_both(saved):
+    other = run_front_end("llama-3.1-8b").graph
+    with pytest.raises(OpWeaveError, match="profile of tiny-gemma3.*not of llama-3.1-8b"):
+        load_profile(saved, graph=other)
+    bf16 = run_front_end("tiny-gemma3", "bfloat16").graph  # same shapes, other activation/state bytes
+    with pytest.raises(OpWeaveError, match=r"float32.*bfloat16"):
+        load_profile(saved, graph=bf16)
+
+
+def test_partly_matching_model_keeps_matching_ops_and_warns(saved, graph):
+    last = graph.ops[-1]
+    changed = dataclasses.replace(last, act_bytes_per_token=last.act_bytes_per_token + 4)
+    variant = dataclasses.replace(graph, model="tiny-variant", ops=graph.ops[:-1] + (changed,))
+    table = load_profile(saved, graph=variant)
+    assert len(table.warnings) == 1
+    assert "tiny-gemma3" in table.warnings[0] and "tiny-variant" in table.warnings[0]
+    assert f"{len(graph.ops) - 1} of {len(graph.ops)} ops" in table.warnings[0]
+    assert table.op_latency(changed, "cpu", 1, 1, 16) is None
+    assert table.op_latency(graph.ops[0], "cpu", 1, 1, 16) is not None
+    assert table.counts["hit"] == 1 and table.counts["miss_signature"] == 1
+
+
+def test_unprofiled_gpu_tp_and_signature_give_none(table, graph):
+    qkv = next(op for op in graph.ops if op.kind == OpKind.QKV_PROJ)
+    assert table.op_latency(qkv, "h100", 1, 1, 16) is None
+    assert table.op_latency(qkv, "cpu", 4, 1, 16) is None
+    other = next(op for op in run_front_end("llama-3.1-8b").graph.ops if op.kind == OpKind.QKV_PROJ)
+    assert table.op_latency(other, "cpu", 1, 1, 16) is None
+    c = table.counts
+    assert (c["hit"], c["miss"], c["miss_gpu"], c["miss_tp"], c["miss_signature"]) == (0, 3, 1, 1, 1)
+    assert "3 from the roofline" in table.usage_summary()
+
+
+# ---------------------------------------------------------------- interpolation
+
+
+def _synthetic(graph, latency=lambda b, s: 1e-5 * b + 1e-7 * s) -> ProfileTable:
+    entries = []
+    for op in {op_signature(op): op for op in graph.ops}.values():
+        contexts = CONTEXTS if op.cls == OpClass.ATTN else ()
+        rows = tuple(tuple(latency(b, s) for b in BATCHES) for s in (contexts or (0,)))
+        entries.append(OpEntry(signature=op_signature(op), kind=op.kind.value, example=op.name, num_ops=1, tp=1,
+                               flops_per_token=op.flops_per_token, weight_bytes=op.weight_bytes, batches=BATCHES,
+                               contexts=contexts, latency_s=rows))
+    return ProfileTable(model=graph.model, graph_hash=graph_hash(graph), gpu="cpu", device_name="test cpu",
+                        dtype=graph.dtype, torch_version="t", opweave_version="o", python_version="p",
+                        date="2026-01-01T00:00:00+00:00", num_threads=1, settings={}, entries=tuple(entries),
+                        dispatch_s=2e-6, transfer_latency_s=1e-4, transfer_bandwidth=2e9)
+
+
+def test_interpolation_rule():
+    xs, ys = (1, 2, 4), (10.0, 20.0, 24.0)
+    assert [interpolate(xs, ys, x) for x in xs] == list(ys)              # exact at measured points
+    assert interpolate(xs, ys, 3) == pytest.approx(22.0)                  # linear in between
+    assert interpolate(xs, ys, 8) == pytest.approx(24.0 + 2.0 * 4)        # last two points' slope
+    assert interpolate(xs, ys, 0.5) == 10.0                               # flat below the grid
+    assert interpolate(xs, (10.0, 30.0, 25.0), 16) == 25.0                # a falling tail stays flat
+    assert interpolate((4,), (7.0,), 100) == 7.0
+
+
+def test_op_latency_is_bilinear_on_the_grid(graph):
+    table = _synthetic(graph)
+    attn = next(op for op in graph.ops if op.kind == OpKind.ATTN_FULL)
+    norm = next(op for op in graph.ops if op.kind == OpKind.NORM)
+    assert table.op_latency(attn, "cpu", 1, 2, 64) == pytest.approx(2e-5 + 64e-7)
+    assert table.op_latency(attn, "cpu", 1, 3, 40) == pytest.approx(3e-5 + 40e-7)
+    assert table.op_latency(attn, "cpu", 1, 8, 128) == pytest.approx(8e-5 + 128e-7)  # extrapolated both ways
+    assert table.op_latency(norm, "cpu", 1, 3, 99999) == pytest.approx(3e-5)        # context-independent
+
+
+# ---------------------------------------------------------------- catalog entry and cost model
+
+
+def test_cpu_gpu_spec_from_measurement(table):
+    base = load_catalog()["cpu"]
+    spec = cpu_gpu_spec(table, base)
+    assert 1e6 < spec.effective_flops < 1e13 and 1e6 < spec.effective_bandwidth < 1e13
+    assert spec.gemm_efficiency == spec.mem_efficiency == 1.0
+    assert spec.launch_overhead == table.dispatch_s
+    assert spec.intra_link_latency == table.transfer_latency_s
+    assert intra_bandwidth(spec) == pytest.approx(table.transfer_bandwidth)
+    assert (spec.price_per_hour, spec.memory_bytes, spec.gpus_per_node) == (
+        base.price_per_hour, base.memory_bytes, base.gpus_per_node)
+    assert "measured by opweave profile on" in spec.sources["peak_flops"]
+    assert spec.sources["price_per_hour"] == base.sources["price_per_hour"]
+
+
+def test_cpu_gpu_spec_synthetic_figures(graph):
+    table = _synthetic(graph, latency=lambda b, s: 1e-4 * b)
+    spec = cpu_gpu_spec(table, load_catalog()["cpu"])
+    lm = next(op for op in graph.ops if op.kind == OpKind.MLP_GATE_UP)  # most FLOPs per token of tiny-gemma3
+    largest = max((op for op in graph.ops if op.cls == OpClass.GEMM), key=lambda op: op.flops_per_token)
+    assert largest.flops_per_token == lm.flops_per_token
+    assert spec.peak_flops == pytest.approx(4 * largest.flops_per_token / (4e-4 - 2e-6))
+    heavy = max((op for op in graph.ops if op.cls == OpClass.GEMM), key=lambda op: op.weight_bytes)
+    assert spec.mem_bandwidth == pytest.approx(heavy.weight_bytes / (1e-4 - 2e-6))
+
+
+def test_cost_model_marks_measured_ops(table, graph):
+    cpu = cpu_gpu_spec(table, load_catalog()["cpu"])
+    model = CostModel(profile=table)
+    hidden = 64 * 4
+    for op in graph.ops:
+        cost = model.op_cost(op, cpu, 1, 2, 64, hidden)
+        assert cost.measured and cost.compute_s == table.op_latency(op, "cpu", 1, 2, 64)
+    h100 = load_catalog()["h100"]
+    assert not model.op_cost(graph.ops[1], h100, 1, 2, 64, hidden).measured
+    assert not CostModel().op_cost(graph.ops[1], cpu, 1, 2, 64, hidden).measured
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    samples = [(n, 1e-4 + n / 2e9) for n in (1024, 65536, 1 << 20, 4 << 20)]
+    fit = fit_link(samples)
+    assert fit.latency_s == pytest.approx(1e-4, rel=1e-6) and fit.bandwidth == pytest.approx(2e9, rel=1e-6)
+    flat = fit_link([(1024, 2e-3), (4096, 1e-3)])  # falling times: raw fallbacks
+    assert flat.latency_s > 0 and flat.bandwidth > 0
+
+
+def test_bad_grid_is_refused():
+    with pytest.raises(OpWeaveError, match="batches"):
+        profile("tiny-gemma3", batches=(0, 1), measure_links=False)
+    with pytest.raises(OpWeaveError, match="cpu or cuda"):
+        profile("tiny-gemma3", device="tpu", measure_links=False)
