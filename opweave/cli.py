@@ -74,6 +74,16 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     slo = parse_duration(args.tpot_slo)
     context = parse_tokens(args.context)
     catalog = load_catalog(args.catalog)
+    table = None
+    if args.profile:
+        from opweave.compiler.frontend import run_front_end
+        from opweave.profile import cpu_gpu_spec, load_profile
+
+        table = load_profile(args.profile, graph=run_front_end(args.model).graph)
+        for w in table.warnings:
+            print(f"opweave: warning: {w}", file=sys.stderr)
+        if table.gpu == "cpu" and "cpu" in catalog:  # --cluster cpuxN then uses the measured figures
+            catalog["cpu"] = cpu_gpu_spec(table, catalog["cpu"])
     cluster = detect_local(catalog) if args.cluster == "local" else parse_cluster(args.cluster, catalog)
     batches = tuple(b for b in SearchOptions().batches if b <= args.max_batch)
     if not batches:
@@ -85,8 +95,13 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"  ... {message}", file=sys.stderr, flush=True)
 
-    compiled = compile_model(args.model, cluster, slo, context, options, progress=progress)
+    from opweave.cost.model import CostModel
+
+    compiled = compile_model(args.model, cluster, slo, context, options, cost_model=CostModel(profile=table),
+                             progress=progress)
     write_artifact(args.output, compiled)
+    if table is not None:
+        print(f"opweave: {table.usage_summary()}", file=sys.stderr)
     if args.format == "json":
         print(json.dumps(plan_to_json(compiled.plan), indent=1))
     else:
@@ -182,6 +197,34 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from opweave.profile.measure import profile
+    from opweave.units import parse_tokens
+
+    def numbers(text: str, flag: str, parse=int) -> tuple[int, ...]:
+        try:
+            values = tuple(parse(x.strip()) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise OpWeaveError(f"{flag} must be comma-separated whole numbers, got {text!r}") from None
+        if not values or min(values) <= 0:
+            raise OpWeaveError(f"{flag} must list positive numbers, got {text!r}")
+        return values
+
+    def progress(message: str) -> None:
+        if not args.quiet:
+            print(f"  ... {message}", file=sys.stderr, flush=True)
+
+    table = profile(args.model, args.device, batches=numbers(args.batches, "--batches"),
+                    contexts=numbers(args.contexts, "--contexts", parse_tokens),
+                    tp_degrees=numbers(args.tp, "--tp"), progress=progress)
+    table.save(args.output)
+    for w in table.warnings:
+        print(f"opweave: warning: {w}", file=sys.stderr)
+    print(f"wrote {args.output}: {len(table.entries)} measured op signatures of {table.model} "
+          f"on {table.gpu} ({table.device_name})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opweave", description="Compiler for LLM decode serving on mixed GPU clusters.")
     parser.add_argument("--version", action="version", version=f"opweave {__version__}")
@@ -223,8 +266,19 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--max-batch", type=int, default=512, help="largest resident batch per replica set")
     comp.add_argument("--format", choices=("text", "json"), default="text")
     comp.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    comp.add_argument("--profile", metavar="PROFILE.json", help="measured op latencies from opweave profile")
     comp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     comp.set_defaults(func=_cmd_compile)
+
+    prof = sub.add_parser("profile", help="measure a model's operators and links on this machine for the planner")
+    prof.add_argument("--model", required=True, help="built-in model name, Hugging Face checkpoint folder, or model.py")
+    prof.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    prof.add_argument("-o", "--output", required=True, metavar="PROFILE.json")
+    prof.add_argument("--batches", default="1,2,4,8", help="batch sizes to measure (default 1,2,4,8)")
+    prof.add_argument("--contexts", default="64,256,1024", help="context lengths for attention ops (default 64,256,1024)")
+    prof.add_argument("--tp", default="1", help="TP degrees to measure one shard at, e.g. 1,2 (default 1)")
+    prof.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    prof.set_defaults(func=_cmd_profile)
 
     run = sub.add_parser("run", help="run a compiled artifact: one process per rank, greedy generation")
     run.add_argument("artifact", help="folder written by opweave compile")

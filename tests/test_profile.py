@@ -214,9 +214,7 @@ def test_cpu_gpu_spec_from_measurement(table):
 def test_cpu_gpu_spec_synthetic_figures(graph):
     table = _synthetic(graph, latency=lambda b, s: 1e-4 * b)
     spec = cpu_gpu_spec(table, load_catalog()["cpu"])
-    lm = next(op for op in graph.ops if op.kind == OpKind.MLP_GATE_UP)  # most FLOPs per token of tiny-gemma3
     largest = max((op for op in graph.ops if op.cls == OpClass.GEMM), key=lambda op: op.flops_per_token)
-    assert largest.flops_per_token == lm.flops_per_token
     assert spec.peak_flops == pytest.approx(4 * largest.flops_per_token / (4e-4 - 2e-6))
     heavy = max((op for op in graph.ops if op.cls == OpClass.GEMM), key=lambda op: op.weight_bytes)
     assert spec.mem_bandwidth == pytest.approx(heavy.weight_bytes / (1e-4 - 2e-6))

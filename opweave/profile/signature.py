@@ -1,9 +1,10 @@
 """Cost signatures of operators: which ops of a graph share one measured figure.
 
 Two ops have the same cost signature when they have the same kind, the same weight shapes, the
-same activation bytes per token and the same per-sequence state spec: every layer's `qkv_proj` of a dense model is one signature, a
-sliding-window attention and a full attention are two. The graph hash is the hash of the ordered
-list of signatures, so it changes when the model's shapes or dtype change, not when only names do.
+same activation bytes per token and the same per-sequence state spec: every layer's `qkv_proj`
+of a dense model is one signature, a sliding-window attention and a full attention are two. The
+graph hash is the hash of the ordered list of signatures, so it changes when the model's shapes
+or dtype change, not when only names do.
 """
 
 from __future__ import annotations

@@ -241,7 +241,8 @@ def load_profile(path: str, graph: OpGraph | None = None, device_name: str | Non
     except FileNotFoundError:
         raise OpWeaveError(f"profile file '{path}' not found") from None
     except json.JSONDecodeError as err:
-        raise OpWeaveError(f"{path}: not a valid profile (truncated or not JSON: {err.msg} at line {err.lineno})") from None
+        raise OpWeaveError(f"{path}: not a valid profile (truncated or not JSON: {err.msg} "
+                           f"at line {err.lineno})") from None
     except (OSError, UnicodeDecodeError) as err:
         raise OpWeaveError(f"{path}: cannot read profile ({' '.join(str(err).split())})") from None
     table = table_from_json(data, path)
