@@ -22,9 +22,10 @@ from opweave.passes.templates import build_stages, template_by_name
 
 
 def pinned_plan(fe: FrontEnd, cluster: Cluster, template: str, owners: list[tuple[str, int, int]], batch: int,
-                microbatches: int, context: int, tpot_slo_s: float = math.inf) -> Compiled:
+                microbatches: int, context: int, tpot_slo_s: float = math.inf,
+                cost_model: CostModel = CostModel()) -> Compiled:
     space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=context, tpot_slo_s=tpot_slo_s,
-                      cost_model=CostModel())
+                      cost_model=cost_model)
     ev = _Evaluator(space)
     plan = build_stages(fe.blocks, template_by_name(fe.blocks, template))
     k = len(owners)

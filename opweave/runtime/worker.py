@@ -121,10 +121,12 @@ class Runtime:
                 w = torch.zeros(1, dtype=torch.long)
                 dist.recv(w, src=p.rank)
                 n, w = p.hi - p.lo, int(w)
-                pos = torch.zeros(n, w, dtype=torch.long)
-                dist.recv(pos, src=p.rank)
-                payload = torch.zeros(sum(n * w * _numel(s) for s in st.recv.shapes), dtype=self.dtype)
-                dist.recv(payload, src=p.rank)
+                esize = torch.empty(0, dtype=self.dtype).element_size()
+                body = torch.empty(n * w * 8 + sum(n * w * _numel(s) for s in st.recv.shapes) * esize,
+                                   dtype=torch.uint8)
+                dist.recv(body, src=p.rank)  # positions (int64) then every value, as bytes
+                pos = body[:n * w * 8].view(torch.long).view(n, w)
+                payload = body[n * w * 8:].view(self.dtype)
                 parts.append((p, w, pos, payload))
             width = max(w for _, w, _, _ in parts)
             positions = torch.full((self.rows, width), -1, dtype=torch.long)
@@ -182,11 +184,12 @@ class Runtime:
             return
         lo = self.program.rows[0]
         width = positions.shape[1]
-        for p in st.send.peers:
+        for p in st.send.peers:  # two messages: the width, then positions and values packed as bytes
             a, b = p.lo - lo, p.hi - lo
             self._isend(torch.tensor([width], dtype=torch.long), p.rank)
-            self._isend(positions[a:b].contiguous().cpu(), p.rank)
-            self._isend(torch.cat([v[a:b].reshape(-1) for v in values]).cpu(), p.rank)
+            body = [positions[a:b].contiguous().cpu().view(torch.uint8).reshape(-1)]
+            body += [v[a:b].contiguous().cpu().view(torch.uint8).reshape(-1) for v in values]
+            self._isend(torch.cat(body), p.rank)
 
     def finish(self, mb: int, tokens: torch.Tensor) -> None:
         if not self.is_leader:
