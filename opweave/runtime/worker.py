@@ -55,6 +55,7 @@ class Runtime:
                           if program.scheduler and program.tp_rank == 0 else None)
         self._pending: list = []   # this round's sends (work, buffer kept alive)
         self._previous: list = []  # the previous round's
+        self._flag = None          # the in-flight "any work left?" all-reduce of the last round
         self._local_tokens: dict[int, torch.Tensor] = {}  # colocated: the last stage returns to itself
         self.round_index = 0
 
@@ -228,23 +229,30 @@ class Runtime:
     # ---------------------------------------------------------------- round control
     def end_round(self) -> bool:
         """Completes the previous round's sends (this round's token ids are only received at the
-        start of the next round); True while any scheduler still has work."""
+        start of the next round) and answers whether to run another round.
+
+        Whether any scheduler still has work is all-reduced asynchronously and read one round
+        later, so the ranks never wait for each other between rounds (a round of idle steps
+        follows the last real one)."""
         for work, _ in self._previous:
             work.wait()
         self._previous, self._pending = self._pending, []
         self.round_index += 1
         flag = torch.tensor([1 if self.scheduler is not None and self.scheduler.active else 0], dtype=torch.long)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(int(flag))
+        previous, self._flag = self._flag, (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        if previous is None:
+            return True
+        previous[0].wait()
+        return bool(int(previous[1]))
 
     def drain(self) -> None:
         """After the last round: take the last step's token ids so every send is matched."""
         if self.scheduler is not None:
             for mb in range(self.program.num_microbatches):
                 self.scheduler.take_tokens(mb, self._recv_tokens(mb))
-        for work, _ in self._previous + self._pending:
+        for work, _ in self._previous + self._pending + ([self._flag] if self._flag else []):
             work.wait()
-        self._previous, self._pending = [], []
+        self._previous, self._pending, self._flag = [], [], None
 
 
 def _numel(shape: tuple[int, ...]) -> int:
