@@ -19,7 +19,7 @@ TPOT SLOs (chosen on this cost model by probing 6..200 ms on h100x32 before fixi
   Qwen3-Next-80B-A3B   strict  8 ms, relaxed 100 ms
 Strict: the tightest round value at which OpWeave is feasible in every setting and the SLO binds.
 For Gemma at 10 ms, AFD and CAD become infeasible at 128K (their best TPOT is ~10.0 ms: 124/125
-stages, each boundary an inter-node hop) and cost 6-8x colocated at 8K/32K. Qwen3-Next's decode step
+stages, each boundary an inter-node hop) and cost 4-8x colocated at 8K/32K. Qwen3-Next's decode step
 is short (3.9 G active parameters, 12 full-attention layers): every system stays feasible down to
 6 ms on H100, so no baseline becomes infeasible at any sensible SLO; 8 ms is where the SLO binds
 (the cheapest plan of every system costs ~2x its relaxed-SLO plan) without being degenerate.

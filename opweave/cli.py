@@ -147,6 +147,13 @@ def _dump_plan(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from opweave.runtime.launch import RunConfig, read_requests, run
 
+    if args.torchrun:
+        from opweave.runtime.entry import torchrun_commands
+
+        if not args.prompts:
+            raise OpWeaveError("--torchrun needs --prompts FILE.jsonl (every node reads it)")
+        print("\n".join(torchrun_commands(args.artifact, args.weights, args.prompts, args.max_new_tokens)))
+        return 0
     requests = read_requests(args.prompts, args.prompt_ids, args.max_new_tokens)
     cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests)
     outputs = run(cfg)
@@ -288,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-new-tokens", type=int, default=16)
     run.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
     run.add_argument("--json", action="store_true", help='print {"outputs": [{"prompt_ids", "token_ids"}]}')
+    run.add_argument("--torchrun", action="store_true", help="print the torchrun command for each node instead")
     run.set_defaults(func=_cmd_run)
     return parser
 

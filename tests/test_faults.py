@@ -107,3 +107,32 @@ def test_run_cli_json_and_bad_input(setup, capsys, tmp_path):
     assert "not an OpWeave artifact" in capsys.readouterr().err
     assert main(["run", art, "--weights", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
     assert "not a checkpoint folder" in capsys.readouterr().err
+
+
+def test_per_node_commands_run_the_artifact(setup, tmp_path):
+    """`opweave run --torchrun` prints per-node commands; started by hand on this machine they
+    run the same program (the entry point torchrun would start)."""
+    import socket
+    import subprocess
+    import sys
+
+    from opweave.runtime.entry import torchrun_commands
+
+    folder, art = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7]}\n')
+    commands = torchrun_commands(art, folder, str(prompts), 3)
+    assert commands and all("opweave.runtime.entry" in c for c in commands)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = sum(1 for n in os.listdir(art) if n.startswith("rank_") and n.endswith(".json"))
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, "-m", "opweave.runtime.entry", art, "--weights", folder,
+                               "--prompts", str(prompts), "--max-new-tokens", "3"],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, text=True)
+             for r in range(world)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    from hf_fixtures import hf_generate
+    assert json.loads(outs[0])["outputs"][0]["token_ids"] == hf_generate(folder, [5, 6, 7], 3)[1]
