@@ -55,7 +55,8 @@ class OpModule(nn.Module):
         self.weight_keys[attr] = key
 
     def facts(self) -> OpFacts:
-        raise NotImplementedError(f"{type(self).__name__} states no cost facts")
+        """Every operator module states its cost facts (the IR copies them onto its `Op`)."""
+        raise TypeError(f"operator module {type(self).__name__} must define facts()")
 
     def weight_numel(self) -> int:
         return sum(p.numel() for name, p in self.named_parameters() if name not in self.tied)
