@@ -126,3 +126,23 @@ def test_no_plan_names_the_binding_constraint():
     tiny_mem = Cluster(pools=(Pool(gpu=gpu("small", 4e10, 5e12, 1e3, 3.0), count=2),), spec="smallx2")
     result = run(tiny_mem, 1.0, 2048, ("colocated",))
     assert result.best is None and "does not fit" in result.reason
+
+
+def test_closest_plan_is_the_fastest_one():
+    """With no plan under the SLO, the reported plan has the lowest TPOT of the whole grid."""
+    cluster = Cluster(pools=(Pool(gpu=gpu("fast", 4e10, 5e12, 3e8, 3.0), count=4),
+                             Pool(gpu=gpu("cheap", 1e10, 1e12, 3e8, 1.0), count=4)), spec="x")
+    templates = chosen_templates([3, 9])
+    result = run(cluster, 1e-9, 2048, templates)
+    assert result.best is None
+    everything = run(cluster, math.inf, 2048, templates, pareto=False, bnb=False)
+    # exhaustively, the lowest TPOT of any plan that fits
+    graph, blocks = tiny()
+    space = PlanSpace(graph=graph, blocks=blocks, cluster=cluster, context=2048, tpot_slo_s=math.inf)
+    from opweave.passes.search import _Search
+    brute = _Search(space, SearchOptions(only_templates=templates, **SMALL, pareto=False, bnb=False), None,
+                    fastest=True)
+    brute.run()
+    assert result.closest.tpot_s == pytest.approx(brute.best.tpot_s, rel=1e-9)
+    assert everything.best.tpot_s >= result.closest.tpot_s * (1 - 1e-9)
+    assert f"best TPOT {result.closest.tpot_s * 1e3:.3g} ms" in result.reason

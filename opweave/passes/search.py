@@ -236,8 +236,10 @@ def _label(graph: OpGraph, stage) -> str:
 
 
 class _Search:
-    def __init__(self, space: PlanSpace, options: SearchOptions, progress: Callable[[str], None] | None):
+    def __init__(self, space: PlanSpace, options: SearchOptions, progress: Callable[[str], None] | None,
+                 fastest: bool = False):
         self.space, self.options, self.progress = space, options, progress
+        self.fastest = fastest  # objective: lowest TPOT instead of lowest cost (names the closest plan)
         self.ev = _Evaluator(space)
         self.counters = Counters()
         self.best: Candidate | None = None
@@ -261,6 +263,11 @@ class _Search:
         cost_time = sum(c.cost_per_hour * n * c.busy_s for c in chosen) + sum(self._min_cost_time[len(chosen):])
         return tpot, max(rate * tpot, cost_time) / 3600.0 / batch * 1e6
 
+    def _prune(self, tpot_lb: float, cost_lb: float) -> bool:
+        if self.fastest:
+            return self.best is not None and tpot_lb >= self.best.tpot_s
+        return tpot_lb > self.space.tpot_slo_s or (self.best is not None and cost_lb >= self.best.cost)
+
     def _capacity_ok(self, chosen: list[OwnerConfig]) -> bool:
         used: dict[str, int] = {}
         for c in chosen:
@@ -277,7 +284,10 @@ class _Search:
         cand = Candidate(stage_plan=plan, batch=batch, microbatches=n, owners=owners, problem=problem, result=result)
         if self.closest is None or result.tpot_s < self.closest.tpot_s:
             self.closest = cand
-        if result.tpot_s <= self.space.tpot_slo_s and (self.best is None or cand.cost < self.best.cost):
+        if self.fastest:
+            if self.best is None or result.tpot_s < self.best.tpot_s:
+                self.best = cand
+        elif result.tpot_s <= self.space.tpot_slo_s and (self.best is None or cand.cost < self.best.cost):
             self.best = cand
 
     def _dfs(self, plan, k, batch, n, frontiers, chosen):
@@ -285,7 +295,7 @@ class _Search:
             return
         if self.options.bnb:
             tpot_lb, cost_lb = self._bound(plan, k, batch, n, chosen)
-            if tpot_lb > self.space.tpot_slo_s or (self.best is not None and cost_lb >= self.best.cost):
+            if self._prune(tpot_lb, cost_lb):
                 self.counters.pruned_prefixes += 1
                 if len(chosen) == k:
                     self.counters.candidates += 1
@@ -311,7 +321,7 @@ class _Search:
                         continue
                     if self.options.bnb:
                         tpot_lb, cost_lb = self._root_bound(plan, batch, n)
-                        if tpot_lb > self.space.tpot_slo_s or (self.best is not None and cost_lb >= self.best.cost):
+                        if self._prune(tpot_lb, cost_lb):
                             self.counters.pruned_prefixes += 1
                             continue
                     for k in self._owner_counts(plan):
@@ -398,11 +408,11 @@ def search(space: PlanSpace, options: SearchOptions = SearchOptions(),
     """The cheapest plan over the grid that meets the TPOT SLO and fits in memory and in the cluster."""
     run = _Search(space, options, progress)
     result = run.run()
-    if result.best is None and result.closest is None and math.isfinite(space.tpot_slo_s):
-        # every plan was cut by the TPOT bound: search again without the SLO to name the closest plan
-        relaxed = _Search(dataclasses.replace(space, tpot_slo_s=math.inf), options, None)
-        relaxed.run()
-        run.closest, run.fits_anywhere = relaxed.closest, relaxed.fits_anywhere
-        run.min_gpus_needed = relaxed.min_gpus_needed
-        result = dataclasses.replace(result, closest=relaxed.closest, reason=run._reason())
+    if result.best is None and math.isfinite(space.tpot_slo_s):
+        # no plan meets the SLO: search again for the lowest TPOT, to name the closest plan
+        fastest = _Search(dataclasses.replace(space, tpot_slo_s=math.inf), options, None, fastest=True)
+        fastest.run()
+        run.closest, run.fits_anywhere = fastest.best, fastest.fits_anywhere
+        run.min_gpus_needed = fastest.min_gpus_needed
+        result = dataclasses.replace(result, closest=fastest.best, reason=run._reason())
     return result
