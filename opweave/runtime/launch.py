@@ -35,6 +35,7 @@ class RunConfig:
     requests: tuple[Request, ...]
     timeout_s: float = 3600.0
     interpret: bool = False   # run the op-by-op interpreter instead of the generated modules
+    port: int | None = None   # rendezvous port on loopback (default: a free one)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -112,7 +113,7 @@ def run_detailed(cfg: RunConfig) -> tuple[list[Request], dict]:
                                "use --device cpu for a tiny model, or run the torchrun commands per node")
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    port = _free_port()
+    port = cfg.port or _free_port()
     procs = [ctx.Process(target=_worker, args=(cfg, r, world, port, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
