@@ -23,11 +23,13 @@ import multiprocessing
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import emit, git_commit  # noqa: E402
 
 from opweave.compiler.compile import write_artifact  # noqa: E402
 from opweave.compiler.frontend import run_front_end  # noqa: E402
@@ -118,8 +120,7 @@ def main() -> None:
             rows.append((name, compiled.plan.num_stages, predicted, measured, predicted / measured - 1, transfers))
             print(f"{name}: predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms", file=sys.stderr)
     compute_error = rows[0][4]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
+    commit = git_commit()
     lines = ["# Simulator fidelity on CPU ranks", "",
              f"{datetime.date.today()} · {table.device_name} · {platform.machine()} · {os.cpu_count()} CPU cores · "
              f"torch threads 1 per rank · commit {commit}",
@@ -140,10 +141,7 @@ def main() -> None:
     mean_abs = statistics.mean(abs(r[4]) for r in rows)
     lines += ["", f"Mean absolute TPOT error: {mean_abs:.1%} over {len(rows)} plans (target: 10% or less; "
               "paper: 5.8% Gemma-3-27B, 4.3% Qwen3-Next on GPUs)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,13 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import emit, git_commit  # noqa: E402
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from hf_fixtures import make_tiny_checkpoint  # noqa: E402
@@ -63,8 +65,7 @@ def main() -> None:
             iw, ih = statistics.median(x[0] for x in interp), statistics.median(x[1] for x in interp)
             rows.append((family, gw, iw, iw / gw, gh, ih, ih / gh))
             print(f"{family}: generated {gw * 1e3:.2f} ms / interpreted {iw * 1e3:.2f} ms per round", file=sys.stderr)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
+    commit = git_commit()
     lines = [f"# Runtime: generated rank modules vs op-by-op interpreter",
              "",
              f"{datetime.date.today()} · {platform.machine()} · {os.cpu_count()} CPU cores · "
@@ -85,10 +86,7 @@ def main() -> None:
               "bound once, the interpreter resolves each operator and value by name every step. On "
               "these tiny models most of a round is transport (gloo on 2 oversubscribed cores), so "
               "the ratios are small; they bound what codegen alone saves on CPU."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

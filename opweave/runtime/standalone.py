@@ -36,6 +36,7 @@ class _LoneRuntime:
         for m in self.ops.values():
             m.allocate_state(self.rows, program.context, device)
         self.program, self.width, self.dtype, self.device = program, width, torch_dtype(cfg), device
+        self._stage = {st.stage: st for st in program.stages}
         self.positions = torch.zeros(self.rows, width, dtype=torch.long, device=device)  # static: graph-safe
         self.ids = torch.zeros(self.rows, width, dtype=torch.long, device=device)
 
@@ -46,7 +47,7 @@ class _LoneRuntime:
         return self.ids, self.positions
 
     def recv(self, stage, mb):
-        st = next(s for s in self.program.stages if s.stage == stage)
+        st = self._stage[stage]
         tp = self.program.tp
         vals = []
         for shape, layout in zip(st.recv.shapes, st.recv.layouts):

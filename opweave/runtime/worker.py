@@ -55,6 +55,7 @@ class Runtime:
                           if program.scheduler and program.tp_rank == 0 else None)
         self._pending: list = []   # this round's sends (work, buffer kept alive)
         self._previous: list = []  # the previous round's
+        self._stage = {st.stage: st for st in program.stages}  # stage index -> its program
         self._flag = None          # the in-flight "any work left?" all-reduce of the last round
         self._local_tokens: dict[int, torch.Tensor] = {}  # colocated: the last stage returns to itself
         self.round_index = 0
@@ -114,7 +115,7 @@ class Runtime:
 
     def recv(self, stage: int, mb: int):
         prog = self.program
-        st = next(s for s in prog.stages if s.stage == stage)
+        st = self._stage[stage]
         lo = prog.rows[0]
         if self.is_leader:
             parts = []
@@ -179,7 +180,7 @@ class Runtime:
         return torch.cat(out, dim=2)
 
     def send(self, stage: int, mb: int, positions: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
-        st = next(s for s in self.program.stages if s.stage == stage)
+        st = self._stage[stage]
         values = tuple(self._gather(v, layout) for v, layout in zip(values, st.send.layouts))
         if not self.is_leader:
             return
