@@ -8,7 +8,8 @@ Steps:
 3. materialise each representative with random weights exactly as a rank does
    (`opweave.runtime.shard.materialize`, then `with_kernels`), allocate its state for
    (batch, context), build random inputs of the recorded shapes (positions = context - 1), and
-   time one decode token: warm-up calls, then adaptive repetitions, median;
+   time one decode token: warm-up calls, then adaptive repetitions rotating over copies of the
+   op so that its weights and state are cold as in a step (ROTATE_FACTOR), median;
 4. time a no-op module call (the Python dispatch every op pays);
 5. time send/recv and all-reduce between two ranks (`opweave.profile.comm`).
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import datetime
+import itertools
+import os
 import platform
 import statistics
 import time
@@ -50,6 +53,19 @@ DISPATCH_ROUNDS = 7
 
 MEASURE_THREADS = 1
 """Torch threads while measuring: `opweave run` runs one thread per rank."""
+
+ROTATE_FACTOR = 2
+MAX_COPIES = 16
+"""Cold weights, warm interpreter: each point is timed over copies of the operator (own weights,
+own state) called in turn, as many as make ROTATE_FACTOR times the device's last-level cache (at
+most MAX_COPIES). In a decode step an op's weights and state were last touched a whole step ago
+(the other layers' evicted them), so timing one copy again and again would be optimistic for
+every op that fits in the cache (a 4096x1024 fp32 matrix fits this kind of CPU's 32 MB L3), while
+flushing the whole cache before each call would also evict the interpreter's own data and make
+small ops several times slower than they run in a step (measured: an RMSNorm 100 us in a step,
+350 us after a flush)."""
+
+DEFAULT_CPU_LLC_BYTES = 32 << 20
 
 
 def device_name(device: str = "cpu") -> str:
@@ -223,8 +239,35 @@ def _make_inputs(specs, module: OpModule, batch: int, context: int, device: torc
     return out
 
 
-def time_call(fn: Callable[[], object], device: torch.device) -> tuple[float, int]:
-    """Median seconds of `fn()` after WARMUP_CALLS, with adaptive repetitions; returns (median, reps)."""
+def last_level_cache_bytes() -> int:
+    """The CPU's largest cache (sysfs), or DEFAULT_CPU_LLC_BYTES where sysfs does not say."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    sizes = []
+    try:
+        for index in os.listdir(root):
+            with open(os.path.join(root, index, "size"), encoding="utf-8") as f:
+                text = f.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        pass
+    return max(sizes, default=DEFAULT_CPU_LLC_BYTES)
+
+
+def cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
+    return last_level_cache_bytes()
+
+
+def rotation_copies(bytes_per_copy: float, device: torch.device) -> int:
+    """How many copies of an op to rotate through so that each call finds its data cold."""
+    need = ROTATE_FACTOR * cache_bytes(device)
+    return max(1, min(MAX_COPIES, -(-int(need) // max(1, int(bytes_per_copy)))))
+
+
+def time_call(fn: Callable[[], object], device: torch.device, warmup: int = WARMUP_CALLS) -> tuple[float, int]:
+    """Median seconds of `fn()` after `warmup` calls, with adaptive repetitions; returns (median, reps)."""
     cuda = device.type == "cuda"
 
     def once() -> float:
@@ -236,7 +279,7 @@ def time_call(fn: Callable[[], object], device: torch.device) -> tuple[float, in
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    for _ in range(WARMUP_CALLS):
+    for _ in range(warmup):
         once()
     first = once()
     reps = max(MIN_REPS, min(MAX_REPS, int(TARGET_POINT_S / max(first, 1e-9))))
@@ -246,9 +289,6 @@ def time_call(fn: Callable[[], object], device: torch.device) -> tuple[float, in
 
 def _measure_ops(source, dtype: str, groups: dict[str, list[Op]], device: torch.device, batches, contexts,
                  tp_degrees, say) -> list[OpEntry]:
-    from opweave.runtime.kernel_ops import with_kernels
-    from opweave.runtime.shard import materialize
-
     entries: list[OpEntry] = []
     steps: dict[int, tuple[dict, dict]] = {}
     for sig, ops in groups.items():
@@ -262,27 +302,41 @@ def _measure_ops(source, dtype: str, groups: dict[str, list[Op]], device: torch.
                 step = _meta_step(source, dtype, t)
                 steps[t] = (dict(step.named_modules()), _input_specs(step))
             specs = steps[tp][1]
-            # materialize shards the full (unsharded) module itself; a copy keeps the meta model intact
-            full = copy.deepcopy(steps[1][0][op.name])
-            module = materialize({op.index: full}, "random", tp, 0, device)[op.index]
-            run = with_kernels({op.index: module}, device)[op.index]
             grid = contexts if op.cls == OpClass.ATTN else (None,)
             rows = []
             for context in grid:
                 row = []
                 for batch in batches:
-                    module.allocate_state(batch, context or 1, device)
-                    args = _make_inputs(specs[op.name], module, batch, context or 1, device)
-                    latency, _ = time_call(lambda: run(*args), device)
+                    per_copy = op.weight_bytes / (1 if is_replicated(op) else tp) + batch * op.state_bytes(context or 1)
+                    copies = _materialize_copies(steps[1][0][op.name], op.index, tp, device,
+                                                 rotation_copies(per_copy, device), batch, context or 1)
+                    args = _make_inputs(specs[op.name], copies[0][0], batch, context or 1, device)
+                    turn = itertools.cycle([run for _, run in copies])
+                    latency, _ = time_call(lambda: next(turn)(*args), device, max(WARMUP_CALLS, len(copies)))
                     row.append(latency)
+                    del copies, turn
                 rows.append(tuple(row))
-            del module, run
             entries.append(OpEntry(
                 signature=sig, kind=op.kind.value, example=op.name, num_ops=len(ops), tp=tp,
                 flops_per_token=op.flops_per_token, weight_bytes=op.weight_bytes, batches=tuple(batches),
                 contexts=tuple(contexts) if op.cls == OpClass.ATTN else (), latency_s=tuple(rows)))
             say(_entry_line(entries[-1]))
     return entries
+
+
+def _materialize_copies(meta_module: OpModule, index: int, tp: int, device: torch.device, n: int, batch: int,
+                        context: int) -> list[tuple[OpModule, Callable]]:
+    """`n` copies of one op (TP rank 0's shard, random weights as a rank loads them, own state)."""
+    from opweave.runtime.kernel_ops import with_kernels
+    from opweave.runtime.shard import materialize
+
+    out = []
+    for _ in range(n):
+        # materialize shards the full (unsharded) module itself; a copy keeps the meta model intact
+        module = materialize({index: copy.deepcopy(meta_module)}, "random", tp, 0, device)[index]
+        module.allocate_state(batch, context, device)
+        out.append((module, with_kernels({index: module}, device)[index]))
+    return out
 
 
 def _entry_line(e: OpEntry) -> str:

@@ -36,6 +36,7 @@ class RunConfig:
     timeout_s: float = 3600.0
     interpret: bool = False   # run the op-by-op interpreter instead of the generated modules
     port: int | None = None   # rendezvous port on loopback (default: a free one)
+    trace: bool = False       # record every rank's spans (opweave.runtime.timeline)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -73,7 +74,8 @@ def _worker(cfg: RunConfig, rank: int, world: int, port: int, results) -> None:
         if cfg.device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        out = run_rank(cfg.artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret)
+        out = run_rank(cfg.artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret,
+                       cfg.trace)
         if rank == 0:
             outputs, stats = out
             results.put(("done", rank, ([dataclasses.asdict(r) for r in outputs], stats)))
@@ -99,7 +101,7 @@ def run(cfg: RunConfig) -> list[Request]:
 
 
 def run_detailed(cfg: RunConfig) -> tuple[list[Request], dict]:
-    """`run`, plus rank 0's per-round wall and host times."""
+    """`run`, plus rank 0's per-round wall and host times (and every rank's spans with `cfg.trace`)."""
     import multiprocessing as mp
 
     verify_manifest(cfg.artifact)

@@ -2,7 +2,8 @@
 
 `Runtime` is the object the generated `rank_XX.py` calls (`rt.begin`, `rt.recv`, `rt.send`,
 `rt.finish`, `rt.allreduce`, `rt.tp_argmax`). Transfers are point-to-point (gloo on CPU, NCCL on
-CUDA): a header (tokens per row, then positions) and one packed payload per peer; sends are
+CUDA): one message per peer and transfer (width, positions, values packed as bytes; a prefill,
+wider than a decode step, sends a decode-sized message with its width first); sends are
 non-blocking, receives blocking, all in the plan's global order, so nothing waits on a
 coordinator. The replica leader receives and fans out to its TP peers with a group broadcast.
 """
@@ -25,12 +26,14 @@ from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.kernel_ops import with_kernels
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import materialize
+from opweave.runtime.timeline import Timeline
 
 
 class Runtime:
     def __init__(self, artifact: str, program: RankProgram, weights: str, device: str,
-                 groups: dict[tuple[int, ...], object], requests: list[Request]):
+                 groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False):
         self.program = program
+        self.timeline = Timeline() if trace else None  # measured spans (see opweave.runtime.timeline)
         self.device = torch.device(device)
         self.group = groups[program.tp_group] if program.tp > 1 else None
         with open(os.path.join(artifact, "model_config.json")) as f:
@@ -85,6 +88,10 @@ class Runtime:
         dist.broadcast(t, src=self.program.tp_group[0], group=self.group)
         return int(t)
 
+    def _mark(self, kind: str, stage: int = -1, mb: int = -1) -> None:
+        if self.timeline is not None:
+            self.timeline.mark(kind, self.round_index, stage, mb)
+
     # ---------------------------------------------------------------- generated-code API
     def begin(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 0: the new token ids of the previous step come back, the scheduler picks this step's."""
@@ -99,6 +106,7 @@ class Runtime:
             positions = torch.zeros(self.rows, width, dtype=torch.long)
         ids, positions = self._fanout([ids, positions])
         self._select(mb)
+        self._mark("wait", self.program.stages[0].stage, mb)
         return ids.to(self.device), positions.to(self.device)
 
     def _recv_tokens(self, mb: int) -> torch.Tensor:
@@ -119,16 +127,18 @@ class Runtime:
         lo = prog.rows[0]
         if self.is_leader:
             parts = []
+            esize = torch.empty(0, dtype=self.dtype).element_size()
+            per_token = sum(_numel(s) for s in st.recv.shapes) * esize
             for p in st.recv.peers:  # each upstream replica pads its rows to its own width
-                w = torch.zeros(1, dtype=torch.long)
-                dist.recv(w, src=p.rank)
-                n, w = p.hi - p.lo, int(w)
-                esize = torch.empty(0, dtype=self.dtype).element_size()
-                body = torch.empty(n * w * 8 + sum(n * w * _numel(s) for s in st.recv.shapes) * esize,
-                                   dtype=torch.uint8)
-                dist.recv(body, src=p.rank)  # positions (int64) then every value, as bytes
-                pos = body[:n * w * 8].view(torch.long).view(n, w)
-                payload = body[n * w * 8:].view(self.dtype)
+                n = p.hi - p.lo
+                first = torch.empty(_message_bytes(n, 1, per_token), dtype=torch.uint8)
+                dist.recv(first, src=p.rank)
+                w = int(first[:8].view(torch.long))
+                body = first if w == 1 else torch.empty(_message_bytes(n, w, per_token), dtype=torch.uint8)
+                if w != 1:  # a prefill: the first message held only the width
+                    dist.recv(body, src=p.rank)
+                pos = body[8:8 + n * w * 8].view(torch.long).view(n, w)
+                payload = body[8 + n * w * 8:].view(self.dtype)
                 parts.append((p, w, pos, payload))
             width = max(w for _, w, _, _ in parts)
             positions = torch.full((self.rows, width), -1, dtype=torch.long)
@@ -149,6 +159,7 @@ class Runtime:
         self._fanout([positions, *values])
         values = [self._shard(v, layout) for v, layout in zip(values, st.recv.layouts)]
         self._select(mb)
+        self._mark("wait", stage, mb)
         return positions.to(self.device), tuple(v.to(self.device) for v in values)
 
     # ---------------------------------------------------------------- TP layouts of transferred values
@@ -180,23 +191,33 @@ class Runtime:
         return torch.cat(out, dim=2)
 
     def send(self, stage: int, mb: int, positions: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
+        self._mark("compute", stage, mb)
         st = self._stage[stage]
         values = tuple(self._gather(v, layout) for v, layout in zip(values, st.send.layouts))
         if not self.is_leader:
+            self._mark("send", stage, mb)
             return
         lo = self.program.rows[0]
         width = positions.shape[1]
-        for p in st.send.peers:  # two messages: the width, then positions and values packed as bytes
+        for p in st.send.peers:  # one message: the width, positions and values as bytes
             a, b = p.lo - lo, p.hi - lo
-            self._isend(torch.tensor([width], dtype=torch.long), p.rank)
-            body = [positions[a:b].contiguous().cpu().view(torch.uint8).reshape(-1)]
+            body = [torch.tensor([width], dtype=torch.long).view(torch.uint8),
+                    positions[a:b].contiguous().cpu().view(torch.uint8).reshape(-1)]
             body += [v[a:b].contiguous().cpu().view(torch.uint8).reshape(-1) for v in values]
-            self._isend(torch.cat(body), p.rank)
+            message = torch.cat(body)
+            if width != 1:  # a prefill: the receiver expects a decode-sized message first
+                per_token = (message.numel() - 8 - (b - a) * width * 8) // ((b - a) * width)
+                self._isend(torch.cat([message[:8], message.new_zeros(_message_bytes(b - a, 1, per_token) - 8)]),
+                            p.rank)
+            self._isend(message, p.rank)
+        self._mark("send", stage, mb)
 
     def finish(self, mb: int, tokens: torch.Tensor) -> None:
-        if not self.is_leader:
-            return
         st = self.program.stages[-1]
+        self._mark("compute", st.stage, mb)
+        if not self.is_leader:
+            self._mark("send", st.stage, mb)
+            return
         lo = self.program.rows[0]
         for p in st.returns:
             part = tokens[p.lo - lo:p.hi - lo].contiguous().cpu()
@@ -204,6 +225,7 @@ class Runtime:
                 self._local_tokens[mb] = part
             else:
                 self._isend(part, p.rank)
+        self._mark("send", st.stage, mb)
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
         if dst == self.program.rank:
@@ -238,13 +260,13 @@ class Runtime:
         for work, _ in self._previous:
             work.wait()
         self._previous, self._pending = self._pending, []
-        self.round_index += 1
         flag = torch.tensor([1 if self.scheduler is not None and self.scheduler.active else 0], dtype=torch.long)
         previous, self._flag = self._flag, (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        if previous is None:
-            return True
-        previous[0].wait()
-        return bool(int(previous[1]))
+        if previous is not None:
+            previous[0].wait()
+        self._mark("sync")
+        self.round_index += 1
+        return previous is None or bool(int(previous[1]))
 
     def drain(self) -> None:
         """After the last round: take the last step's token ids so every send is matched."""
@@ -254,6 +276,11 @@ class Runtime:
         for work, _ in self._previous + self._pending + ([self._flag] if self._flag else []):
             work.wait()
         self._previous, self._pending, self._flag = [], [], None
+
+
+def _message_bytes(rows: int, width: int, per_token: int) -> int:
+    """A transfer's message: its width (int64), positions (int64) and `per_token` bytes of values per token."""
+    return 8 + rows * width * (8 + per_token)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -271,9 +298,10 @@ def load_program_module(path: str):
 
 
 def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list[Request],
-             interpret: bool = False) -> tuple[list[Request], dict] | None:
+             interpret: bool = False, trace: bool = False) -> tuple[list[Request], dict] | None:
     """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the
-    outputs and its per-round wall and host (CPU) times."""
+    outputs and its per-round wall and host (CPU) times, and with `trace` every rank's spans
+    (`{"spans": {rank: rows}}`, see opweave.runtime.timeline)."""
     with open(os.path.join(artifact, f"rank_{rank:02d}.json")) as f:
         program = program_from_json(json.load(f))
     groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
@@ -281,7 +309,7 @@ def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list
     if program.scheduler:
         k = program.scheduler_leaders.index(program.tp_group[0])
         mine = [r for r in requests if r.index % len(program.scheduler_leaders) == k]
-    rt = Runtime(artifact, program, weights, device, groups, mine)
+    rt = Runtime(artifact, program, weights, device, groups, mine, trace=trace)
     if interpret:
         from opweave.runtime.interpret import InterpretedProgram
 
@@ -293,6 +321,8 @@ def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list
     with torch.no_grad():
         while True:
             t0, c0 = time.perf_counter(), time.process_time()
+            if rt.timeline is not None:
+                rt.timeline.restart()
             prog.round()
             wall.append(time.perf_counter() - t0)
             host.append(time.process_time() - c0)
@@ -302,12 +332,16 @@ def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list
                 break
         rt.drain()
     done = rt.scheduler.done if rt.scheduler is not None else []
+    spans = rt.timeline.to_rows() if rt.timeline is not None else None
     gathered = [None] * program.world_size if rank == 0 else None
-    dist.gather_object(done, gathered, dst=0)
+    dist.gather_object((done, spans), gathered, dst=0)
     if rank != 0:
         return None
-    out = [r for part in gathered if part for r in part]
-    return sorted(out, key=lambda r: r.index), {"round_s": wall, "host_s": host}
+    out = [r for part, _ in gathered if part for r in part]
+    stats = {"round_s": wall, "host_s": host}
+    if trace:
+        stats["spans"] = {r: rows for r, (_, rows) in enumerate(gathered)}
+    return sorted(out, key=lambda r: r.index), stats
 
 
 def _fault_injection(rank: int) -> int | None:

@@ -1,0 +1,92 @@
+"""What each rank did and when, as measured: the runtime's counterpart of the simulator's trace.
+
+With tracing on (`opweave run --trace FILE`), every rank records one span per piece of work of a
+round, in the order the generated module does it:
+
+    wait     blocked receiving a stage's inputs (or, at stage 0, the previous step's token ids),
+             including unpacking and the fan-out to TP peers
+    compute  a stage's operators for one microbatch (from its inputs in hand to its outputs sent)
+    send     packing the outputs and posting the non-blocking sends (or returning the token ids)
+    sync     end of round: completing the previous round's sends, the liveness all-reduce
+
+Clocks are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for every process of the
+machine), so the ranks' spans line up. `chrome_trace` writes them in the simulator trace's layout
+(pid = rank, tid 0 = its stream), so the two traces open side by side at ui.perfetto.dev.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+US_PER_S = 1e6
+KINDS = ("wait", "compute", "send", "sync")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Span:
+    kind: str        # one of KINDS
+    round: int
+    stage: int       # -1 for sync
+    microbatch: int  # -1 for sync
+    start_s: float
+    end_s: float
+
+    @property
+    def dur_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+class Timeline:
+    """One rank's spans; `mark` closes the span open since the last mark."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self._last = time.perf_counter()
+
+    def mark(self, kind: str, round_index: int, stage: int, mb: int) -> None:
+        now = time.perf_counter()
+        self.spans.append(Span(kind, round_index, stage, mb, self._last, now))
+        self._last = now
+
+    def restart(self) -> None:
+        """Start the next span now (time between rounds is not attributed)."""
+        self._last = time.perf_counter()
+
+    def to_rows(self) -> list[tuple]:
+        return [dataclasses.astuple(s) for s in self.spans]
+
+
+def from_rows(rows: list[tuple]) -> list[Span]:
+    return [Span(*r) for r in rows]
+
+
+def per_round(spans: list[Span], rounds: range | None = None) -> dict[str, float]:
+    """Median seconds per round spent in each kind (over `rounds`, default all)."""
+    by_round: dict[int, dict[str, float]] = {}
+    for s in spans:
+        if rounds is not None and s.round not in rounds:
+            continue
+        row = by_round.setdefault(s.round, dict.fromkeys(KINDS, 0.0))
+        row[s.kind] += s.dur_s
+    if not by_round:
+        return dict.fromkeys(KINDS, 0.0)
+    return {k: statistics.median(r[k] for r in by_round.values()) for k in KINDS}
+
+
+def chrome_trace(spans_by_rank: dict[int, list[Span]], labels: dict[int, str] | None = None) -> dict:
+    """Chrome trace-event JSON: pid = rank, one complete event per span, time from the first span."""
+    labels = labels or {}
+    t0 = min((s.start_s for spans in spans_by_rank.values() for s in spans), default=0.0)
+    events: list[dict] = []
+    for rank in sorted(spans_by_rank):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                       "args": {"name": labels.get(rank, f"rank {rank}")}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        for s in spans_by_rank[rank]:
+            name = s.kind if s.kind == "sync" else f"{s.kind} s{s.stage}"
+            events.append({"name": name, "cat": s.kind, "ph": "X", "pid": rank, "tid": 0,
+                           "ts": (s.start_s - t0) * US_PER_S, "dur": s.dur_s * US_PER_S,
+                           "args": {"round": s.round, "microbatch": s.microbatch, "stage": s.stage}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
