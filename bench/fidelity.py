@@ -1,14 +1,21 @@
 """Simulator fidelity: predicted vs measured TPOT of compiled plans on this machine's CPU ranks.
 
 A model sized so that compute, not Python dispatch, dominates a CPU decode step (Llama-style,
-4 layers, hidden 1024, float32, random weights) is profiled (`opweave profile`, one thread, as the
-runtime, one copy per core at once: the runs below also keep every core busy), then colocated, AFD, CAD and an OpWeave template are compiled for `cpux2` (the catalog's
-cpu entry derived from the profile) with the measured costs, each with batch 4 in 2 microbatches
-(colocated: 1), and run with `opweave run`'s runtime (one process per rank, one thread each,
-gloo on loopback; a one-rank plan runs one replica set per core at once). Measured TPOT = rank 0's median time per decode round (prefill rounds
-excluded), median over repeats. The table gives signed errors (predicted / measured - 1) like the
-paper's Figure 12, and names the term that is off: colocated has no transfers, so its error is
-the compute term; a split plan's error beyond it is transfer and overlap.
+4 layers, hidden 1024, float32, random weights) is planned and run on `cpux2` (the catalog's cpu
+entry derived from a profile of this machine) as colocated, AFD, CAD and an OpWeave template,
+batch 4 (split plans: 2 microbatches), and each plan's predicted TPOT is compared with the TPOT
+`opweave run`'s runtime measures (one process per rank, one thread each, gloo on loopback).
+
+Same set-up in profile and run: one thread per rank; every core busy (the op profile runs while
+the other cores run the colocated rank's decode step; a one-rank plan runs one replica set per
+core); links timed between two idle ranks, as a transfer's receiver waits idle in a run. This
+machine's speed drifts by 10-30% over minutes (shared host), so each repeat profiles and then
+runs every plan at once, and the table gives the median over repeats.
+
+Measured TPOT = rank 0's median decode round (prefill rounds excluded). With tracing on, each
+rank's round splits into its operators, sends and waits (`opweave.runtime.timeline`); the table
+attributes the error to the compute term (the bottleneck rank's operators, predicted vs
+measured) and to transfer/overlap (the rest).
 
     python bench/fidelity.py [--repeats 3] [--out bench/results/fidelity.md]
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import multiprocessing
@@ -39,14 +47,17 @@ from opweave.hardware.catalog import load_catalog  # noqa: E402
 from opweave.hardware.cluster import parse_cluster  # noqa: E402
 from opweave.passes.templates import enumerate_templates  # noqa: E402
 from opweave.profile import cpu_gpu_spec, load_profile  # noqa: E402
-from opweave.profile.measure import profile  # noqa: E402
+from opweave.profile.comm import measure_comm  # noqa: E402
+from opweave.profile.measure import _host_fields, profile  # noqa: E402
 from opweave.runtime.launch import RunConfig, run_detailed  # noqa: E402
 from opweave.runtime.scheduler import Request  # noqa: E402
+from opweave.runtime.timeline import from_rows, per_round  # noqa: E402
 
 MODEL = {"model_type": "llama", "torch_dtype": "float32", "vocab_size": 8192, "hidden_size": 1024,
          "intermediate_size": 4096, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
          "head_dim": 64, "rope_theta": 500000.0, "max_position_embeddings": 4096}
 BATCH, CONTEXT, PROMPT, NEW = 4, 256, 16, 24
+STEADY = slice(2, -2)  # decode rounds: the first two (prefill) and the last two (draining) excluded
 
 
 def plans(fe) -> dict[str, tuple[str, list, int]]:
@@ -57,35 +68,110 @@ def plans(fe) -> dict[str, tuple[str, list, int]]:
             f"opweave ({general})": (general, two, 2)}
 
 
-def measure(artifact: str, repeats: int, copies: int) -> float:
-    """Median decode round of `copies` replica sets run at once (the machine fully used, as in the
-    profile); the first copy's figure is reported."""
+# ---------------------------------------------------------------- profile with every core busy
+
+
+def _load_loop(module_path: str, stop) -> None:
+    """Background load: the colocated rank's decode step, again and again, until `stop` is set."""
+    import torch
+
+    from opweave.runtime.standalone import load_alone
+
+    torch.set_num_threads(1)
+    _, prog = load_alone(module_path, torch.device("cpu"))
+    with torch.no_grad():
+        while not stop.is_set():
+            prog.round()
+
+
+def profile_under_load(model_dir: str, load_module: str, path: str, links) -> None:
+    """Profiles the ops while every other core runs the colocated decode step; adds `links`."""
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    loads = [ctx.Process(target=_load_loop, args=(load_module, stop)) for _ in range((os.cpu_count() or 1) - 1)]
+    for p in loads:
+        p.start()
+    try:
+        table = profile(model_dir, "cpu", batches=(2, BATCH), contexts=(CONTEXT,), measure_links=False)
+    finally:
+        stop.set()
+        for p in loads:
+            p.join()
+    table = dataclasses.replace(table, transfer_latency_s=links.p2p.latency_s, transfer_bandwidth=links.p2p.bandwidth,
+                                transfer_samples=links.p2p.samples, allreduce_latency_s=links.allreduce.latency_s,
+                                allreduce_bandwidth=links.allreduce.bandwidth,
+                                allreduce_samples=links.allreduce.samples, **_host_fields(links))
+    table.save(path)
+
+
+# ---------------------------------------------------------------- runs
+
+
+def measure(artifact: str, copies: int) -> tuple[float, dict[int, dict[str, float]]]:
+    """(median decode round, per rank: median seconds per round in each span kind) of rank 0's
+    replica set, with `copies` replica sets run at once (the machine fully used, as in the profile)."""
     reqs = tuple(Request(index=i, prompt=[(13 * i + j) % 8000 + 1 for j in range(PROMPT)], max_new_tokens=NEW)
                  for i in range(BATCH))
-    figures = []
-    for _ in range(repeats):
-        with concurrent.futures.ThreadPoolExecutor(copies) as pool:
-            runs = [pool.submit(run_detailed, RunConfig(artifact=artifact, weights="random", device="cpu",
-                                                        requests=reqs, port=29700 + 10 * c)) for c in range(copies)]
-            stats = [r.result()[1] for r in runs][0]
-        figures.append(statistics.median(stats["round_s"][2:-2]))  # decode rounds only
-    return statistics.median(figures)
+    with concurrent.futures.ThreadPoolExecutor(copies) as pool:
+        runs = [pool.submit(run_detailed, RunConfig(artifact=artifact, weights="random", device="cpu", requests=reqs,
+                                                    port=29700 + 10 * c, trace=c == 0)) for c in range(copies)]
+        stats = [r.result()[1] for r in runs][0]
+    rounds = len(stats["round_s"])
+    steady = range(rounds)[STEADY]
+    spans = {int(r): per_round(from_rows(rows), steady) for r, rows in stats["spans"].items()}
+    return statistics.median(stats["round_s"][STEADY]), spans
 
 
-def _profile_copy(model_dir: str, path: str, links: bool) -> None:
-    profile(model_dir, "cpu", batches=(1, 2, 4), contexts=(64, 256), measure_links=links).save(path)
+@dataclasses.dataclass
+class Row:
+    name: str
+    stages: int
+    predicted: float           # TPOT, s
+    measured: float            # TPOT, s
+    predicted_busy: float      # bottleneck rank's operators per round (no transfer host costs)
+    measured_busy: float       # that rank's compute spans per round
+    bottleneck: int
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.measured - 1
+
+    @property
+    def compute_term(self) -> float:
+        """Error from the bottleneck rank's busy time, in units of the measured TPOT."""
+        return (self.predicted_busy - self.measured_busy) / self.measured
 
 
-def profile_under_load(model_dir: str, tmp: str, copies: int) -> str:
-    """Profiles `copies` copies at once (one per core, as the runs place their ranks) and keeps the first."""
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_profile_copy, args=(model_dir, os.path.join(tmp, f"profile{i}.json"), i == 0))
-             for i in range(copies)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    return os.path.join(tmp, "profile0.json")
+def one_repeat(fe, model_dir: str, tmp: str, load_module: str, links, r: int) -> list[Row]:
+    path = os.path.join(tmp, f"profile{r}.json")
+    print(f"repeat {r}: profiling under load ...", file=sys.stderr)
+    profile_under_load(model_dir, load_module, path, links)
+    table = load_profile(path, graph=fe.graph)
+    catalog = load_catalog()
+    catalog["cpu"] = cpu_gpu_spec(table, catalog["cpu"])
+    cluster = parse_cluster("cpux2", catalog)
+    rows = []
+    for name, (template, owners, n) in plans(fe).items():
+        compiled = pinned_plan(fe, cluster, template, owners, batch=BATCH, microbatches=n, context=CONTEXT,
+                               cost_model=CostModel(profile=table))
+        art = os.path.join(tmp, f"{name.split()[0]}{r}")
+        write_artifact(art, compiled)
+        best = compiled.result.best
+        bottleneck = max(range(len(best.problem.owners)), key=lambda o: sum(
+            st.compute_s for st in best.problem.stages if st.owner == o))
+        ops_only = pinned_plan(fe, cluster, template, owners, batch=BATCH, microbatches=n, context=CONTEXT,
+                               cost_model=CostModel(profile=dataclasses.replace(
+                                   table, send_host_latency_s=None, recv_host_latency_s=None)))
+        busy = n * sum(st.compute_s for st in ops_only.result.best.problem.stages if st.owner == bottleneck)
+        ranks = sum(o.tp * o.replicas for o in compiled.plan.owners)
+        measured, spans = measure(art, max(1, (os.cpu_count() or 1) // ranks))
+        mine = spans[bottleneck]  # one rank per owner in these plans: rank = owner index
+        rows.append(Row(name=name, stages=compiled.plan.num_stages, predicted=best.result.tpot_s, measured=measured,
+                        predicted_busy=busy, measured_busy=mine["compute"],
+                        bottleneck=bottleneck))
+        print(f"  {name}: predicted {best.result.tpot_s * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
+              f"({rows[-1].error:+.1%})", file=sys.stderr)
+    return rows
 
 
 def main() -> None:
@@ -98,49 +184,53 @@ def main() -> None:
         os.makedirs(model_dir)
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(MODEL, f)
-        print("profiling ...", file=sys.stderr)
-        copies = os.cpu_count() or 1
-        path = profile_under_load(model_dir, tmp, copies)
         fe = run_front_end(model_dir)
-        table = load_profile(path, graph=fe.graph)
-        catalog = load_catalog()
-        catalog["cpu"] = cpu_gpu_spec(table, catalog["cpu"])
-        cluster = parse_cluster("cpux2", catalog)
-        rows = []
-        for name, (template, owners, n) in plans(fe).items():
-            compiled = pinned_plan(fe, cluster, template, owners, batch=BATCH, microbatches=n, context=CONTEXT,
-                                   cost_model=CostModel(profile=table))
-            art = os.path.join(tmp, name.split()[0])
-            write_artifact(art, compiled)
-            sim = compiled.result.best.result
-            predicted = sim.tpot_s
-            transfers = sum(s.send_s for s in compiled.result.best.problem.stages) + compiled.result.best.problem.return_s
-            ranks = sum(o.tp * o.replicas for o in compiled.plan.owners)
-            measured = measure(art, args.repeats, max(1, copies // ranks))
-            rows.append((name, compiled.plan.num_stages, predicted, measured, predicted / measured - 1, transfers))
-            print(f"{name}: predicted {predicted * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms", file=sys.stderr)
-    compute_error = rows[0][4]
-    commit = git_commit()
+        load_art = os.path.join(tmp, "load")  # the colocated plan's rank module: background load
+        write_artifact(load_art, pinned_plan(fe, parse_cluster("cpux2", load_catalog()), "colocated",
+                                             [("cpu", 1, 1)], batch=BATCH, microbatches=1, context=CONTEXT))
+        print("timing links between two idle ranks ...", file=sys.stderr)
+        links = measure_comm("cpu")
+        repeats = [one_repeat(fe, model_dir, tmp, os.path.join(load_art, "rank_00.py"), links, r)
+                   for r in range(args.repeats)]
+        device = load_profile(os.path.join(tmp, "profile0.json")).device_name
+    report(repeats, links, device, args)
+
+
+def report(repeats: list[list[Row]], links, device: str, args) -> None:
+    def med(f, i: int) -> float:
+        return statistics.median(f(rows[i]) for rows in repeats)
+
     lines = ["# Simulator fidelity on CPU ranks", "",
-             f"{datetime.date.today()} · {table.device_name} · {platform.machine()} · {os.cpu_count()} CPU cores · "
-             f"torch threads 1 per rank · commit {commit}",
+             f"{datetime.date.today()} · {device} · {platform.machine()} · {os.cpu_count()} CPU cores · "
+             f"torch threads 1 per rank · commit {git_commit()}",
              f"Command: `python bench/fidelity.py --repeats {args.repeats}`", "",
              "Model: Llama-style, 4 layers, hidden 1024, intermediate 4096, vocab 8192, float32, random weights. "
              f"Batch {BATCH} (2 microbatches for split plans), context {CONTEXT}, prompts of {PROMPT} tokens, "
-             f"{NEW} new tokens; measured = median decode round on rank 0, median of {args.repeats} runs.", "",
-             "| plan | stages/token | predicted TPOT ms | measured TPOT ms | signed error | term off |",
-             "|---|---|---|---|---|---|"]
-    for name, stages, pred, meas, err, transfers in rows:
-        if name == "colocated":
-            term = "compute (no transfers in this plan)"
-        else:
-            extra = err - compute_error
-            term = (f"compute {compute_error:+.1%}, transfer/overlap {extra:+.1%} "
-                    f"(predicted transfers {transfers * 1e3:.2f} ms per microbatch round trip)")
-        lines.append(f"| {name} | {stages} | {pred * 1e3:.2f} | {meas * 1e3:.2f} | {err:+.1%} | {term} |")
-    mean_abs = statistics.mean(abs(r[4]) for r in rows)
-    lines += ["", f"Mean absolute TPOT error: {mean_abs:.1%} over {len(rows)} plans (target: 10% or less; "
-              "paper: 5.8% Gemma-3-27B, 4.3% Qwen3-Next on GPUs)."]
+             f"{NEW} new tokens. Each repeat profiles the ops under load, then plans and runs every plan; "
+             f"figures are medians over {args.repeats} repeats (measured TPOT = rank 0's median decode round).",
+             f"Links (two idle ranks, gloo): {links.p2p.latency_s * 1e6:.0f} us + bytes / "
+             f"{links.p2p.bandwidth / 1e9:.2f} GB/s; host time per transfer: send "
+             f"{links.send_host.latency_s * 1e6:.0f} us, receive {links.recv_host.latency_s * 1e6:.0f} us "
+             "(+ bytes / bandwidth).", "",
+             "| plan | stages/token | predicted TPOT ms | measured TPOT ms | signed error | errors per repeat "
+             "| bottleneck rank's operators ms/round, predicted / measured | compute term | transfer/overlap term |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    abs_errors = []
+    for i, first in enumerate(repeats[0]):
+        err = med(lambda r: r.error, i)
+        compute = med(lambda r: r.compute_term, i)
+        per_repeat = ", ".join(f"{rows[i].error:+.1%}" for rows in repeats)
+        abs_errors.append(abs(err))
+        lines.append(
+            f"| {first.name} | {first.stages} | {med(lambda r: r.predicted, i) * 1e3:.2f} | "
+            f"{med(lambda r: r.measured, i) * 1e3:.2f} | {err:+.1%} | {per_repeat} | "
+            f"r{first.bottleneck}: {med(lambda r: r.predicted_busy, i) * 1e3:.2f} / "
+            f"{med(lambda r: r.measured_busy, i) * 1e3:.2f} | {compute:+.1%} | {err - compute:+.1%} |")
+    lines += ["", f"Mean absolute TPOT error: {statistics.mean(abs_errors):.1%} over {len(abs_errors)} plans "
+              "(target: 10% or less; paper: 5.8% Gemma-3-27B, 4.3% Qwen3-Next on GPUs).", "",
+              "Compute term: (predicted - measured time in the operators of the rank the simulator finds busiest) "
+              "/ measured TPOT; transfer/overlap term: the rest of the signed error (host time of transfers, links, "
+              "waiting, how transfers overlap compute)."]
     emit(lines, args.out)
 
 

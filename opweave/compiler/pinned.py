@@ -44,7 +44,8 @@ def pinned_plan(fe: FrontEnd, cluster: Cluster, template: str, owners: list[tupl
         share = microbatch_share(batch, microbatches, replicas)
         configs.append(OwnerConfig(
             slot=slot, gpu=gpu, tp=tp, replicas=replicas, share=share,
-            latencies=tuple(ev.latency(sigs[s.index], pool_index, tp, share) for s in stages),
+            latencies=tuple(ev.latency(sigs[s.index], pool_index, tp, share)
+                            + ev.host_s(plan, k, s.index, pool_index, share) for s in stages),
             memory_per_gpu=memory_per_gpu(ops, tp, math.ceil(batch / replicas), context)))
     problem = build_sim_problem(ev, plan, batch, microbatches, tuple(configs))
     cand = Candidate(stage_plan=plan, batch=batch, microbatches=microbatches, owners=tuple(configs),

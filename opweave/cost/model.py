@@ -16,7 +16,8 @@ embedding) pay a ring all-reduce; a stage boundary pays latency + bytes / link b
 inter-node when the two groups are on different nodes.
 
 A profiled table (`CostModel(profile=...)`) replaces the roofline latency op by op where it has
-a figure; the roofline covers the rest.
+a figure; the roofline covers the rest. A profile may also give the host time of each side of a
+stage boundary (`transfer_host_s`), which the planner adds to the stage's compute.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class OpProfile(Protocol):
     """A measured latency table (see the profiler); None where it has no figure."""
 
     def op_latency(self, op: Op, gpu: str, tp: int, batch: int, context: int) -> float | None: ...
+
+    def transfer_host_s(self, gpu: str, side: str, nbytes: float) -> float | None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,6 +145,23 @@ class CostModel:
         if op.kind == OpKind.SAMPLE and op.tp_rule == TPRule.VOCAB:
             comm_s += allgather_s(batch * SAMPLE_CANDIDATE_BYTES, tp, gpu)
         return OpCost(compute_s=compute_s, memory_s=memory_s, math_s=math_s, comm_s=comm_s, measured=measured)
+
+    def transfer_host_s(self, nbytes: float, gpu: GPUSpec, side: str) -> float:
+        """Time one side of a stage boundary ("send" or "recv") spends on its own compute stream.
+
+        Measured where the profile has the figure (on CPU ranks the runtime's packing, posting and
+        unpacking of a message run on the rank's only core, about 0.3 ms a side on a 2-core VM);
+        0 otherwise: on GPUs a send or receive is an enqueued NCCL kernel, and the link time is
+        `boundary_s` on the link, which overlaps compute."""
+        if self.profile is None or nbytes <= 0:
+            return 0.0
+        figure = getattr(self.profile, "transfer_host_s", lambda *a: None)(gpu.name, side, nbytes)
+        return figure or 0.0
+
+    @property
+    def charges_host(self) -> bool:
+        """Whether `transfer_host_s` can be non-zero (a profile with host figures)."""
+        return self.profile is not None and hasattr(self.profile, "transfer_host_s")
 
     def ops_latency(self, ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, batch: int, context: int,
                     hidden_bytes: int) -> float:

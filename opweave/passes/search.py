@@ -143,6 +143,24 @@ class _Evaluator:
             self._latency[key] = value
         return value
 
+    def host_s(self, plan: StagePlan, k: int, index: int, pool: int, share: int) -> float:
+        """Host time of stage `index`'s transfers on its own stream (`CostModel.transfer_host_s`):
+        taking in its inputs when another owner sends them (stage 0: the token ids), and sending
+        its outputs when another owner takes them (the last stage: the token ids back)."""
+        cm = self.space.cost_model
+        if not cm.charges_host:
+            return 0.0
+        stages, spb = plan.stages, plan.stages_per_block
+        n, me, gpu = len(stages), slot_of(index, spb, k), self.space.cluster.pools[pool].gpu
+        total = 0.0
+        if slot_of((index - 1) % n, spb, k) != me:
+            per_token = stages[index - 1].out_bytes_per_token if index > 0 else TOKEN_ID_BYTES
+            total += cm.transfer_host_s(per_token * share, gpu, "recv")
+        if slot_of((index + 1) % n, spb, k) != me:
+            per_token = stages[index].out_bytes_per_token if index + 1 < n else TOKEN_ID_BYTES
+            total += cm.transfer_host_s(per_token * share, gpu, "send")
+        return total
+
     def slot(self, plan: StagePlan, k: int, slot: int) -> tuple[list, tuple[int, ...], list]:
         """(stages, their signature ids, their ops) of one owner slot."""
         key = (plan.template.name, k, slot)
@@ -191,8 +209,9 @@ def _owner_configs(ev: _Evaluator, plan: StagePlan, k: int, slot: int, batch: in
                     continue
                 share = microbatch_share(batch, n, r)
                 by_sig = {sig: ev.latency(sig, p, tp, share) for sig in distinct}
+                latencies = tuple(by_sig[sig] + ev.host_s(plan, k, s.index, p, share) for s, sig in zip(stages, sigs))
                 out.append(OwnerConfig(slot=slot, gpu=gpu, tp=tp, replicas=r, share=share,
-                                       latencies=tuple(by_sig[sig] for sig in sigs), memory_per_gpu=mem))
+                                       latencies=latencies, memory_per_gpu=mem))
     return out
 
 

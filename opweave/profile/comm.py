@@ -4,6 +4,8 @@ Two processes join a torch.distributed group over 127.0.0.1 like `opweave run` d
 CPU, forked; NCCL on CUDA, spawned, one GPU each). Rank 0 times ping-pongs (`dist.send` then
 `dist.recv` of a float32 tensor) and all-reduces; one-way time = median round trip / 2. The
 samples are fitted to latency + bytes / bandwidth, weighting each size's relative error equally.
+On CPU it also times the host side of a runtime transfer (packing and posting; receiving and
+unpacking an arrived message), which a rank's only core spends outside its operators.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ ALLREDUCE_SIZES = (2 ** 10, 2 ** 16, 2 ** 20)
 COMM_WARMUP = 2
 COMM_REPS = 10
 COMM_TIMEOUT_S = 120.0
+HOST_SETTLE_S = 0.002
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,6 +39,12 @@ class LinkFit:
 class CommFigures:
     p2p: LinkFit
     allreduce: LinkFit
+    send_host: LinkFit | None = None   # host time of packing and posting one transfer (CPU ranks)
+    recv_host: LinkFit | None = None   # host time of taking in one transfer that has arrived
+
+
+HOST_ROWS = 2
+"""Rows of the messages whose host cost is timed (a decode microbatch share)."""
 
 
 def fit_link(samples: list[tuple[int, float]] | tuple[tuple[int, float], ...]) -> LinkFit:
@@ -110,6 +119,8 @@ def _comm_worker(rank: int, port: int, device: str, results) -> None:
                 times.append(time.perf_counter() - start)
             if rank == 0:
                 out["allreduce"].append((nbytes, statistics.median(times[COMM_WARMUP:])))
+        if device == "cpu":
+            out["send_host"], out["recv_host"] = _host_times(rank, dist, torch)
         dist.barrier()
         dist.destroy_process_group()
         if rank == 0:
@@ -119,6 +130,47 @@ def _comm_worker(rank: int, port: int, device: str, results) -> None:
     results.close()
     results.join_thread()
     os._exit(0)
+
+
+def _host_times(rank: int, dist, torch) -> tuple[list, list]:
+    """Rank 0's host seconds per side of a runtime transfer, per message size (CPU ranks).
+
+    Send side: `pack_message` of a decode-sized message and posting the `isend` (the peer takes it
+    in, then acknowledges, so each sample starts from an idle connection). Receive side: the peer
+    sends, rank 0 lets it arrive, then times the `recv` and `unpack_message` into a fresh tensor,
+    as the runtime does."""
+    from opweave.runtime.message import message_bytes, pack_message, unpack_message
+
+    sends, recvs = [], []
+    ack = torch.zeros(1, dtype=torch.long)
+    for nbytes in P2P_SIZES:
+        per_row = max(1, nbytes // (HOST_ROWS * 4))
+        positions = torch.zeros(HOST_ROWS, 1, dtype=torch.long)
+        value = torch.zeros(HOST_ROWS, 1, per_row)
+        size = message_bytes(HOST_ROWS, 1, per_row * 4)
+        times_send, times_recv = [], []
+        for i in range(COMM_WARMUP + COMM_REPS):
+            buffer = torch.empty(size, dtype=torch.uint8)
+            if rank == 0:
+                start = time.perf_counter()
+                work = dist.isend(pack_message(1, positions, [value]), 1)
+                times_send.append(time.perf_counter() - start)
+                work.wait()
+                dist.recv(ack, 1)
+                time.sleep(HOST_SETTLE_S + size / 1e9)  # the peer's message arrives meanwhile
+                start = time.perf_counter()
+                dist.recv(buffer, 1)
+                _, payload = unpack_message(buffer, HOST_ROWS, 1, torch.float32)
+                torch.zeros(HOST_ROWS, 1, per_row).view(-1).copy_(payload)
+                times_recv.append(time.perf_counter() - start)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(ack, 0)
+                dist.send(pack_message(1, positions, [value]), 0)
+        if rank == 0:
+            sends.append((size, statistics.median(times_send[COMM_WARMUP:])))
+            recvs.append((size, statistics.median(times_recv[COMM_WARMUP:])))
+    return sends, recvs
 
 
 def measure_comm(device: str = "cpu", timeout_s: float = COMM_TIMEOUT_S) -> CommFigures:
@@ -142,7 +194,8 @@ def measure_comm(device: str = "cpu", timeout_s: float = COMM_TIMEOUT_S) -> Comm
             raise RuntimeError(f"no result within {timeout_s:.0f} s") from None
         if kind != "ok":
             raise RuntimeError(payload)
-        return CommFigures(p2p=fit_link(payload["p2p"]), allreduce=fit_link(payload["allreduce"]))
+        host = {k: fit_link(payload[k]) if payload.get(k) else None for k in ("send_host", "recv_host")}
+        return CommFigures(p2p=fit_link(payload["p2p"]), allreduce=fit_link(payload["allreduce"]), **host)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -5,11 +5,12 @@ Steps:
    cost signature: one representative op per group (every layer's `qkv_proj` is one group);
 2. record each operator's input shapes by running the decode step on meta tensors with a
    forward pre-hook per operator (for TP > 1, the decode step of the sharded configuration);
-3. materialise each representative with random weights exactly as a rank does
-   (`opweave.runtime.shard.materialize`, then `with_kernels`), allocate its state for
-   (batch, context), build random inputs of the recorded shapes (positions = context - 1), and
-   time one decode token: warm-up calls, then adaptive repetitions rotating over copies of the
-   op so that its weights and state are cold as in a step (ROTATE_FACTOR), median;
+3. per TP degree, materialise copies of each representative with random weights exactly as a
+   rank does (`opweave.runtime.shard.materialize`, then `with_kernels`) and, per (batch,
+   context) point, allocate their state, build random inputs of the recorded shapes
+   (positions = context - 1) and run the decode step's ops in graph order, each op played by a
+   copy of its representative in turn (ROTATE_FACTOR), timing every call: warm-up steps, then
+   adaptive repetitions; per group the median over its calls;
 4. time a no-op module call (the Python dispatch every op pays);
 5. time send/recv and all-reduce between two ranks (`opweave.profile.comm`).
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import itertools
 import os
 import platform
 import statistics
@@ -39,14 +39,15 @@ from opweave.models.ops import OpModule
 from opweave.profile.signature import graph_hash, is_replicated, op_signature
 from opweave.profile.table import OpEntry, ProfileTable
 
-WARMUP_CALLS = 3
-"""Untimed calls before timing each point (first-call allocations, caches, lazy kernel builds)."""
 
 MIN_REPS = 5
 MAX_REPS = 20
 TARGET_POINT_S = 0.02
-"""Repetitions per point: enough to fill TARGET_POINT_S, within [MIN_REPS, MAX_REPS]: a tiny model's
-whole grid takes seconds, a large op still gets MIN_REPS."""
+"""Timed decode steps per (batch, context) point: enough to give each op group TARGET_POINT_S,
+within [MIN_REPS, MAX_REPS]: a tiny model's whole grid takes seconds, a large one MIN_REPS steps."""
+
+SEQUENCE_WARMUP = 2
+"""Untimed decode steps before each point (first-call allocations, caches, lazy kernel builds)."""
 
 DISPATCH_CALLS = 1000
 DISPATCH_ROUNDS = 7
@@ -138,7 +139,7 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
     torch.set_num_threads(MEASURE_THREADS)
     try:
         with torch.no_grad():
-            entries = _measure_ops(fe.source, graph.dtype, groups, torch.device(device), batches, contexts,
+            entries = _measure_ops(fe.source, graph.dtype, graph, groups, torch.device(device), batches, contexts,
                                    tp_degrees, say)
             dispatch_s = _measure_dispatch()
     finally:
@@ -150,7 +151,7 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
         python_version=platform.python_version(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"), num_threads=MEASURE_THREADS,
         settings={"batches": list(batches), "contexts": list(contexts), "tp_degrees": list(tp_degrees),
-                  "warmup_calls": WARMUP_CALLS, "min_reps": MIN_REPS, "max_reps": MAX_REPS,
+                  "warmup_steps": SEQUENCE_WARMUP, "rotate_factor": ROTATE_FACTOR, "min_reps": MIN_REPS, "max_reps": MAX_REPS,
                   "target_point_s": TARGET_POINT_S, "statistic": "median", "device": device},
         entries=tuple(entries), dispatch_s=dispatch_s,
         transfer_latency_s=links.p2p.latency_s if links else None,
@@ -159,8 +160,19 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
         allreduce_latency_s=links.allreduce.latency_s if links else None,
         allreduce_bandwidth=links.allreduce.bandwidth if links else None,
         allreduce_samples=links.allreduce.samples if links else (),
+        **_host_fields(links),
         warnings=tuple(warnings),
     )
+
+
+def _host_fields(links) -> dict:
+    out = {}
+    for side in ("send_host", "recv_host"):
+        fit = getattr(links, side, None) if links else None
+        if fit is not None:
+            out |= {f"{side}_latency_s": fit.latency_s, f"{side}_bandwidth": fit.bandwidth,
+                    f"{side}_samples": fit.samples}
+    return out
 
 
 def _measure_links(device: str, say: Callable[[str], None], warnings: list[str]):
@@ -179,6 +191,11 @@ def _measure_links(device: str, say: Callable[[str], None], warnings: list[str])
     say(f"send/recv: {links.p2p.latency_s * 1e6:.1f} us + bytes / {links.p2p.bandwidth / 1e9:.2f} GB/s; "
         f"all-reduce (2 ranks): {links.allreduce.latency_s * 1e6:.1f} us + bytes / "
         f"{links.allreduce.bandwidth / 1e9:.2f} GB/s")
+    for side in ("send_host", "recv_host"):
+        fit = getattr(links, side)
+        if fit is not None:
+            say(f"{side.replace('_', ' ')} per transfer: {fit.latency_s * 1e6:.1f} us + bytes / "
+                f"{fit.bandwidth / 1e9:.2f} GB/s")
     return links
 
 
@@ -266,67 +283,109 @@ def rotation_copies(bytes_per_copy: float, device: torch.device) -> int:
     return max(1, min(MAX_COPIES, -(-int(need) // max(1, int(bytes_per_copy)))))
 
 
-def time_call(fn: Callable[[], object], device: torch.device, warmup: int = WARMUP_CALLS) -> tuple[float, int]:
-    """Median seconds of `fn()` after `warmup` calls, with adaptive repetitions; returns (median, reps)."""
-    cuda = device.type == "cuda"
-
-    def once() -> float:
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    for _ in range(warmup):
-        once()
-    first = once()
-    reps = max(MIN_REPS, min(MAX_REPS, int(TARGET_POINT_S / max(first, 1e-9))))
-    times = [first] + [once() for _ in range(reps - 1)]
-    return statistics.median(times), reps
-
-
-def _measure_ops(source, dtype: str, groups: dict[str, list[Op]], device: torch.device, batches, contexts,
-                 tp_degrees, say) -> list[OpEntry]:
+def _measure_ops(source, dtype: str, graph, groups: dict[str, list[Op]], device: torch.device, batches,
+                 contexts, tp_degrees, say) -> list[OpEntry]:
+    """Every group at every TP degree, measured in place (see `_measure_sequence`)."""
     entries: list[OpEntry] = []
-    steps: dict[int, tuple[dict, dict]] = {}
-    for sig, ops in groups.items():
-        op = ops[0]
-        degrees = (1,) if is_replicated(op) else tuple(t for t in tp_degrees if op.tp_units % t == 0)
-        skipped = [t for t in tp_degrees if t not in degrees and not is_replicated(op)]
-        if skipped:
-            say(f"{op.kind.value}: TP {skipped} does not divide {op.tp_units} units: not measured")
-        for tp in degrees:
-            for t in {1, tp} - set(steps):
-                step = _meta_step(source, dtype, t)
-                steps[t] = (dict(step.named_modules()), _input_specs(step))
-            specs = steps[tp][1]
-            grid = contexts if op.cls == OpClass.ATTN else (None,)
-            rows = []
-            for context in grid:
-                row = []
-                for batch in batches:
-                    per_copy = op.weight_bytes / (1 if is_replicated(op) else tp) + batch * op.state_bytes(context or 1)
-                    copies = _materialize_copies(steps[1][0][op.name], op.index, tp, device,
-                                                 rotation_copies(per_copy, device), batch, context or 1)
-                    args = _make_inputs(specs[op.name], copies[0][0], batch, context or 1, device)
-                    turn = itertools.cycle([run for _, run in copies])
-                    latency, _ = time_call(lambda: next(turn)(*args), device, max(WARMUP_CALLS, len(copies)))
-                    row.append(latency)
-                    del copies, turn
-                rows.append(tuple(row))
+    full_modules = dict(_meta_step(source, dtype, 1).named_modules())
+    for tp in tp_degrees:
+        specs = _input_specs(_meta_step(source, dtype, tp))
+        runnable = {}
+        for sig, ops in groups.items():
+            op = ops[0]
+            if is_replicated(op) or op.tp_units % tp == 0:
+                runnable[sig] = ops
+            else:
+                say(f"{op.kind.value}: TP {tp} does not divide {op.tp_units} units: not measured")
+        samples = _measure_sequence(graph, runnable, full_modules, specs, tp, device, batches, contexts, say)
+        for sig, ops in runnable.items():
+            op = ops[0]
+            if tp > 1 and is_replicated(op):
+                continue  # one figure for any TP: the TP 1 one
+            attn = op.cls == OpClass.ATTN
+            grid = contexts if attn else (None,)
+            rows = tuple(tuple(_pooled(samples[sig], batch, context) for batch in batches) for context in grid)
             entries.append(OpEntry(
                 signature=sig, kind=op.kind.value, example=op.name, num_ops=len(ops), tp=tp,
                 flops_per_token=op.flops_per_token, weight_bytes=op.weight_bytes, batches=tuple(batches),
-                contexts=tuple(contexts) if op.cls == OpClass.ATTN else (), latency_s=tuple(rows)))
+                contexts=tuple(contexts) if attn else (), latency_s=rows))
             say(_entry_line(entries[-1]))
     return entries
 
 
-def _materialize_copies(meta_module: OpModule, index: int, tp: int, device: torch.device, n: int, batch: int,
-                        context: int) -> list[tuple[OpModule, Callable]]:
-    """`n` copies of one op (TP rank 0's shard, random weights as a rank loads them, own state)."""
+def _pooled(samples: dict[tuple[int, int], list[float]], batch: int, context: int | None) -> float:
+    """Median at (batch, context); a context-independent op pools its samples over every context."""
+    if context is not None:
+        return statistics.median(samples[(batch, context)])
+    return statistics.median([x for (b, _), xs in samples.items() if b == batch for x in xs])
+
+
+def _measure_sequence(graph, groups: dict[str, list[Op]], full_modules: dict, specs: dict, tp: int,
+                      device: torch.device, batches, contexts, say) -> dict[str, dict[tuple[int, int], list[float]]]:
+    """Runs the decode step's operators in graph order as TP rank 0 of `tp` and times every call.
+
+    Each op of the graph is played by a copy of its group's representative (random weights, own
+    state), rotating over as many copies as make ROTATE_FACTOR times the device's last-level
+    cache (never more than the group has ops): every call finds its weights and state as cold,
+    and the interpreter's data as warm or as thrashed by the op before it, as in a rank's decode
+    step. Inputs are random tensors of the recorded shapes (outputs are not chained).
+
+    Returns:
+        samples[signature][(batch, context)]: seconds per call, every occurrence of every timed step.
+    """
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    top_batch, top_context = max(batches), max(contexts)
+    copies: dict[str, list[tuple[OpModule, Callable]]] = {}
+    for sig, ops in groups.items():
+        op = ops[0]
+        shard = 1 if is_replicated(op) else tp
+        per_copy = op.weight_bytes / shard + top_batch * op.state_bytes(top_context) / shard
+        n = min(len(ops), rotation_copies(per_copy, device))
+        copies[sig] = _materialize_copies(full_modules[op.name], op.index, tp, device, n)
+    signature_of = {op.index: sig for sig, ops in groups.items() for op in ops}
+    used: dict[str, int] = {}
+    sequence = []  # (signature, copy index) for each op of the graph, in order
+    for op in graph.ops:
+        sig = signature_of.get(op.index)
+        if sig is not None:
+            sequence.append((sig, used.get(sig, 0) % len(copies[sig])))
+            used[sig] = used.get(sig, 0) + 1
+    samples: dict[str, dict[tuple[int, int], list[float]]] = {sig: {} for sig in groups}
+    has_attn = any(ops[0].cls == OpClass.ATTN for ops in groups.values())
+    for context in (contexts if has_attn else (contexts[0],)):
+        for batch in batches:
+            for group in copies.values():
+                for module, _ in group:
+                    module.allocate_state(batch, context, device)
+            inputs = {sig: _make_inputs(specs[ops[0].name], copies[sig][0][0], batch, context, device)
+                      for sig, ops in groups.items()}
+            calls = [(sig, copies[sig][k][1], inputs[sig]) for sig, k in sequence]
+            for _ in range(SEQUENCE_WARMUP):
+                _run_sequence(calls, sync)
+            budget, steps, start = TARGET_POINT_S * len(groups), 0, time.perf_counter()
+            while steps < MIN_REPS or (steps < MAX_REPS and time.perf_counter() - start < budget):
+                for (sig, _, _), dt in zip(calls, _run_sequence(calls, sync)):
+                    samples[sig].setdefault((batch, context), []).append(dt)
+                steps += 1
+            say(f"tp {tp}, batch {batch}, context {context}: {steps} timed steps of {len(calls)} ops")
+    return samples
+
+
+def _run_sequence(calls, sync) -> list[float]:
+    """One pass over the calls; seconds of each."""
+    out = []
+    for _, run, args in calls:
+        sync()
+        t0 = time.perf_counter()
+        run(*args)
+        sync()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _materialize_copies(meta_module: OpModule, index: int, tp: int, device: torch.device,
+                        n: int) -> list[tuple[OpModule, Callable]]:
+    """`n` copies of one op as TP rank 0 of `tp` loads it (random weights)."""
     from opweave.runtime.kernel_ops import with_kernels
     from opweave.runtime.shard import materialize
 
@@ -334,7 +393,6 @@ def _materialize_copies(meta_module: OpModule, index: int, tp: int, device: torc
     for _ in range(n):
         # materialize shards the full (unsharded) module itself; a copy keeps the meta model intact
         module = materialize({index: copy.deepcopy(meta_module)}, "random", tp, 0, device)[index]
-        module.allocate_state(batch, context, device)
         out.append((module, with_kernels({index: module}, device)[index]))
     return out
 

@@ -31,7 +31,8 @@ from opweave.ir.kinds import OpClass, OpKind
 from opweave.profile.signature import graph_hash, graph_signatures, is_replicated, op_signature
 
 FORMAT = "opweave-profile"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: op figures measured in place (a decode step's op sequence), host time per transfer side."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,6 +98,12 @@ class ProfileTable:
     allreduce_latency_s: float | None = None  # two ranks, fitted like the transfer
     allreduce_bandwidth: float | None = None
     allreduce_samples: tuple[tuple[int, float], ...] = ()
+    send_host_latency_s: float | None = None   # host time of packing and posting one transfer, fitted
+    send_host_bandwidth: float | None = None
+    send_host_samples: tuple[tuple[int, float], ...] = ()
+    recv_host_latency_s: float | None = None   # host time of taking in one arrived transfer, fitted
+    recv_host_bandwidth: float | None = None
+    recv_host_samples: tuple[tuple[int, float], ...] = ()
     warnings: tuple[str, ...] = ()
     counts: dict[str, int] = dataclasses.field(default_factory=lambda: fresh_counts(), compare=False, repr=False)
     _index: dict = dataclasses.field(init=False, compare=False, repr=False)
@@ -122,6 +129,17 @@ class ProfileTable:
             return self._miss("miss_tp")
         self.counts["hit"] += 1
         return entry.latency(batch, context)
+
+    def transfer_host_s(self, gpu: str, side: str, nbytes: float) -> float | None:
+        """Host time one side ("send" or "recv") of a transfer of `nbytes` spends on its own stream
+        (the runtime's packing, posting, unpacking), or None where the table has no figure."""
+        if gpu != self.gpu and normalize_name(gpu) != normalize_name(self.gpu):
+            return None
+        latency, bandwidth = ((self.send_host_latency_s, self.send_host_bandwidth) if side == "send"
+                              else (self.recv_host_latency_s, self.recv_host_bandwidth))
+        if latency is None or not bandwidth:
+            return None
+        return latency + nbytes / bandwidth
 
     def _signature(self, op: Op) -> str:
         cached = self._sig_cache.get(id(op))
@@ -214,6 +232,9 @@ def table_from_json(data: dict[str, Any], where: str = "profile") -> ProfileTabl
             transfer_latency_s=opt("transfer_latency_s"), transfer_bandwidth=opt("transfer_bandwidth"),
             transfer_samples=samples("transfer_samples"), allreduce_latency_s=opt("allreduce_latency_s"),
             allreduce_bandwidth=opt("allreduce_bandwidth"), allreduce_samples=samples("allreduce_samples"),
+            send_host_latency_s=opt("send_host_latency_s"), send_host_bandwidth=opt("send_host_bandwidth"),
+            send_host_samples=samples("send_host_samples"), recv_host_latency_s=opt("recv_host_latency_s"),
+            recv_host_bandwidth=opt("recv_host_bandwidth"), recv_host_samples=samples("recv_host_samples"),
         )
     except KeyError as err:
         raise OpWeaveError(f"{where}: not a valid opweave profile (missing field {err})") from None

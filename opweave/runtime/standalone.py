@@ -70,17 +70,23 @@ class _LoneRuntime:
         return logits[:, -1].argmax(-1)
 
 
-def main(module_path: str, rounds: int = 20) -> None:
+def load_alone(module_path: str, device: torch.device):
+    """(runtime, program) of one generated rank module with no peers (see the module docstring)."""
     from opweave.runtime.worker import load_program_module
 
     artifact = os.path.dirname(os.path.abspath(module_path))
     name = os.path.splitext(os.path.basename(module_path))[0]
     with open(os.path.join(artifact, name + ".json")) as f:
         program = program_from_json(json.load(f))
+    rt = _LoneRuntime(artifact, program, width=1, device=device)
+    return rt, load_program_module(module_path).Program(rt)
+
+
+def main(module_path: str, rounds: int = 20) -> None:
     torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rt = _LoneRuntime(artifact, program, width=1, device=device)
-    prog = load_program_module(module_path).Program(rt)
+    rt, prog = load_alone(module_path, device)
+    program, name = rt.program, os.path.splitext(os.path.basename(module_path))[0]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(fn) -> float:

@@ -24,6 +24,7 @@ from opweave.models.config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.kernel_ops import with_kernels
+from opweave.runtime.message import message_bytes, message_width, pack_message, unpack_message
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import materialize
 from opweave.runtime.timeline import Timeline
@@ -131,14 +132,13 @@ class Runtime:
             per_token = sum(_numel(s) for s in st.recv.shapes) * esize
             for p in st.recv.peers:  # each upstream replica pads its rows to its own width
                 n = p.hi - p.lo
-                first = torch.empty(_message_bytes(n, 1, per_token), dtype=torch.uint8)
+                first = torch.empty(message_bytes(n, 1, per_token), dtype=torch.uint8)
                 dist.recv(first, src=p.rank)
-                w = int(first[:8].view(torch.long))
-                body = first if w == 1 else torch.empty(_message_bytes(n, w, per_token), dtype=torch.uint8)
+                w = message_width(first)
+                body = first if w == 1 else torch.empty(message_bytes(n, w, per_token), dtype=torch.uint8)
                 if w != 1:  # a prefill: the first message held only the width
                     dist.recv(body, src=p.rank)
-                pos = body[8:8 + n * w * 8].view(torch.long).view(n, w)
-                payload = body[8 + n * w * 8:].view(self.dtype)
+                pos, payload = unpack_message(body, n, w, self.dtype)
                 parts.append((p, w, pos, payload))
             width = max(w for _, w, _, _ in parts)
             positions = torch.full((self.rows, width), -1, dtype=torch.long)
@@ -201,13 +201,10 @@ class Runtime:
         width = positions.shape[1]
         for p in st.send.peers:  # one message: the width, positions and values as bytes
             a, b = p.lo - lo, p.hi - lo
-            body = [torch.tensor([width], dtype=torch.long).view(torch.uint8),
-                    positions[a:b].contiguous().cpu().view(torch.uint8).reshape(-1)]
-            body += [v[a:b].contiguous().cpu().view(torch.uint8).reshape(-1) for v in values]
-            message = torch.cat(body)
+            message = pack_message(width, positions[a:b], [v[a:b] for v in values])
             if width != 1:  # a prefill: the receiver expects a decode-sized message first
-                per_token = (message.numel() - 8 - (b - a) * width * 8) // ((b - a) * width)
-                self._isend(torch.cat([message[:8], message.new_zeros(_message_bytes(b - a, 1, per_token) - 8)]),
+                per_token = (message.numel() - message_bytes(b - a, width, 0)) // ((b - a) * width)
+                self._isend(torch.cat([message[:8], message.new_zeros(message_bytes(b - a, 1, per_token) - 8)]),
                             p.rank)
             self._isend(message, p.rank)
         self._mark("send", stage, mb)
@@ -276,11 +273,6 @@ class Runtime:
         for work, _ in self._previous + self._pending + ([self._flag] if self._flag else []):
             work.wait()
         self._previous, self._pending, self._flag = [], [], None
-
-
-def _message_bytes(rows: int, width: int, per_token: int) -> int:
-    """A transfer's message: its width (int64), positions (int64) and `per_token` bytes of values per token."""
-    return 8 + rows * width * (8 + per_token)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
