@@ -23,6 +23,7 @@ from opweave.ir.program import Peer, RankProgram, program_from_json
 from opweave.models.config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
+from opweave.runtime.inbox import Inbox, Slot
 from opweave.runtime.kernel_ops import with_kernels
 from opweave.runtime.message import message_bytes, message_width, pack_message, unpack_message
 from opweave.runtime.scheduler import Request, Scheduler
@@ -63,6 +64,8 @@ class Runtime:
         self._flag = None          # the in-flight "any work left?" all-reduce of the last round
         self._local_tokens: dict[int, torch.Tensor] = {}  # colocated: the last stage returns to itself
         self.round_index = 0
+        self.inbox = Inbox(self._receive_slots() if self.is_leader else [])
+        self.inbox.start_round(0)
 
     # ---------------------------------------------------------------- state per microbatch
     def _select(self, mb: int) -> None:
@@ -88,6 +91,22 @@ class Runtime:
         t = torch.tensor([width], dtype=torch.long)
         dist.broadcast(t, src=self.program.tp_group[0], group=self.group)
         return int(t)
+
+    def _receive_slots(self) -> list[Slot]:
+        """Every point-to-point receive of one round, in program order (leaders only)."""
+        prog, slots = self.program, []
+        esize = torch.empty(0, dtype=self.dtype).element_size()
+        for st in prog.stages:
+            for mb in range(prog.num_microbatches):
+                if st.recv is None:
+                    if self.scheduler is not None:
+                        slots += [Slot(("tok", mb, p.rank), p.rank, p.hi - p.lo, torch.long, from_round=1)
+                                  for p in prog.token_sources if p.rank != prog.rank]
+                    continue
+                per_token = sum(_numel(s) for s in st.recv.shapes) * esize
+                slots += [Slot(("act", st.stage, mb, p.rank), p.rank, message_bytes(p.hi - p.lo, 1, per_token),
+                               torch.uint8) for p in st.recv.peers]
+        return slots
 
     def _mark(self, kind: str, stage: int = -1, mb: int = -1) -> None:
         if self.timeline is not None:
@@ -117,8 +136,8 @@ class Runtime:
             if p.rank == self.program.rank:
                 part = self._local_tokens.pop(mb)
             else:
-                part = torch.zeros(p.hi - p.lo, dtype=torch.long)
-                dist.recv(part, src=p.rank)
+                part = self.inbox.take(("tok", mb, p.rank))
+                self.inbox.next_from(p.rank)
             out[p.lo - lo:p.hi - lo] = part
         return out
 
@@ -132,12 +151,12 @@ class Runtime:
             per_token = sum(_numel(s) for s in st.recv.shapes) * esize
             for p in st.recv.peers:  # each upstream replica pads its rows to its own width
                 n = p.hi - p.lo
-                first = torch.empty(message_bytes(n, 1, per_token), dtype=torch.uint8)
-                dist.recv(first, src=p.rank)
+                first = self.inbox.take(("act", stage, mb, p.rank))
                 w = message_width(first)
                 body = first if w == 1 else torch.empty(message_bytes(n, w, per_token), dtype=torch.uint8)
                 if w != 1:  # a prefill: the first message held only the width
                     dist.recv(body, src=p.rank)
+                self.inbox.next_from(p.rank)
                 pos, payload = unpack_message(body, n, w, self.dtype)
                 parts.append((p, w, pos, payload))
             width = max(w for _, w, _, _ in parts)
@@ -263,7 +282,10 @@ class Runtime:
             previous[0].wait()
         self._mark("sync")
         self.round_index += 1
-        return previous is None or bool(int(previous[1]))
+        more = previous is None or bool(int(previous[1]))
+        if more:
+            self.inbox.start_round(self.round_index)
+        return more
 
     def drain(self) -> None:
         """After the last round: take the last step's token ids so every send is matched."""
