@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from opweave import __version__, config
@@ -112,8 +113,6 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _dump_ranks(args: argparse.Namespace) -> int:
-    import os
-
     from opweave.ir.program import format_program, program_from_json, program_to_json
 
     if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "rank_00.json")):
@@ -128,8 +127,6 @@ def _dump_ranks(args: argparse.Namespace) -> int:
 
 
 def _dump_plan(args: argparse.Namespace) -> int:
-    import os
-
     from opweave.ir.plan import format_plan, plan_from_json, plan_to_json
 
     path = os.path.join(args.model, "plan.json") if os.path.isdir(args.model) else args.model
@@ -145,7 +142,7 @@ def _dump_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from opweave.runtime.launch import RunConfig, read_requests, run
+    from opweave.runtime.launch import RunConfig, read_requests, run_detailed
 
     if args.torchrun:
         from opweave.runtime.entry import torchrun_commands
@@ -155,8 +152,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("\n".join(torchrun_commands(args.artifact, args.weights, args.prompts, args.max_new_tokens)))
         return 0
     requests = read_requests(args.prompts, args.prompt_ids, args.max_new_tokens)
-    cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests)
-    outputs = run(cfg)
+    if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
+        raise OpWeaveError(f"--trace {args.trace}: folder {os.path.dirname(os.path.abspath(args.trace))} does not exist")
+    cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests,
+                    trace=bool(args.trace))
+    outputs, stats = run_detailed(cfg)
+    if args.trace:
+        from opweave.runtime.timeline import write_trace
+
+        for line in write_trace(stats, args.trace):
+            print(line, file=sys.stderr)
     if args.json:
         print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
                                       | ({"error": r.error} if r.error else {}) for r in outputs]}))
@@ -170,8 +175,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     """The main job on embedded defaults: plan a real model on a real cluster, then compile and
     run a tiny built-in model on CPU ranks (random weights)."""
-    import os
-
     from opweave.compiler.compile import compile_model, write_artifact
     from opweave.hardware.catalog import load_catalog
     from opweave.hardware.cluster import parse_cluster
@@ -296,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
     run.add_argument("--json", action="store_true", help='print {"outputs": [{"prompt_ids", "token_ids"}]}')
     run.add_argument("--torchrun", action="store_true", help="print the torchrun command for each node instead")
+    run.add_argument("--trace", metavar="FILE.json",
+                     help="record what every rank did when (Chrome trace: compute, wait, send per stage and microbatch)")
     run.set_defaults(func=_cmd_run)
     return parser
 

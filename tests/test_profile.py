@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from opweave.compiler.frontend import run_front_end
 from opweave.cost.model import CostModel, intra_bandwidth
@@ -68,8 +69,28 @@ def test_profile_covers_every_op(table, graph, measured):
     assert 0 < table.dispatch_s < 1e-3
     assert table.transfer_latency_s > 0 and table.transfer_bandwidth > 0 and len(table.transfer_samples) == 7
     assert table.allreduce_latency_s > 0 and table.allreduce_bandwidth > 0
+    assert table.send_host_latency_s > 0 and table.recv_host_latency_s > 0 and len(table.recv_host_samples) == 7
     lines = measured[1]
     assert any(line.startswith("qkv_proj x8 (tp 1") for line in lines) and any("dispatch" in x for x in lines)
+    assert any("timed steps of" in line for line in lines)  # ops timed in place, a decode step at a time
+
+
+def test_rotation_copies_cover_the_cache():
+    from opweave.profile.measure import ROTATE_FACTOR, cache_bytes, rotation_copies
+
+    cpu = torch.device("cpu")
+    llc = cache_bytes(cpu)
+    assert llc >= 1 << 20
+    assert rotation_copies(4 * llc, cpu) == 1                  # one copy already streams past the cache
+    assert rotation_copies(llc, cpu) == ROTATE_FACTOR
+    assert rotation_copies(1, cpu) == rotation_copies(0, cpu) == 16  # capped
+
+
+def test_transfer_host_figures(table):
+    assert table.transfer_host_s("cpu", "send", 0) == pytest.approx(table.send_host_latency_s)
+    big = table.transfer_host_s("cpu", "recv", 1 << 20)
+    assert big > table.transfer_host_s("cpu", "recv", 0) > 0
+    assert table.transfer_host_s("h100", "send", 1024) is None
 
 
 def test_every_op_hits_at_tp1_and_sharded_ops_at_tp2(table, graph):
@@ -96,7 +117,8 @@ def test_save_load_round_trip(table, saved, graph):
     ("hello", "truncated or not JSON"),
     ("{\"a\": 1}", "not an opweave profile"),
     ("{\"format\": \"opweave-profile\", \"version\": 0}", "format version 0 is not supported"),
-    ("{\"format\": \"opweave-profile\", \"version\": 1, \"model\": \"x\"}", "missing field"),
+    ("{\"format\": \"opweave-profile\", \"version\": 1, \"model\": \"x\"}", "format version 1 is not supported"),
+    ("{\"format\": \"opweave-profile\", \"version\": 2, \"model\": \"x\"}", "missing field"),
 ])
 def test_bad_files_are_one_line_errors(tmp_path, content, expected):
     path = tmp_path / "p.json"
@@ -245,3 +267,29 @@ def test_bad_grid_is_refused():
         profile("tiny-gemma3", batches=(0, 1), measure_links=False)
     with pytest.raises(OpWeaveError, match="cpu or cuda"):
         profile("tiny-gemma3", device="tpu", measure_links=False)
+
+
+def test_planner_charges_transfer_host_time_where_owners_change(graph):
+    from opweave.compiler.pinned import pinned_plan
+    from opweave.hardware.cluster import parse_cluster
+
+    fe = run_front_end("tiny-gemma3", "float32")
+    base = _synthetic(graph)
+    host = dataclasses.replace(base, send_host_latency_s=1e-3, send_host_bandwidth=1e15,
+                               recv_host_latency_s=2e-3, recv_host_bandwidth=1e15)
+    catalog = load_catalog()
+    catalog["cpu"] = cpu_gpu_spec(base, catalog["cpu"])
+    cluster = parse_cluster("cpux2", catalog)
+
+    def stages(table, template, owners, n):
+        compiled = pinned_plan(fe, cluster, template, owners, batch=2, microbatches=n, context=CONTEXTS[-1],
+                               cost_model=CostModel(profile=table))
+        return compiled.result.best.problem.stages
+
+    two = [("cpu", 1, 1), ("cpu", 1, 1)]
+    for a, b in zip(stages(base, "afd", two, 2), stages(host, "afd", two, 2), strict=True):
+        assert b.compute_s - a.compute_s == pytest.approx(3e-3)  # each AFD stage receives from and sends to the other
+        assert b.send_s == a.send_s
+    one = [("cpu", 1, 1)]
+    assert stages(base, "colocated", one, 1) == stages(host, "colocated", one, 1)  # no transfer, no host time
+    assert CostModel().transfer_host_s(1024, catalog["cpu"], "send") == 0.0  # roofline: links only

@@ -165,8 +165,9 @@ class ProfileTable:
                                                      ("miss_gpu", "other GPU types"),
                                                      ("miss_tp", "unprofiled TP degrees")) if c[k]]
         detail = f" ({', '.join(reasons)})" if reasons else ""
+        host = "; transfer host time measured" if self.send_host_latency_s is not None else ""
         return (f"profile of {self.model} on {self.gpu} ({self.device_name}, {self.date[:10]}): "
-                f"{c['hit']} op figures measured, {c['miss']} from the roofline{detail}")
+                f"{c['hit']} op figures measured, {c['miss']} from the roofline{detail}{host}")
 
     def signatures(self) -> set[str]:
         return set(self._index)

@@ -17,7 +17,10 @@ machine), so the ranks' spans line up. `chrome_trace` writes them in the simulat
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import statistics
+import tempfile
 import time
 
 US_PER_S = 1e6
@@ -90,3 +93,35 @@ def chrome_trace(spans_by_rank: dict[int, list[Span]], labels: dict[int, str] | 
                            "ts": (s.start_s - t0) * US_PER_S, "dur": s.dur_s * US_PER_S,
                            "args": {"round": s.round, "microbatch": s.microbatch, "stage": s.stage}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+STEADY_SKIP = 2
+"""Rounds left out of a run's summary at each end: the first are prefill, the last drain."""
+
+
+def summary(spans_by_rank: dict[int, list[Span]], rounds: int) -> list[str]:
+    """One line per rank: median ms per decode round in each kind (first/last STEADY_SKIP rounds left out)."""
+    steady = range(STEADY_SKIP, rounds - STEADY_SKIP) if rounds > 2 * STEADY_SKIP else range(rounds)
+    out = []
+    for rank in sorted(spans_by_rank):
+        figures = per_round(spans_by_rank[rank], steady)
+        out.append(f"rank {rank}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in figures.items())
+                   + " ms per round (median)")
+    return out
+
+
+def write_trace(stats: dict, path: str) -> list[str]:
+    """Writes the Chrome trace of a traced run's stats (atomically); returns a summary to print."""
+    spans = {int(r): from_rows(rows) for r, rows in stats["spans"].items()}
+    trace = chrome_trace(spans)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trace.", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(trace, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return [f"trace: {path} ({len(spans)} ranks, {len(stats['round_s'])} rounds; open at ui.perfetto.dev)"] + summary(
+        spans, len(stats["round_s"]))

@@ -1,0 +1,76 @@
+"""Measured traces of a run (`opweave run --trace`) and the bytes of a transfer."""
+
+import json
+
+import pytest
+import torch
+
+from opweave.cli import main
+from opweave.ir.program import program_from_json
+from opweave.runtime.launch import RunConfig, run_detailed
+from opweave.runtime.message import message_bytes, message_width, pack_message, unpack_message
+from opweave.runtime.scheduler import Request
+from opweave.runtime.timeline import KINDS, Span, chrome_trace, from_rows, per_round
+from test_runtime import LAYERS, compile_pinned, reference
+
+
+def test_message_round_trip():
+    positions = torch.tensor([[3, 4], [7, 8]])
+    a, b = torch.randn(2, 2, 5), torch.randn(2, 2, 3, 2)
+    message = pack_message(2, positions, [a, b])
+    assert message.dtype == torch.uint8 and message.numel() == message_bytes(2, 2, (5 + 6) * 4)
+    assert message_width(message) == 2
+    pos, payload = unpack_message(message, 2, 2, torch.float32)
+    assert torch.equal(pos, positions)
+    assert torch.equal(payload[:20].view(2, 2, 5), a) and torch.equal(payload[20:].view(2, 2, 3, 2), b)
+
+
+def test_per_round_medians():
+    spans = [Span("compute", r, 1, 0, 0.0, 0.010 + r * 1e-3) for r in range(3)]
+    spans += [Span("wait", r, 1, 0, 0.0, 0.002) for r in range(3)]
+    figures = per_round(spans)
+    assert set(figures) == set(KINDS)
+    assert figures["compute"] == pytest.approx(0.011) and figures["wait"] == pytest.approx(0.002)
+    assert figures["send"] == 0.0
+    assert per_round(spans, range(2, 3))["compute"] == pytest.approx(0.012)
+
+
+def test_traced_run_accounts_for_every_stage_and_keeps_tokens(tiny_checkpoint, tmp_path):
+    folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
+    out = str(tmp_path / "art")
+    compile_pinned(folder, "afd", out)
+    prompts = [[5, 6, 7], [42], [9, 8, 7, 6], [60, 61]]
+    reqs = tuple(Request(index=i, prompt=p, max_new_tokens=4) for i, p in enumerate(prompts))
+    outputs, stats = run_detailed(RunConfig(artifact=out, weights=folder, device="cpu", requests=reqs, trace=True))
+    assert all(r.error is None for r in outputs)
+    rounds = len(stats["round_s"])
+    world = len(stats["spans"])
+    assert world == 3  # AFD here: one h100 rank, an l40s TP-2 group
+    for rank, rows in stats["spans"].items():
+        spans = from_rows(rows)
+        with open(f"{out}/rank_{int(rank):02d}.json") as f:
+            program = program_from_json(json.load(f))
+        for r in range(rounds):
+            mine = [s for s in spans if s.round == r]
+            computed = {(s.stage, s.microbatch) for s in mine if s.kind == "compute"}
+            assert computed == {(st.stage, mb) for st in program.stages for mb in range(program.num_microbatches)}
+            assert sum(s.kind == "sync" for s in mine) == 1
+        assert all(a.end_s <= b.start_s + 1e-9 for a, b in zip(spans, spans[1:]))  # one stream, in order
+        assert all(s.dur_s >= 0 for s in spans)
+    trace = chrome_trace({int(r): from_rows(rows) for r, rows in stats["spans"].items()})
+    assert {e["pid"] for e in trace["traceEvents"]} == set(range(world))
+
+
+def test_run_trace_flag_writes_a_chrome_trace(tiny_checkpoint, tmp_path, capsys):
+    folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
+    out = str(tmp_path / "art")
+    compile_pinned(folder, "cad", out)
+    path = tmp_path / "measured.json"
+    assert main(["run", out, "--weights", folder, "--prompt-ids", "5,6,7", "--max-new-tokens", "3",
+                 "--trace", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["outputs"][0]["token_ids"] == list(reference(folder)[1][:3])
+    assert "trace:" in captured.err and "rank 0:" in captured.err
+    events = json.loads(path.read_text())["traceEvents"]
+    assert any(e.get("cat") == "compute" for e in events) and any(e.get("cat") == "wait" for e in events)
+    assert main(["run", out, "--weights", folder, "--prompt-ids", "1", "--trace", str(tmp_path / "no" / "t.json")]) == 2
