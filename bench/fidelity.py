@@ -107,9 +107,11 @@ def profile_under_load(model_dir: str, load_module: str, path: str, links) -> No
 # ---------------------------------------------------------------- runs
 
 
-def measure(artifact: str, copies: int) -> tuple[float, dict[int, dict[str, float]]]:
-    """(median decode round, per rank: median seconds per round in each span kind) of rank 0's
-    replica set, with `copies` replica sets run at once (the machine fully used, as in the profile)."""
+def measure(artifact: str, copies: int) -> tuple[float, float, dict[int, dict[str, float]]]:
+    """(median decode round, decode tokens per second, per rank: median seconds per round in each
+    span kind) of rank 0's replica set, with `copies` replica sets run at once (the machine fully
+    used, as in the profile). Every slot holds a request through the decode rounds measured, so a
+    round makes BATCH tokens: tokens per second = BATCH / mean round."""
     reqs = tuple(Request(index=i, prompt=[(13 * i + j) % 8000 + 1 for j in range(PROMPT)], max_new_tokens=NEW)
                  for i in range(BATCH))
     with concurrent.futures.ThreadPoolExecutor(copies) as pool:
@@ -119,7 +121,8 @@ def measure(artifact: str, copies: int) -> tuple[float, dict[int, dict[str, floa
     rounds = len(stats["round_s"])
     steady = range(rounds)[STEADY]
     spans = {int(r): per_round(from_rows(rows), steady) for r, rows in stats["spans"].items()}
-    return statistics.median(stats["round_s"][STEADY]), spans
+    steady_rounds = stats["round_s"][STEADY]
+    return statistics.median(steady_rounds), BATCH / statistics.mean(steady_rounds), spans
 
 
 @dataclasses.dataclass
@@ -128,6 +131,8 @@ class Row:
     stages: int
     predicted: float           # TPOT, s
     measured: float            # TPOT, s
+    predicted_tps: float       # tokens/s of the replica set
+    measured_tps: float
     predicted_busy: float      # bottleneck rank's operators per round (no transfer host costs)
     measured_busy: float       # that rank's compute spans per round
     bottleneck: int
@@ -164,9 +169,10 @@ def one_repeat(fe, model_dir: str, tmp: str, load_module: str, links, r: int) ->
                                    table, send_host_latency_s=None, recv_host_latency_s=None)))
         busy = n * sum(st.compute_s for st in ops_only.result.best.problem.stages if st.owner == bottleneck)
         ranks = sum(o.tp * o.replicas for o in compiled.plan.owners)
-        measured, spans = measure(art, max(1, (os.cpu_count() or 1) // ranks))
+        measured, tps, spans = measure(art, max(1, (os.cpu_count() or 1) // ranks))
         mine = spans[bottleneck]  # one rank per owner in these plans: rank = owner index
         rows.append(Row(name=name, stages=compiled.plan.num_stages, predicted=best.result.tpot_s, measured=measured,
+                        predicted_tps=best.result.tokens_per_s, measured_tps=tps,
                         predicted_busy=busy, measured_busy=mine["compute"],
                         bottleneck=bottleneck))
         print(f"  {name}: predicted {best.result.tpot_s * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
@@ -213,8 +219,9 @@ def report(repeats: list[list[Row]], links, device: str, args) -> None:
              f"{links.send_host.latency_s * 1e6:.0f} us, receive {links.recv_host.latency_s * 1e6:.0f} us "
              "(+ bytes / bandwidth).", "",
              "| plan | stages/token | predicted TPOT ms | measured TPOT ms | signed error | errors per repeat "
-             "| bottleneck rank's operators ms/round, predicted / measured | compute term | transfer/overlap term |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| tokens/s predicted / measured | bottleneck rank's operators ms/round, predicted / measured "
+             "| compute term | transfer/overlap term |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     abs_errors = []
     for i, first in enumerate(repeats[0]):
         err = med(lambda r: r.error, i)
@@ -224,6 +231,7 @@ def report(repeats: list[list[Row]], links, device: str, args) -> None:
         lines.append(
             f"| {first.name} | {first.stages} | {med(lambda r: r.predicted, i) * 1e3:.2f} | "
             f"{med(lambda r: r.measured, i) * 1e3:.2f} | {err:+.1%} | {per_repeat} | "
+            f"{med(lambda r: r.predicted_tps, i):.1f} / {med(lambda r: r.measured_tps, i):.1f} | "
             f"r{first.bottleneck}: {med(lambda r: r.predicted_busy, i) * 1e3:.2f} / "
             f"{med(lambda r: r.measured_busy, i) * 1e3:.2f} | {compute:+.1%} | {err - compute:+.1%} |")
     every_run = [abs(row.error) for rows in repeats for row in rows]
@@ -231,7 +239,8 @@ def report(repeats: list[list[Row]], links, device: str, args) -> None:
               f"median errors; {statistics.mean(every_run):.1%} over all {len(every_run)} runs, worst "
               f"{max(every_run):.1%} (target: 10% or less; paper: 5.8% Gemma-3-27B, 4.3% Qwen3-Next on GPUs).", "",
               "Every column is a median over repeats on its own (the signed error is the median of the "
-              "repeats' errors, not the ratio of the two median TPOTs).",
+              "repeats' errors, not the ratio of the two median TPOTs). Tokens/s are one replica set's: "
+              "batch / TPOT predicted, batch / mean decode round measured.",
               "Compute term: (predicted - measured time in the operators of the rank the simulator finds busiest) "
               "/ measured TPOT; transfer/overlap term: the rest of the signed error (host time of transfers, links, "
               "waiting, how transfers overlap compute)."]
