@@ -9,9 +9,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def git_commit() -> str:
-    """Short hash of the checked-out commit (empty outside a git checkout)."""
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=HERE).stdout.strip()
+    """Hash of the checked-out commit, flagged when the working tree has uncommitted changes
+    ("unknown" outside a git checkout)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               capture_output=True, text=True).stdout.strip()
+        return head + (" (working tree has uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def emit(lines: list[str], path: str) -> None:

@@ -53,7 +53,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
@@ -61,6 +60,9 @@ from opweave.compiler.frontend import run_front_end
 from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import parse_cluster
 from opweave.passes.search import PlanSpace, SearchOptions, search
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import git_commit  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "paper_eval.md")
@@ -199,17 +201,6 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def stats(xs: list[float]) -> tuple[float | None, float | None]:
     xs = [x for x in xs if x is not None and x == x]
     return (max(xs), statistics.fmean(xs)) if xs else (None, None)
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return head + (" (working tree has uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def header_lines(title: str, argv: list[str], started: datetime.datetime, total_s: float,
