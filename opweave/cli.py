@@ -160,7 +160,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.trace:
         from opweave.runtime.timeline import write_trace
 
-        for line in write_trace(stats, args.trace):
+        for line in write_trace(stats, args.trace, args.artifact):
             print(line, file=sys.stderr)
     if args.json:
         print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}

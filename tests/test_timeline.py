@@ -73,4 +73,7 @@ def test_run_trace_flag_writes_a_chrome_trace(tiny_checkpoint, tmp_path, capsys)
     assert "trace:" in captured.err and "rank 0:" in captured.err
     events = json.loads(path.read_text())["traceEvents"]
     assert any(e.get("cat") == "compute" for e in events) and any(e.get("cat") == "wait" for e in events)
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert {"rank 0", "rank 1"} <= names and any(n.startswith("simulated o") for n in names)
+    assert "simulated schedule beside it" in captured.err
     assert main(["run", out, "--weights", folder, "--prompt-ids", "1", "--trace", str(tmp_path / "no" / "t.json")]) == 2

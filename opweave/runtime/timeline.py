@@ -11,7 +11,9 @@ round, in the order the generated module does it:
 
 Clocks are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for every process of the
 machine), so the ranks' spans line up. `chrome_trace` writes them in the simulator trace's layout
-(pid = rank, tid 0 = its stream), so the two traces open side by side at ui.perfetto.dev.
+(pid = rank, tid 0 = its stream); `write_trace` adds the plan's simulated schedule (the artifact's
+`trace.json`, pids from 1000) starting with the first decode round, so predicted and measured
+rounds lie one above the other at ui.perfetto.dev.
 """
 
 from __future__ import annotations
@@ -110,10 +112,39 @@ def summary(spans_by_rank: dict[int, list[Span]], rounds: int) -> list[str]:
     return out
 
 
-def write_trace(stats: dict, path: str) -> list[str]:
-    """Writes the Chrome trace of a traced run's stats (atomically); returns a summary to print."""
+SIMULATED_PID_OFFSET = 1000
+"""The simulator's owners appear as pids 1000, 1001, ... beside the measured ranks."""
+
+
+def with_simulated(trace: dict, spans_by_rank: dict[int, list[Span]], simulated: dict, at_round: int) -> dict:
+    """Adds the simulator's schedule (the artifact's `trace.json`) to a measured trace, its round 0
+    starting where measured round `at_round` starts on rank 0, so predicted and measured rounds lie
+    one above the other."""
+    t0 = min((s.start_s for spans in spans_by_rank.values() for s in spans), default=0.0)
+    starts = [s.start_s for s in spans_by_rank.get(0, []) if s.round == at_round]
+    shift = ((min(starts) - t0) * US_PER_S) if starts else 0.0
+    events = list(trace["traceEvents"])
+    for e in simulated.get("traceEvents", []):
+        e = dict(e, pid=e["pid"] + SIMULATED_PID_OFFSET)
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            e["args"] = {"name": f"simulated {e['args']['name']}"}
+        elif e.get("ph") == "M" and e.get("name") == "process_sort_index":
+            e["args"] = {"sort_index": SIMULATED_PID_OFFSET + e["args"]["sort_index"]}
+        elif "ts" in e:
+            e["ts"] = e["ts"] + shift
+        events.append(e)
+    return {**trace, "traceEvents": events}
+
+
+def write_trace(stats: dict, path: str, artifact: str | None = None) -> list[str]:
+    """Writes the Chrome trace of a traced run's stats (atomically), with the plan's simulated
+    schedule beside it when `artifact` holds one; returns a summary to print."""
     spans = {int(r): from_rows(rows) for r, rows in stats["spans"].items()}
     trace = chrome_trace(spans)
+    simulated = os.path.join(artifact, "trace.json") if artifact else None
+    if simulated and os.path.isfile(simulated):
+        with open(simulated) as f:
+            trace = with_simulated(trace, spans, json.load(f), STEADY_SKIP)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trace.", suffix=".json")
     try:
@@ -123,5 +154,6 @@ def write_trace(stats: dict, path: str) -> list[str]:
     except BaseException:
         os.unlink(tmp)
         raise
-    return [f"trace: {path} ({len(spans)} ranks, {len(stats['round_s'])} rounds; open at ui.perfetto.dev)"] + summary(
-        spans, len(stats["round_s"]))
+    beside = "; the simulated schedule beside it" if simulated and os.path.isfile(simulated) else ""
+    return [f"trace: {path} ({len(spans)} ranks, {len(stats['round_s'])} rounds{beside}; open at ui.perfetto.dev)"
+            ] + summary(spans, len(stats["round_s"]))
