@@ -254,6 +254,25 @@ def test_cost_model_marks_measured_ops(table, graph):
     assert not CostModel().op_cost(graph.ops[1], cpu, 1, 2, 64, hidden).measured
 
 
+def test_beyond_the_grid_the_edge_figure_scales_with_the_roofline(graph):
+    from opweave.cost.model import roofline
+
+    table = _synthetic(graph, latency=lambda b, s: 1e-3)  # flat: a naive extrapolation would stay at 1 ms
+    cpu = cpu_gpu_spec(table, load_catalog()["cpu"])
+    model = CostModel(profile=table)
+    qkv = next(op for op in graph.ops if op.kind == OpKind.QKV_PROJ)
+    edge = BATCHES[-1]
+    at_edge = model.op_cost(qkv, cpu, 1, edge, 64, 256).compute_s
+    assert at_edge == pytest.approx(1e-3) and table.counts["beyond_grid"] == 0
+    far = model.op_cost(qkv, cpu, 1, 64 * edge, 64, 256)
+    growth = roofline(qkv, cpu, 1, 64 * edge, 64)[2] / roofline(qkv, cpu, 1, edge, 64)[2]
+    assert far.measured and far.compute_s == pytest.approx(1e-3 * growth) and growth > 1
+    assert table.counts["beyond_grid"] == 1 and "beyond the measured" in table.usage_summary()
+    attn = next(op for op in graph.ops if op.kind == OpKind.ATTN_FULL)  # its state grows with the context
+    longer = model.op_cost(attn, cpu, 1, 2, 16 * CONTEXTS[-1], 256).compute_s
+    assert longer > model.op_cost(attn, cpu, 1, 2, CONTEXTS[-1], 256).compute_s == pytest.approx(1e-3)
+
+
 def test_fit_link_recovers_latency_and_bandwidth():
     samples = [(n, 1e-4 + n / 2e9) for n in (1024, 65536, 1 << 20, 4 << 20)]
     fit = fit_link(samples)

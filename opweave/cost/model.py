@@ -16,7 +16,8 @@ embedding) pay a ring all-reduce; a stage boundary pays latency + bytes / link b
 inter-node when the two groups are on different nodes.
 
 A profiled table (`CostModel(profile=...)`) replaces the roofline latency op by op where it has
-a figure; the roofline covers the rest. A profile may also give the host time of each side of a
+a figure (beyond its measured grid: the figure at the grid's edge, scaled by the roofline's
+growth); the roofline covers the rest. A profile may also give the host time of each side of a
 stage boundary (`transfer_host_s`), which the planner adds to the stage's compute.
 """
 
@@ -133,18 +134,30 @@ class CostModel:
     profile: OpProfile | None = None
 
     def op_cost(self, op: Op, gpu: GPUSpec, tp: int, batch: int, context: int, hidden_bytes: int) -> OpCost:
-        memory_s = op_bytes(op, tp, batch, context) / gpu.effective_bandwidth
-        math_s = op_flops(op, tp, batch, context) / gpu.effective_flops
-        compute_s = max(memory_s, math_s) + gpu.launch_overhead
+        memory_s, math_s, compute_s = roofline(op, gpu, tp, batch, context)
         measured = False
         if self.profile is not None:
-            figure = self.profile.op_latency(op, gpu.name, tp, batch, context)
+            figure = self._measured(op, gpu, tp, batch, context, compute_s)
             if figure is not None:
                 compute_s, measured = figure, True
         comm_s = allreduce_s(allreduce_bytes(op, batch, hidden_bytes), tp, gpu)
         if op.kind == OpKind.SAMPLE and op.tp_rule == TPRule.VOCAB:
             comm_s += allgather_s(batch * SAMPLE_CANDIDATE_BYTES, tp, gpu)
         return OpCost(compute_s=compute_s, memory_s=memory_s, math_s=math_s, comm_s=comm_s, measured=measured)
+
+    def _measured(self, op: Op, gpu: GPUSpec, tp: int, batch: int, context: int, roof_s: float) -> float | None:
+        """The profile's figure; beyond its grid, the figure at the grid's edge times the roofline's
+        growth from there (never less than the edge: the roofline is monotone)."""
+        limits = getattr(self.profile, "grid_limits", lambda *a: None)(op, gpu.name, tp)
+        if limits is None:
+            return self.profile.op_latency(op, gpu.name, tp, batch, context)
+        b0 = min(batch, limits[0])
+        c0 = context if limits[1] is None else min(context, limits[1])
+        figure = self.profile.op_latency(op, gpu.name, tp, b0, c0)
+        if figure is None or (b0, c0) == (batch, context):
+            return figure
+        self.profile.count_beyond_grid()
+        return figure * max(1.0, roof_s / roofline(op, gpu, tp, b0, c0)[2])
 
     def transfer_host_s(self, nbytes: float, gpu: GPUSpec, side: str) -> float:
         """Time one side of a stage boundary ("send" or "recv") spends on its own compute stream.
@@ -166,6 +179,13 @@ class CostModel:
     def ops_latency(self, ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, batch: int, context: int,
                     hidden_bytes: int) -> float:
         return sum(self.op_cost(op, gpu, tp, batch, context, hidden_bytes).total_s for op in ops)
+
+
+def roofline(op: Op, gpu: GPUSpec, tp: int, batch: int, context: int) -> tuple[float, float, float]:
+    """(memory time, math time, latency = max of the two + launch overhead) of one op, seconds."""
+    memory_s = op_bytes(op, tp, batch, context) / gpu.effective_bandwidth
+    math_s = op_flops(op, tp, batch, context) / gpu.effective_flops
+    return memory_s, math_s, max(memory_s, math_s) + gpu.launch_overhead
 
 
 def intra_bandwidth(gpu: GPUSpec) -> float:

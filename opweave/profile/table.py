@@ -72,7 +72,7 @@ def interpolate(xs: tuple[int, ...] | list[int], ys: list[float] | tuple[float, 
 
 def fresh_counts() -> dict[str, int]:
     """Lookup counters: hits, misses, and misses by reason."""
-    return {"hit": 0, "miss": 0, "miss_signature": 0, "miss_gpu": 0, "miss_tp": 0}
+    return {"hit": 0, "miss": 0, "miss_signature": 0, "miss_gpu": 0, "miss_tp": 0, "beyond_grid": 0}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,16 +119,32 @@ class ProfileTable:
     # ---------------------------------------------------------------- OpProfile
     def op_latency(self, op: Op, gpu: str, tp: int, batch: int, context: int) -> float | None:
         """Measured latency of `op` on one GPU of a TP-`tp` group of `gpu`, or None (the roofline)."""
-        if gpu != self.gpu and normalize_name(gpu) != normalize_name(self.gpu):
-            return self._miss("miss_gpu")
-        by_tp = self._index.get(self._signature(op))
-        if not by_tp:
-            return self._miss("miss_signature")
-        entry = by_tp.get(tp) or (by_tp.get(1) if is_replicated(op) else None)
+        entry, reason = self._entry(op, gpu, tp)
         if entry is None:
-            return self._miss("miss_tp")
+            return self._miss(reason)
         self.counts["hit"] += 1
         return entry.latency(batch, context)
+
+    def grid_limits(self, op: Op, gpu: str, tp: int) -> tuple[int, int | None] | None:
+        """(largest measured batch, largest measured context or None) of the op's figures, or None
+        where the table has none. Beyond them the cost model scales the figure at the limit by the
+        roofline's growth (`CostModel.op_cost`) instead of extrapolating noisy points."""
+        entry, _ = self._entry(op, gpu, tp)
+        if entry is None:
+            return None
+        return entry.batches[-1], (entry.contexts[-1] if entry.contexts else None)
+
+    def count_beyond_grid(self) -> None:
+        self.counts["beyond_grid"] += 1
+
+    def _entry(self, op: Op, gpu: str, tp: int) -> tuple[OpEntry | None, str]:
+        if gpu != self.gpu and normalize_name(gpu) != normalize_name(self.gpu):
+            return None, "miss_gpu"
+        by_tp = self._index.get(self._signature(op))
+        if not by_tp:
+            return None, "miss_signature"
+        entry = by_tp.get(tp) or (by_tp.get(1) if is_replicated(op) else None)
+        return (entry, "") if entry is not None else (None, "miss_tp")
 
     def transfer_host_s(self, gpu: str, side: str, nbytes: float) -> float | None:
         """Host time one side ("send" or "recv") of a transfer of `nbytes` spends on its own stream
@@ -166,6 +182,9 @@ class ProfileTable:
                                                      ("miss_tp", "unprofiled TP degrees")) if c[k]]
         detail = f" ({', '.join(reasons)})" if reasons else ""
         host = "; transfer host time measured" if self.send_host_latency_s is not None else ""
+        if c["beyond_grid"]:
+            host += (f"; {c['beyond_grid']} figures beyond the measured batch/context grid, scaled from its edge "
+                     "by the roofline (profile the batches you plan for)")
         return (f"profile of {self.model} on {self.gpu} ({self.device_name}, {self.date[:10]}): "
                 f"{c['hit']} op figures measured, {c['miss']} from the roofline{detail}{host}")
 
