@@ -157,11 +157,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests,
                     trace=bool(args.trace))
     outputs, stats = run_detailed(cfg)
-    if args.trace:
-        from opweave.runtime.timeline import write_trace
-
-        for line in write_trace(stats, args.trace, args.artifact):
-            print(line, file=sys.stderr)
     if args.json:
         print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
                                       | ({"error": r.error} if r.error else {}) for r in outputs]}))
@@ -169,6 +164,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         for r in outputs:
             shown = f"error: {r.error}" if r.error else " ".join(map(str, r.output))
             print(f"[{r.index}] {len(r.prompt)} prompt tokens -> {shown}")
+    if args.trace:
+        from opweave.runtime.timeline import write_trace
+
+        sys.stdout.flush()
+        for line in write_trace(stats, args.trace, args.artifact):
+            print(line, file=sys.stderr)
     return 0
 
 

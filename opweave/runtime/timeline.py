@@ -155,5 +155,14 @@ def write_trace(stats: dict, path: str, artifact: str | None = None) -> list[str
         os.unlink(tmp)
         raise
     beside = "; the simulated schedule beside it" if simulated and os.path.isfile(simulated) else ""
-    return [f"trace: {path} ({len(spans)} ranks, {len(stats['round_s'])} rounds{beside}; open at ui.perfetto.dev)"
-            ] + summary(spans, len(stats["round_s"]))
+    lines = [f"trace: {path} ({len(spans)} ranks, {len(stats['round_s'])} rounds{beside}; open at ui.perfetto.dev)"]
+    lines += summary(spans, len(stats["round_s"]))
+    plan = os.path.join(artifact, "plan.json") if artifact else None
+    rounds = stats["round_s"][STEADY_SKIP:-STEADY_SKIP] if len(stats["round_s"]) > 2 * STEADY_SKIP else []
+    if plan and os.path.isfile(plan) and rounds:
+        with open(plan) as f:
+            predicted = float(json.load(f)["tpot_ms"]) / 1e3
+        measured = statistics.median(rounds)
+        lines.append(f"TPOT: predicted {predicted * 1e3:.2f} ms (plan.json), measured {measured * 1e3:.2f} ms "
+                     f"(rank 0's median decode round; predicted/measured - 1 = {predicted / measured - 1:+.1%})")
+    return lines
