@@ -200,6 +200,42 @@ def main() -> None:
                    for r in range(args.repeats)]
         device = load_profile(os.path.join(tmp, "profile0.json")).device_name
     report(repeats, links, device, args)
+    plot(repeats, os.path.splitext(args.out)[0] + ".png")
+
+
+def plot(repeats: list[list[Row]], path: str) -> None:
+    """Figure-12-like chart: predicted vs measured TPOT per plan (medians), and each repeat's
+    signed error."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = [row.name for row in repeats[0]]
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    xs = range(len(names))
+    pred = [statistics.median(rows[i].predicted for rows in repeats) * 1e3 for i in xs]
+    meas = [statistics.median(rows[i].measured for rows in repeats) * 1e3 for i in xs]
+    left.bar([x - 0.2 for x in xs], pred, 0.4, label="predicted (simulator)")
+    left.bar([x + 0.2 for x in xs], meas, 0.4, label="measured (opweave run)")
+    left.set_xticks(list(xs), [n.split()[0] for n in names])
+    left.set_ylabel("TPOT (ms), median over repeats")
+    left.legend(fontsize=8, loc="lower center")
+    for i in xs:
+        errors = [rows[i].error * 100 for rows in repeats]
+        right.scatter([i] * len(errors), errors, color="gray", s=12)
+        right.scatter([i], [statistics.median(errors)], color="black", marker="_", s=400)
+    every = [rows[i].error * 100 for rows in repeats for i in xs]
+    right.set_ylim(min(-20.0, min(every) - 2), max(20.0, max(every) + 2))
+    right.axhspan(-10, 10, color="green", alpha=0.08, label="target: |error| <= 10%")
+    right.axhline(0, color="black", linewidth=0.6)
+    right.set_xticks(list(xs), [n.split()[0] for n in names])
+    right.set_ylabel("signed TPOT error, predicted / measured - 1 (%)")
+    right.legend(fontsize=8)
+    fig.suptitle(f"Simulator fidelity on CPU ranks ({len(repeats)} repeats; dots: repeats, bars: medians)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def report(repeats: list[list[Row]], links, device: str, args) -> None:
