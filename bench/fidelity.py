@@ -148,15 +148,16 @@ class Row:
 
 
 def one_repeat(fe, model_dir: str, tmp: str, load_module: str, links, r: int) -> list[Row]:
-    path = os.path.join(tmp, f"profile{r}.json")
-    print(f"repeat {r}: profiling under load ...", file=sys.stderr)
-    profile_under_load(model_dir, load_module, path, links)
-    table = load_profile(path, graph=fe.graph)
-    catalog = load_catalog()
-    catalog["cpu"] = cpu_gpu_spec(table, catalog["cpu"])
-    cluster = parse_cluster("cpux2", catalog)
+    """Every plan once, each profiled right before it runs (this machine drifts within a minute)."""
     rows = []
+    print(f"repeat {r}:", file=sys.stderr)
     for name, (template, owners, n) in plans(fe).items():
+        path = os.path.join(tmp, f"profile{r}.json")
+        profile_under_load(model_dir, load_module, path, links)
+        table = load_profile(path, graph=fe.graph)
+        catalog = load_catalog()
+        catalog["cpu"] = cpu_gpu_spec(table, catalog["cpu"])
+        cluster = parse_cluster("cpux2", catalog)
         compiled = pinned_plan(fe, cluster, template, owners, batch=BATCH, microbatches=n, context=CONTEXT,
                                cost_model=CostModel(profile=table))
         art = os.path.join(tmp, f"{name.split()[0]}{r}")
@@ -248,7 +249,7 @@ def report(repeats: list[list[Row]], links, device: str, args) -> None:
              f"Command: `python bench/fidelity.py --repeats {args.repeats}`", "",
              "Model: Llama-style, 4 layers, hidden 1024, intermediate 4096, vocab 8192, float32, random weights. "
              f"Batch {BATCH} (2 microbatches for split plans), context {CONTEXT}, prompts of {PROMPT} tokens, "
-             f"{NEW} new tokens. Each repeat profiles the ops under load, then plans and runs every plan; "
+             f"{NEW} new tokens. Each repeat profiles the ops under load right before planning and running each plan; "
              f"figures are medians over {args.repeats} repeats (measured TPOT = rank 0's median decode round).",
              f"Links (two idle ranks, gloo): {links.p2p.latency_s * 1e6:.0f} us + bytes / "
              f"{links.p2p.bandwidth / 1e9:.2f} GB/s; host time per transfer: send "
