@@ -155,7 +155,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
         raise OpWeaveError(f"--trace {args.trace}: folder {os.path.dirname(os.path.abspath(args.trace))} does not exist")
     cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests,
-                    trace=bool(args.trace))
+                    trace=bool(args.trace), replica_sets=_replica_sets(args.replica_sets, args.artifact))
     outputs, stats = run_detailed(cfg)
     if args.json:
         print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
@@ -171,6 +171,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         for line in write_trace(stats, args.trace, args.artifact):
             print(line, file=sys.stderr)
     return 0
+
+
+def _replica_sets(text: str, artifact: str) -> int:
+    """--replica-sets N, or "all": as many as the plan places."""
+    if text == "all":
+        from opweave.runtime.launch import planned_replica_sets
+
+        return planned_replica_sets(artifact)
+    try:
+        return int(text)
+    except ValueError:
+        raise OpWeaveError(f"--replica-sets must be a whole number or 'all', got {text!r}") from None
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -300,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
     run.add_argument("--json", action="store_true", help='print {"outputs": [{"prompt_ids", "token_ids"}]}')
     run.add_argument("--torchrun", action="store_true", help="print the torchrun command for each node instead")
+    run.add_argument("--replica-sets", default="1", metavar="N|all",
+                     help="run N of the plan's replica sets at once (requests dealt round-robin; default 1)")
     run.add_argument("--trace", metavar="FILE.json",
                      help="record what every rank did when (Chrome trace: compute, wait, send per stage and microbatch)")
     run.set_defaults(func=_cmd_run)

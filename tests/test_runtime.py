@@ -98,3 +98,21 @@ def test_triton_kernel_path_generates_reference_tokens(tiny_checkpoint, tmp_path
     short = tuple(Request(index=i, prompt=p, max_new_tokens=3) for i, p in enumerate(PROMPTS[:2]))
     outputs = run(RunConfig(artifact=out, weights=folder, device="cpu", requests=short, timeout_s=300))
     assert [tuple(r.output) for r in outputs] == [t[:3] for t in reference(folder)[:2]]
+
+
+def test_several_replica_sets_share_the_requests(tiny_checkpoint, tmp_path, capsys):
+    from opweave.cli import main
+    from opweave.runtime.launch import planned_replica_sets, run_detailed
+
+    folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
+    out = str(tmp_path / "art")
+    compile_pinned(folder, "afd", out)
+    assert planned_replica_sets(out) >= 2
+    outputs, stats = run_detailed(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests(),
+                                            replica_sets=2, timeout_s=300))
+    assert [r.index for r in outputs] == list(range(len(PROMPTS)))
+    assert [tuple(r.output) for r in outputs] == list(reference(folder))
+    assert len(stats["replica_sets"]) == 2 and stats["round_s"] == stats["replica_sets"][0]["round_s"]
+    assert main(["run", out, "--weights", folder, "--prompt-ids", "1,2", "--replica-sets", "99"]) == 2
+    assert "the plan places" in capsys.readouterr().err
+    assert main(["run", out, "--weights", folder, "--prompt-ids", "1,2", "--replica-sets", "two"]) == 2
