@@ -273,6 +273,24 @@ def test_beyond_the_grid_the_edge_figure_scales_with_the_roofline(graph):
     assert longer > model.op_cost(attn, cpu, 1, 2, CONTEXTS[-1], 256).compute_s == pytest.approx(1e-3)
 
 
+def test_tp_collectives_use_the_measured_all_reduce(graph):
+    from opweave.cost.model import allreduce_s
+
+    table = dataclasses.replace(_synthetic(graph), allreduce_latency_s=1e-3, allreduce_bandwidth=1e9)
+    cpu = cpu_gpu_spec(table, load_catalog()["cpu"])
+    model = CostModel(profile=table)
+    o_proj = next(op for op in graph.ops if op.kind == OpKind.O_PROJ)  # row-parallel: all-reduce after it
+    hidden, batch = 256, 4
+    n = batch * hidden
+    assert model.op_cost(o_proj, cpu, 2, batch, 64, hidden).comm_s == pytest.approx(1e-3 + n / 1e9)
+    assert model.op_cost(o_proj, cpu, 4, batch, 64, hidden).comm_s == pytest.approx(3e-3 + 1.5 * n / 1e9)
+    assert model.op_cost(o_proj, cpu, 1, batch, 64, hidden).comm_s == 0.0
+    h100 = load_catalog()["h100"]  # not the profiled device: ring figures on the catalog's links
+    assert model.op_cost(o_proj, h100, 2, batch, 64, hidden).comm_s == pytest.approx(allreduce_s(n, 2, h100))
+    qkv = next(op for op in graph.ops if op.kind == OpKind.QKV_PROJ)  # column-parallel: no collective
+    assert model.op_cost(qkv, cpu, 2, batch, 64, hidden).comm_s == 0.0
+
+
 def test_fit_link_recovers_latency_and_bandwidth():
     samples = [(n, 1e-4 + n / 2e9) for n in (1024, 65536, 1 << 20, 4 << 20)]
     fit = fit_link(samples)

@@ -140,10 +140,21 @@ class CostModel:
             figure = self._measured(op, gpu, tp, batch, context, compute_s)
             if figure is not None:
                 compute_s, measured = figure, True
-        comm_s = allreduce_s(allreduce_bytes(op, batch, hidden_bytes), tp, gpu)
-        if op.kind == OpKind.SAMPLE and op.tp_rule == TPRule.VOCAB:
-            comm_s += allgather_s(batch * SAMPLE_CANDIDATE_BYTES, tp, gpu)
+        comm_s = self._collectives(op, gpu, tp, batch, hidden_bytes)
         return OpCost(compute_s=compute_s, memory_s=memory_s, math_s=math_s, comm_s=comm_s, measured=measured)
+
+    def _collectives(self, op: Op, gpu: GPUSpec, tp: int, batch: int, hidden_bytes: int) -> float:
+        """The op's TP collectives: an all-reduce of a partial sum, the sampler's all-gather of
+        (max logit, index) per token. Measured (the profile's all-reduce fit) where the profile
+        covers `gpu`, else ring figures on the catalog's links."""
+        gathers = op.kind == OpKind.SAMPLE and op.tp_rule == TPRule.VOCAB
+        reduce_bytes = allreduce_bytes(op, batch, hidden_bytes)
+        measured = getattr(self.profile, "collective_s", None) if self.profile is not None else None
+        if measured is not None and tp > 1 and measured(gpu.name, tp, 0.0) is not None:
+            comm = measured(gpu.name, tp, reduce_bytes) if reduce_bytes > 0 else 0.0
+            return comm + (measured(gpu.name, tp, batch * SAMPLE_CANDIDATE_BYTES) if gathers else 0.0)
+        comm = allreduce_s(reduce_bytes, tp, gpu)
+        return comm + (allgather_s(batch * SAMPLE_CANDIDATE_BYTES, tp, gpu) if gathers else 0.0)
 
     def _measured(self, op: Op, gpu: GPUSpec, tp: int, batch: int, context: int, roof_s: float) -> float | None:
         """The profile's figure; beyond its grid, the figure at the grid's edge times the roofline's

@@ -146,6 +146,16 @@ class ProfileTable:
         entry = by_tp.get(tp) or (by_tp.get(1) if is_replicated(op) else None)
         return (entry, "") if entry is not None else (None, "miss_tp")
 
+    def collective_s(self, gpu: str, tp: int, nbytes: float) -> float | None:
+        """A TP-`tp` all-reduce (or all-gather) of `nbytes` with the runtime's transport, from the
+        two-rank all-reduce fit t2 = a + n / bw, as a ring: (tp - 1) * a + 2 (tp - 1) / tp * n / bw
+        (t2 at tp = 2); None where the table has no figure."""
+        if gpu != self.gpu and normalize_name(gpu) != normalize_name(self.gpu):
+            return None
+        if self.allreduce_latency_s is None or not self.allreduce_bandwidth or tp <= 1:
+            return None
+        return (tp - 1) * self.allreduce_latency_s + 2 * (tp - 1) / tp * nbytes / self.allreduce_bandwidth
+
     def transfer_host_s(self, gpu: str, side: str, nbytes: float) -> float | None:
         """Host time one side ("send" or "recv") of a transfer of `nbytes` spends on its own stream
         (the runtime's packing, posting, unpacking), or None where the table has no figure."""

@@ -253,15 +253,16 @@ class Runtime:
         return x
 
     def tp_argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Greedy sample over a vocabulary split across the TP group (lowest index wins ties)."""
+        """Greedy sample over a vocabulary split across the TP group (lowest index wins ties):
+        one all-gather of each rank's (max logit, global index) per token."""
         last = logits[:, -1, :].float()
         best, idx = last.max(dim=-1)
         idx = idx + self.program.tp_rank * last.shape[-1]
-        gathered_v = [torch.zeros_like(best) for _ in range(self.program.tp)]
-        gathered_i = [torch.zeros_like(idx) for _ in range(self.program.tp)]
-        dist.all_gather(gathered_v, best, group=self.group)
-        dist.all_gather(gathered_i, idx, group=self.group)
-        values, indices = torch.stack(gathered_v), torch.stack(gathered_i)
+        mine = torch.stack([best.double(), idx.double()])  # vocabulary ids are exact in float64
+        gathered = [torch.empty_like(mine) for _ in range(self.program.tp)]
+        dist.all_gather(gathered, mine, group=self.group)
+        values = torch.stack([g[0] for g in gathered])
+        indices = torch.stack([g[1] for g in gathered]).long()
         winner = values.argmax(dim=0)  # first maximum = lowest vocabulary shard
         return indices.gather(0, winner[None])[0]
 
