@@ -7,8 +7,8 @@ batch 4 (split plans: 2 microbatches), and each plan's predicted TPOT is compare
 `opweave run`'s runtime measures (one process per rank, one thread each, gloo on loopback).
 
 Same set-up in profile and run: one thread per rank; every core busy (the op profile runs while
-the other cores run the colocated rank's decode step; a one-rank plan runs one replica set per
-core); links timed between two idle ranks, as a transfer's receiver waits idle in a run. This
+the other cores run the decode step, `opweave profile --busy-cores`; a one-rank plan runs one
+replica set per core); links timed between two idle ranks, as a transfer's receiver waits idle in a run. This
 machine's speed drifts by 10-30% over minutes (shared host), so each repeat profiles and then
 runs every plan at once, and the table gives the median over repeats.
 
@@ -27,7 +27,6 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
-import multiprocessing
 import os
 import platform
 import statistics
@@ -71,32 +70,11 @@ def plans(fe) -> dict[str, tuple[str, list, int]]:
 # ---------------------------------------------------------------- profile with every core busy
 
 
-def _load_loop(module_path: str, stop) -> None:
-    """Background load: the colocated rank's decode step, again and again, until `stop` is set."""
-    import torch
-
-    from opweave.runtime.standalone import load_alone
-
-    torch.set_num_threads(1)
-    _, prog = load_alone(module_path, torch.device("cpu"))
-    with torch.no_grad():
-        while not stop.is_set():
-            prog.round()
-
-
-def profile_under_load(model_dir: str, load_module: str, path: str, links) -> None:
-    """Profiles the ops while every other core runs the colocated decode step; adds `links`."""
-    ctx = multiprocessing.get_context("fork")
-    stop = ctx.Event()
-    loads = [ctx.Process(target=_load_loop, args=(load_module, stop)) for _ in range((os.cpu_count() or 1) - 1)]
-    for p in loads:
-        p.start()
-    try:
-        table = profile(model_dir, "cpu", batches=(2, BATCH), contexts=(CONTEXT,), measure_links=False)
-    finally:
-        stop.set()
-        for p in loads:
-            p.join()
+def profile_under_load(model_dir: str, path: str, links) -> None:
+    """Profiles the ops while every other core runs the decode step (`opweave profile
+    --busy-cores`); adds the `links` timed between idle ranks."""
+    table = profile(model_dir, "cpu", batches=(2, BATCH), contexts=(CONTEXT,), measure_links=False,
+                    busy_cores=(os.cpu_count() or 2) - 1)
     table = dataclasses.replace(table, transfer_latency_s=links.p2p.latency_s, transfer_bandwidth=links.p2p.bandwidth,
                                 transfer_samples=links.p2p.samples, allreduce_latency_s=links.allreduce.latency_s,
                                 allreduce_bandwidth=links.allreduce.bandwidth,
@@ -147,13 +125,13 @@ class Row:
         return (self.predicted_busy - self.measured_busy) / self.measured
 
 
-def one_repeat(fe, model_dir: str, tmp: str, load_module: str, links, r: int) -> list[Row]:
+def one_repeat(fe, model_dir: str, tmp: str, links, r: int) -> list[Row]:
     """Every plan once, each profiled right before it runs (this machine drifts within a minute)."""
     rows = []
     print(f"repeat {r}:", file=sys.stderr)
     for name, (template, owners, n) in plans(fe).items():
         path = os.path.join(tmp, f"profile{r}.json")
-        profile_under_load(model_dir, load_module, path, links)
+        profile_under_load(model_dir, path, links)
         table = load_profile(path, graph=fe.graph)
         catalog = load_catalog()
         catalog["cpu"] = cpu_gpu_spec(table, catalog["cpu"])
@@ -192,13 +170,9 @@ def main() -> None:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(MODEL, f)
         fe = run_front_end(model_dir)
-        load_art = os.path.join(tmp, "load")  # the colocated plan's rank module: background load
-        write_artifact(load_art, pinned_plan(fe, parse_cluster("cpux2", load_catalog()), "colocated",
-                                             [("cpu", 1, 1)], batch=BATCH, microbatches=1, context=CONTEXT))
         print("timing links between two idle ranks ...", file=sys.stderr)
         links = measure_comm("cpu")
-        repeats = [one_repeat(fe, model_dir, tmp, os.path.join(load_art, "rank_00.py"), links, r)
-                   for r in range(args.repeats)]
+        repeats = [one_repeat(fe, model_dir, tmp, links, r) for r in range(args.repeats)]
         device = load_profile(os.path.join(tmp, "profile0.json")).device_name
     report(repeats, links, device, args)
     plot(repeats, os.path.splitext(args.out)[0] + ".png")

@@ -239,7 +239,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     table = profile(args.model, args.device, batches=numbers(args.batches, "--batches"),
                     contexts=numbers(args.contexts, "--contexts", parse_tokens),
-                    tp_degrees=numbers(args.tp, "--tp"), progress=progress)
+                    tp_degrees=numbers(args.tp, "--tp"), progress=progress, busy_cores=args.busy_cores)
     table.save(args.output)
     for w in table.warnings:
         print(f"opweave: warning: {w}", file=sys.stderr)
@@ -300,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--batches", default="1,2,4,8", help="batch sizes to measure (default 1,2,4,8)")
     prof.add_argument("--contexts", default="64,256,1024", help="context lengths for attention ops (default 64,256,1024)")
     prof.add_argument("--tp", default="1", help="TP degrees to measure one shard at, e.g. 1,2 (default 1)")
+    prof.add_argument("--busy-cores", type=int, default=0, metavar="N",
+                      help="CPU: keep N other cores running the decode step while ops are timed, as the ranks of "
+                           "a plan that fills the machine will (default 0)")
     prof.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     prof.set_defaults(func=_cmd_profile)
 

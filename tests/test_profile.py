@@ -3,6 +3,7 @@ the cost model's use of measured figures."""
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -330,3 +331,14 @@ def test_planner_charges_transfer_host_time_where_owners_change(graph):
     one = [("cpu", 1, 1)]
     assert stages(base, "colocated", one, 1) == stages(host, "colocated", one, 1)  # no transfer, no host time
     assert CostModel().transfer_host_s(1024, catalog["cpu"], "send") == 0.0  # roofline: links only
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a second core")
+def test_busy_cores_profile_under_load():
+    lines = []
+    table = profile("tiny-gemma3", batches=(2,), contexts=(16,), measure_links=False, busy_cores=1,
+                    progress=lines.append)
+    assert table.settings["busy_cores"] == 1 and any("other core(s)" in line for line in lines)
+    assert all(x > 0 for e in table.entries for row in e.latency_s for x in row)
+    with pytest.raises(OpWeaveError, match="--busy-cores"):
+        profile("tiny-gemma3", batches=(2,), contexts=(16,), measure_links=False, busy_cores=os.cpu_count())

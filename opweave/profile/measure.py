@@ -102,7 +102,7 @@ def _check_grid(name: str, values) -> tuple[int, ...]:
 
 def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64, 256, 1024), tp_degrees=(1,),
             progress: Callable[[str], None] | None = None, *, dtype: str | None = None,
-            measure_links: bool = True) -> ProfileTable:
+            measure_links: bool = True, busy_cores: int = 0) -> ProfileTable:
     """Measures `model`'s operators on `device`.
 
     Args:
@@ -113,6 +113,8 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
         progress: called with one line per op group and per phase.
         dtype: the dtype ops run in; default float32 on CPU, the model's dtype on CUDA.
         measure_links: time send/recv and all-reduce between two ranks.
+        busy_cores: CPU only: other cores that run the decode step while the ops are timed (links
+            are timed before, between idle ranks), as the ranks of a plan that fills the machine do.
     Returns:
         the `ProfileTable` (save it with `.save(path)`).
     """
@@ -125,6 +127,9 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
         raise OpWeaveError("--device cuda: no CUDA device on this machine")
     batches, contexts, tp_degrees = (_check_grid("batches", batches), _check_grid("contexts", contexts),
                                      _check_grid("TP degrees", tp_degrees))
+    cores = os.cpu_count() or 1
+    if busy_cores and (device != "cpu" or not 0 < busy_cores < cores):
+        raise OpWeaveError(f"--busy-cores {busy_cores}: needs --device cpu and fewer than this machine's {cores} cores")
     warnings: list[str] = []
     links = None
     if measure_links:  # first: the forked ranks start before this process runs any parallel op
@@ -140,7 +145,7 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
     try:
         with torch.no_grad():
             entries = _measure_ops(fe.source, graph.dtype, graph, groups, torch.device(device), batches, contexts,
-                                   tp_degrees, say)
+                                   tp_degrees, say, busy_cores)
             dispatch_s = _measure_dispatch()
     finally:
         torch.set_num_threads(threads)
@@ -151,7 +156,8 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
         python_version=platform.python_version(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds"), num_threads=MEASURE_THREADS,
         settings={"batches": list(batches), "contexts": list(contexts), "tp_degrees": list(tp_degrees),
-                  "warmup_steps": SEQUENCE_WARMUP, "rotate_factor": ROTATE_FACTOR, "min_reps": MIN_REPS, "max_reps": MAX_REPS,
+                  "warmup_steps": SEQUENCE_WARMUP, "rotate_factor": ROTATE_FACTOR,
+                  "busy_cores": busy_cores, "min_reps": MIN_REPS, "max_reps": MAX_REPS,
                   "target_point_s": TARGET_POINT_S, "statistic": "median", "device": device},
         entries=tuple(entries), dispatch_s=dispatch_s,
         transfer_latency_s=links.p2p.latency_s if links else None,
@@ -284,10 +290,29 @@ def rotation_copies(bytes_per_copy: float, device: torch.device) -> int:
 
 
 def _measure_ops(source, dtype: str, graph, groups: dict[str, list[Op]], device: torch.device, batches,
-                 contexts, tp_degrees, say) -> list[OpEntry]:
-    """Every group at every TP degree, measured in place (see `_measure_sequence`)."""
+                 contexts, tp_degrees, say, busy_cores: int = 0) -> list[OpEntry]:
+    """Every group at every TP degree, measured in place (see `_measure_sequence`), with
+    `busy_cores` other cores running the decode step meanwhile."""
     entries: list[OpEntry] = []
     full_modules = dict(_meta_step(source, dtype, 1).named_modules())
+    busy = ([], None)
+    if busy_cores:
+        busy = _start_busy_cores(busy_cores, graph, groups, full_modules, _input_specs(_meta_step(source, dtype, 1)),
+                                 max(batches), max(contexts))
+        say(f"{busy_cores} other core(s) run the decode step while ops are timed")
+    try:
+        _measure_all(source, dtype, graph, groups, device, batches, contexts, tp_degrees, say, full_modules, entries)
+    finally:
+        procs, stop = busy
+        if stop is not None:
+            stop.set()
+        for p in procs:
+            p.join()
+    return entries
+
+
+def _measure_all(source, dtype: str, graph, groups, device, batches, contexts, tp_degrees, say, full_modules,
+                 entries: list[OpEntry]) -> None:
     for tp in tp_degrees:
         specs = _input_specs(_meta_step(source, dtype, tp))
         runnable = {}
@@ -310,7 +335,6 @@ def _measure_ops(source, dtype: str, graph, groups: dict[str, list[Op]], device:
                 flops_per_token=op.flops_per_token, weight_bytes=op.weight_bytes, batches=tuple(batches),
                 contexts=tuple(contexts) if attn else (), latency_s=rows))
             say(_entry_line(entries[-1]))
-    return entries
 
 
 def _pooled(samples: dict[tuple[int, int], list[float]], batch: int, context: int | None) -> float:
@@ -334,22 +358,7 @@ def _measure_sequence(graph, groups: dict[str, list[Op]], full_modules: dict, sp
         samples[signature][(batch, context)]: seconds per call, every occurrence of every timed step.
     """
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    top_batch, top_context = max(batches), max(contexts)
-    copies: dict[str, list[tuple[OpModule, Callable]]] = {}
-    for sig, ops in groups.items():
-        op = ops[0]
-        shard = 1 if is_replicated(op) else tp
-        per_copy = op.weight_bytes / shard + top_batch * op.state_bytes(top_context) / shard
-        n = min(len(ops), rotation_copies(per_copy, device))
-        copies[sig] = _materialize_copies(full_modules[op.name], op.index, tp, device, n)
-    signature_of = {op.index: sig for sig, ops in groups.items() for op in ops}
-    used: dict[str, int] = {}
-    sequence = []  # (signature, copy index) for each op of the graph, in order
-    for op in graph.ops:
-        sig = signature_of.get(op.index)
-        if sig is not None:
-            sequence.append((sig, used.get(sig, 0) % len(copies[sig])))
-            used[sig] = used.get(sig, 0) + 1
+    copies, sequence = _sequence(graph, groups, full_modules, tp, device, max(batches), max(contexts))
     samples: dict[str, dict[tuple[int, int], list[float]]] = {sig: {} for sig in groups}
     has_attn = any(ops[0].cls == OpClass.ATTN for ops in groups.values())
     for context in (contexts if has_attn else (contexts[0],)):
@@ -369,6 +378,56 @@ def _measure_sequence(graph, groups: dict[str, list[Op]], full_modules: dict, sp
                 steps += 1
             say(f"tp {tp}, batch {batch}, context {context}: {steps} timed steps of {len(calls)} ops")
     return samples
+
+
+def _sequence(graph, groups: dict[str, list[Op]], full_modules: dict, tp: int, device: torch.device,
+              top_batch: int, top_context: int) -> tuple[dict[str, list[tuple[OpModule, Callable]]], list]:
+    """The rotating copies of every group, and (signature, copy index) for each op of the graph."""
+    copies: dict[str, list[tuple[OpModule, Callable]]] = {}
+    for sig, ops in groups.items():
+        op = ops[0]
+        shard = 1 if is_replicated(op) else tp
+        per_copy = op.weight_bytes / shard + top_batch * op.state_bytes(top_context) / shard
+        n = min(len(ops), rotation_copies(per_copy, device))
+        copies[sig] = _materialize_copies(full_modules[op.name], op.index, tp, device, n)
+    signature_of = {op.index: sig for sig, ops in groups.items() for op in ops}
+    used: dict[str, int] = {}
+    sequence = []
+    for op in graph.ops:
+        sig = signature_of.get(op.index)
+        if sig is not None:
+            sequence.append((sig, used.get(sig, 0) % len(copies[sig])))
+            used[sig] = used.get(sig, 0) + 1
+    return copies, sequence
+
+
+def _busy_loop(graph, groups, full_modules, specs, batch: int, context: int, stop) -> None:
+    """A background core's load while ops are timed: the same decode-step sequence, its own
+    copies of the weights and state, again and again until `stop` is set (a forked process)."""
+    torch.set_num_threads(MEASURE_THREADS)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        copies, sequence = _sequence(graph, groups, full_modules, 1, cpu, batch, context)
+        for group in copies.values():
+            for module, _ in group:
+                module.allocate_state(batch, context, cpu)
+        inputs = {sig: _make_inputs(specs[ops[0].name], copies[sig][0][0], batch, context, cpu)
+                  for sig, ops in groups.items()}
+        calls = [(sig, copies[sig][k][1], inputs[sig]) for sig, k in sequence]
+        while not stop.is_set():
+            _run_sequence(calls, lambda: None)
+
+
+def _start_busy_cores(n: int, graph, groups, full_modules, specs, batch: int, context: int) -> tuple[list, object]:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_busy_loop, args=(graph, groups, full_modules, specs, batch, context, stop),
+                         daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    return procs, stop
 
 
 def _run_sequence(calls, sync) -> list[float]:
