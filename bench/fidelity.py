@@ -2,8 +2,8 @@
 
 A model sized so that compute, not Python dispatch, dominates a CPU decode step (Llama-style,
 4 layers, hidden 1024, float32, random weights) is planned and run on `cpux2` (the catalog's cpu
-entry derived from a profile of this machine) as colocated, AFD, CAD and an OpWeave template,
-batch 4 (split plans: 2 microbatches), and each plan's predicted TPOT is compared with the TPOT
+entry derived from a profile of this machine) as colocated, AFD, CAD, an OpWeave template and
+colocated with TP 2, batch 4 (split plans: 2 microbatches), and each plan's predicted TPOT is compared with the TPOT
 `opweave run`'s runtime measures (one process per rank, one thread each, gloo on loopback).
 
 Same set-up in profile and run: one thread per rank; every core busy (the op profile runs while
@@ -64,17 +64,17 @@ def plans(fe) -> dict[str, tuple[str, list, int]]:
                    if t.family == "general" and t.num_cuts_per_block % 2 == 0)
     two = [("cpu", 1, 1), ("cpu", 1, 1)]
     return {"colocated": ("colocated", [("cpu", 1, 1)], 1), "afd": ("afd", two, 2), "cad": ("cad", two, 2),
-            f"opweave ({general})": (general, two, 2)}
+            f"opweave ({general})": (general, two, 2), "colocated tp2": ("colocated", [("cpu", 2, 1)], 1)}
 
 
 # ---------------------------------------------------------------- profile with every core busy
 
 
-def profile_under_load(model_dir: str, path: str, links) -> None:
+def profile_under_load(model_dir: str, path: str, links, tp_degrees=(1,)) -> None:
     """Profiles the ops while every other core runs the decode step (`opweave profile
     --busy-cores`); adds the `links` timed between idle ranks."""
-    table = profile(model_dir, "cpu", batches=(2, BATCH), contexts=(CONTEXT,), measure_links=False,
-                    busy_cores=(os.cpu_count() or 2) - 1)
+    table = profile(model_dir, "cpu", batches=(2, BATCH), contexts=(CONTEXT,), tp_degrees=tp_degrees,
+                    measure_links=False, busy_cores=(os.cpu_count() or 2) - 1)
     table = dataclasses.replace(table, transfer_latency_s=links.p2p.latency_s, transfer_bandwidth=links.p2p.bandwidth,
                                 transfer_samples=links.p2p.samples, allreduce_latency_s=links.allreduce.latency_s,
                                 allreduce_bandwidth=links.allreduce.bandwidth,
@@ -131,7 +131,7 @@ def one_repeat(fe, model_dir: str, tmp: str, links, r: int) -> list[Row]:
     print(f"repeat {r}:", file=sys.stderr)
     for name, (template, owners, n) in plans(fe).items():
         path = os.path.join(tmp, f"profile{r}.json")
-        profile_under_load(model_dir, path, links)
+        profile_under_load(model_dir, path, links, tuple(sorted({1} | {tp for _, tp, _ in owners})))
         table = load_profile(path, graph=fe.graph)
         catalog = load_catalog()
         catalog["cpu"] = cpu_gpu_spec(table, catalog["cpu"])
@@ -149,7 +149,7 @@ def one_repeat(fe, model_dir: str, tmp: str, links, r: int) -> list[Row]:
         busy = n * sum(st.compute_s for st in ops_only.result.best.problem.stages if st.owner == bottleneck)
         ranks = sum(o.tp * o.replicas for o in compiled.plan.owners)
         measured, tps, spans = measure(art, max(1, (os.cpu_count() or 1) // ranks))
-        mine = spans[bottleneck]  # one rank per owner in these plans: rank = owner index
+        mine = spans[bottleneck]  # rank = owner index (one rank per owner, or a TP group's leader when one owner)
         rows.append(Row(name=name, stages=compiled.plan.num_stages, predicted=best.result.tpot_s, measured=measured,
                         predicted_tps=best.result.tokens_per_s, measured_tps=tps,
                         predicted_busy=busy, measured_busy=mine["compute"],

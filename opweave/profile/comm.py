@@ -2,8 +2,8 @@
 
 Two processes join a torch.distributed group over 127.0.0.1 like `opweave run` does (gloo on
 CPU, forked; NCCL on CUDA, spawned, one GPU each). Rank 0 times ping-pongs (`dist.send` then
-`dist.recv` of a float32 tensor) and all-reduces; one-way time = median round trip / 2. The
-samples are fitted to latency + bytes / bandwidth, weighting each size's relative error equally.
+`dist.recv` of a float32 tensor) and all-reduces (on CPU each after ALLREDUCE_GAP_S of compute,
+as in a decode step; mean of ALLREDUCE_REPS); one-way time = median round trip / 2. The samples are fitted to latency + bytes / bandwidth, weighting each size's relative error equally.
 On CPU it also times the host side of a runtime transfer (packing and posting; receiving and
 unpacking an arrived message), which a rank's only core spends outside its operators.
 """
@@ -24,7 +24,16 @@ ALLREDUCE_SIZES = (2 ** 10, 2 ** 16, 2 ** 20)
 
 COMM_WARMUP = 2
 COMM_REPS = 10
+ALLREDUCE_REPS = 30
+"""All-reduces after compute take either a fast path or a slow one (0.6 ms or 3-5 ms here), so
+their figure is the mean of more repetitions: a step pays the mean."""
 COMM_TIMEOUT_S = 120.0
+ALLREDUCE_GAP_S = 0.003
+"""CPU: each timed all-reduce follows this much compute on both ranks, as a TP group's
+collectives do in a decode step (a CPU step's ops run for milliseconds between two). Measured on
+a 2-core VM, a 16 KB gloo all-reduce took a median 0.65 ms back to back, 1.1 ms after 1 ms of
+compute and 2.5 ms after 3 ms (the ranks' transport threads have gone idle, and each rank waits
+for the other's late start); a TP-2 run paid about 3 ms per collective."""
 HOST_SETTLE_S = 0.002
 
 
@@ -111,14 +120,16 @@ def _comm_worker(rank: int, port: int, device: str, results) -> None:
         for nbytes in ALLREDUCE_SIZES:
             t = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
             times = []
-            for _ in range(COMM_WARMUP + COMM_REPS):
+            for _ in range(COMM_WARMUP + ALLREDUCE_REPS):
+                if device == "cpu":
+                    _compute_for(ALLREDUCE_GAP_S, torch)
                 sync()
                 start = time.perf_counter()
                 dist.all_reduce(t)
                 sync()
                 times.append(time.perf_counter() - start)
             if rank == 0:
-                out["allreduce"].append((nbytes, statistics.median(times[COMM_WARMUP:])))
+                out["allreduce"].append((nbytes, statistics.fmean(times[COMM_WARMUP:])))
         if device == "cpu":
             out["send_host"], out["recv_host"] = _host_times(rank, dist, torch)
         dist.barrier()
@@ -130,6 +141,14 @@ def _comm_worker(rank: int, port: int, device: str, results) -> None:
     results.close()
     results.join_thread()
     os._exit(0)
+
+
+def _compute_for(seconds: float, torch) -> None:
+    """Keeps this rank's core busy with matrix products for `seconds`."""
+    a, x = torch.ones(256, 256), torch.ones(4, 256)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        x @ a
 
 
 def _host_times(rank: int, dist, torch) -> tuple[list, list]:
