@@ -164,6 +164,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "fidelity.md"))
     args = parser.parse_args()
+    commit = git_commit()  # the code that runs (files may change while it does)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "fidelity-llama")
         os.makedirs(model_dir)
@@ -174,7 +175,7 @@ def main() -> None:
         links = measure_comm("cpu")
         repeats = [one_repeat(fe, model_dir, tmp, links, r) for r in range(args.repeats)]
         device = load_profile(os.path.join(tmp, "profile0.json")).device_name
-    report(repeats, links, device, args)
+    report(repeats, links, device, args, commit)
     plot(repeats, os.path.splitext(args.out)[0] + ".png")
 
 
@@ -213,13 +214,13 @@ def plot(repeats: list[list[Row]], path: str) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-def report(repeats: list[list[Row]], links, device: str, args) -> None:
+def report(repeats: list[list[Row]], links, device: str, args, commit: str) -> None:
     def med(f, i: int) -> float:
         return statistics.median(f(rows[i]) for rows in repeats)
 
     lines = ["# Simulator fidelity on CPU ranks", "",
              f"{datetime.date.today()} · {device} · {platform.machine()} · {os.cpu_count()} CPU cores · "
-             f"torch threads 1 per rank · commit {git_commit()}",
+             f"torch threads 1 per rank · commit {commit}",
              f"Command: `python bench/fidelity.py --repeats {args.repeats}`", "",
              "Model: Llama-style, 4 layers, hidden 1024, intermediate 4096, vocab 8192, float32, random weights. "
              f"Batch {BATCH} (2 microbatches for split plans), context {CONTEXT}, prompts of {PROMPT} tokens, "

@@ -66,7 +66,7 @@ def main() -> None:
             rows.append((family, gw, iw, iw / gw, gh, ih, ih / gh))
             print(f"{family}: generated {gw * 1e3:.2f} ms / interpreted {iw * 1e3:.2f} ms per round", file=sys.stderr)
     commit = git_commit()
-    lines = [f"# Runtime: generated rank modules vs op-by-op interpreter",
+    lines = ["# Runtime: generated rank modules vs op-by-op interpreter",
              "",
              f"{datetime.date.today()} · {platform.machine()} · {os.cpu_count()} CPU cores · "
              f"Python {platform.python_version()} · commit {commit}",

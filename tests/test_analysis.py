@@ -5,7 +5,7 @@ import functools
 import math
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from opweave.cost import analysis as A

@@ -1,6 +1,5 @@
 """Per-op roofline costs, tensor-parallel communication, transfers and memory."""
 
-import dataclasses
 import functools
 
 import pytest

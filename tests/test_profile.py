@@ -77,7 +77,7 @@ def test_profile_covers_every_op(table, graph, measured):
 
 
 def test_rotation_copies_cover_the_cache():
-    from opweave.profile.measure import ROTATE_FACTOR, cache_bytes, rotation_copies
+    from opweave.profile.sequence import ROTATE_FACTOR, cache_bytes, rotation_copies
 
     cpu = torch.device("cpu")
     llc = cache_bytes(cpu)

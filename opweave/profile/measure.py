@@ -33,40 +33,18 @@ from torch import nn
 from opweave import __version__
 from opweave.errors import OpWeaveError
 from opweave.ir.graph import Op
-from opweave.ir.kinds import OpClass, OpKind
+from opweave.ir.kinds import OpClass
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule
+from opweave.profile.sequence import (MAX_REPS, MEASURE_THREADS, MIN_REPS, ROTATE_FACTOR, SEQUENCE_WARMUP,
+                                      TARGET_POINT_S, measure_sequence, start_busy_cores)
 from opweave.profile.signature import graph_hash, is_replicated, op_signature
 from opweave.profile.table import OpEntry, ProfileTable
 
 
-MIN_REPS = 5
-MAX_REPS = 20
-TARGET_POINT_S = 0.02
-"""Timed decode steps per (batch, context) point: enough to give each op group TARGET_POINT_S,
-within [MIN_REPS, MAX_REPS]: a tiny model's whole grid takes seconds, a large one MIN_REPS steps."""
-
-SEQUENCE_WARMUP = 2
-"""Untimed decode steps before each point (first-call allocations, caches, lazy kernel builds)."""
-
 DISPATCH_CALLS = 1000
 DISPATCH_ROUNDS = 7
 
-MEASURE_THREADS = 1
-"""Torch threads while measuring: `opweave run` runs one thread per rank."""
-
-ROTATE_FACTOR = 2
-MAX_COPIES = 16
-"""Cold weights, warm interpreter: each point is timed over copies of the operator (own weights,
-own state) called in turn, as many as make ROTATE_FACTOR times the device's last-level cache (at
-most MAX_COPIES). In a decode step an op's weights and state were last touched a whole step ago
-(the other layers' evicted them), so timing one copy again and again would be optimistic for
-every op that fits in the cache (a 4096x1024 fp32 matrix fits this kind of CPU's 32 MB L3), while
-flushing the whole cache before each call would also evict the interpreter's own data and make
-small ops several times slower than they run in a step (measured: an RMSNorm 100 us in a step,
-350 us after a flush)."""
-
-DEFAULT_CPU_LLC_BYTES = 32 << 20
 
 
 def device_name(device: str = "cpu") -> str:
@@ -241,54 +219,6 @@ def _input_specs(step: DecodeStep) -> dict[str, list[tuple[tuple[int, ...], torc
     return specs
 
 
-def _make_inputs(specs, module: OpModule, batch: int, context: int, device: torch.device) -> list:
-    """Random inputs of the recorded shapes at `batch`; token ids in the vocabulary, expert ids a
-    top-k of random scores, positions = context - 1."""
-    out = []
-    for spec in specs:
-        if spec is None:
-            out.append(None)
-            continue
-        shape, dtype = (batch,) + spec[0][1:], spec[1]
-        if dtype.is_floating_point:
-            out.append(0.1 * torch.randn(shape, device=device).to(dtype))
-        elif module.kind == OpKind.EMBED:
-            out.append(torch.randint(0, module.weight.shape[0], shape, device=device))
-        elif module.kind == OpKind.MOE_EXPERTS:
-            scores = torch.rand(shape[:-1] + (module.gate_up.shape[0],), device=device)
-            out.append(scores.topk(shape[-1], dim=-1).indices)
-        else:
-            out.append(torch.full(shape, context - 1, dtype=dtype, device=device))
-    return out
-
-
-def last_level_cache_bytes() -> int:
-    """The CPU's largest cache (sysfs), or DEFAULT_CPU_LLC_BYTES where sysfs does not say."""
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    sizes = []
-    try:
-        for index in os.listdir(root):
-            with open(os.path.join(root, index, "size"), encoding="utf-8") as f:
-                text = f.read().strip().upper()
-            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * scale)
-    except (OSError, ValueError):
-        pass
-    return max(sizes, default=DEFAULT_CPU_LLC_BYTES)
-
-
-def cache_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
-    return last_level_cache_bytes()
-
-
-def rotation_copies(bytes_per_copy: float, device: torch.device) -> int:
-    """How many copies of an op to rotate through so that each call finds its data cold."""
-    need = ROTATE_FACTOR * cache_bytes(device)
-    return max(1, min(MAX_COPIES, -(-int(need) // max(1, int(bytes_per_copy)))))
-
-
 def _measure_ops(source, dtype: str, graph, groups: dict[str, list[Op]], device: torch.device, batches,
                  contexts, tp_degrees, say, busy_cores: int = 0) -> list[OpEntry]:
     """Every group at every TP degree, measured in place (see `_measure_sequence`), with
@@ -297,7 +227,7 @@ def _measure_ops(source, dtype: str, graph, groups: dict[str, list[Op]], device:
     full_modules = dict(_meta_step(source, dtype, 1).named_modules())
     busy = ([], None)
     if busy_cores:
-        busy = _start_busy_cores(busy_cores, graph, groups, full_modules, _input_specs(_meta_step(source, dtype, 1)),
+        busy = start_busy_cores(busy_cores, graph, groups, full_modules, _input_specs(_meta_step(source, dtype, 1)),
                                  max(batches), max(contexts))
         say(f"{busy_cores} other core(s) run the decode step while ops are timed")
     try:
@@ -322,7 +252,7 @@ def _measure_all(source, dtype: str, graph, groups, device, batches, contexts, t
                 runnable[sig] = ops
             else:
                 say(f"{op.kind.value}: TP {tp} does not divide {op.tp_units} units: not measured")
-        samples = _measure_sequence(graph, runnable, full_modules, specs, tp, device, batches, contexts, say)
+        samples = measure_sequence(graph, runnable, full_modules, specs, tp, device, batches, contexts, say)
         for sig, ops in runnable.items():
             op = ops[0]
             if tp > 1 and is_replicated(op):
@@ -342,118 +272,6 @@ def _pooled(samples: dict[tuple[int, int], list[float]], batch: int, context: in
     if context is not None:
         return statistics.median(samples[(batch, context)])
     return statistics.median([x for (b, _), xs in samples.items() if b == batch for x in xs])
-
-
-def _measure_sequence(graph, groups: dict[str, list[Op]], full_modules: dict, specs: dict, tp: int,
-                      device: torch.device, batches, contexts, say) -> dict[str, dict[tuple[int, int], list[float]]]:
-    """Runs the decode step's operators in graph order as TP rank 0 of `tp` and times every call.
-
-    Each op of the graph is played by a copy of its group's representative (random weights, own
-    state), rotating over as many copies as make ROTATE_FACTOR times the device's last-level
-    cache (never more than the group has ops): every call finds its weights and state as cold,
-    and the interpreter's data as warm or as thrashed by the op before it, as in a rank's decode
-    step. Inputs are random tensors of the recorded shapes (outputs are not chained).
-
-    Returns:
-        samples[signature][(batch, context)]: seconds per call, every occurrence of every timed step.
-    """
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    copies, sequence = _sequence(graph, groups, full_modules, tp, device, max(batches), max(contexts))
-    samples: dict[str, dict[tuple[int, int], list[float]]] = {sig: {} for sig in groups}
-    has_attn = any(ops[0].cls == OpClass.ATTN for ops in groups.values())
-    for context in (contexts if has_attn else (contexts[0],)):
-        for batch in batches:
-            for group in copies.values():
-                for module, _ in group:
-                    module.allocate_state(batch, context, device)
-            inputs = {sig: _make_inputs(specs[ops[0].name], copies[sig][0][0], batch, context, device)
-                      for sig, ops in groups.items()}
-            calls = [(sig, copies[sig][k][1], inputs[sig]) for sig, k in sequence]
-            for _ in range(SEQUENCE_WARMUP):
-                _run_sequence(calls, sync)
-            budget, steps, start = TARGET_POINT_S * len(groups), 0, time.perf_counter()
-            while steps < MIN_REPS or (steps < MAX_REPS and time.perf_counter() - start < budget):
-                for (sig, _, _), dt in zip(calls, _run_sequence(calls, sync)):
-                    samples[sig].setdefault((batch, context), []).append(dt)
-                steps += 1
-            say(f"tp {tp}, batch {batch}, context {context}: {steps} timed steps of {len(calls)} ops")
-    return samples
-
-
-def _sequence(graph, groups: dict[str, list[Op]], full_modules: dict, tp: int, device: torch.device,
-              top_batch: int, top_context: int) -> tuple[dict[str, list[tuple[OpModule, Callable]]], list]:
-    """The rotating copies of every group, and (signature, copy index) for each op of the graph."""
-    copies: dict[str, list[tuple[OpModule, Callable]]] = {}
-    for sig, ops in groups.items():
-        op = ops[0]
-        shard = 1 if is_replicated(op) else tp
-        per_copy = op.weight_bytes / shard + top_batch * op.state_bytes(top_context) / shard
-        n = min(len(ops), rotation_copies(per_copy, device))
-        copies[sig] = _materialize_copies(full_modules[op.name], op.index, tp, device, n)
-    signature_of = {op.index: sig for sig, ops in groups.items() for op in ops}
-    used: dict[str, int] = {}
-    sequence = []
-    for op in graph.ops:
-        sig = signature_of.get(op.index)
-        if sig is not None:
-            sequence.append((sig, used.get(sig, 0) % len(copies[sig])))
-            used[sig] = used.get(sig, 0) + 1
-    return copies, sequence
-
-
-def _busy_loop(graph, groups, full_modules, specs, batch: int, context: int, stop) -> None:
-    """A background core's load while ops are timed: the same decode-step sequence, its own
-    copies of the weights and state, again and again until `stop` is set (a forked process)."""
-    torch.set_num_threads(MEASURE_THREADS)
-    cpu = torch.device("cpu")
-    with torch.no_grad():
-        copies, sequence = _sequence(graph, groups, full_modules, 1, cpu, batch, context)
-        for group in copies.values():
-            for module, _ in group:
-                module.allocate_state(batch, context, cpu)
-        inputs = {sig: _make_inputs(specs[ops[0].name], copies[sig][0][0], batch, context, cpu)
-                  for sig, ops in groups.items()}
-        calls = [(sig, copies[sig][k][1], inputs[sig]) for sig, k in sequence]
-        while not stop.is_set():
-            _run_sequence(calls, lambda: None)
-
-
-def _start_busy_cores(n: int, graph, groups, full_modules, specs, batch: int, context: int) -> tuple[list, object]:
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
-    stop = ctx.Event()
-    procs = [ctx.Process(target=_busy_loop, args=(graph, groups, full_modules, specs, batch, context, stop),
-                         daemon=True) for _ in range(n)]
-    for p in procs:
-        p.start()
-    return procs, stop
-
-
-def _run_sequence(calls, sync) -> list[float]:
-    """One pass over the calls; seconds of each."""
-    out = []
-    for _, run, args in calls:
-        sync()
-        t0 = time.perf_counter()
-        run(*args)
-        sync()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def _materialize_copies(meta_module: OpModule, index: int, tp: int, device: torch.device,
-                        n: int) -> list[tuple[OpModule, Callable]]:
-    """`n` copies of one op as TP rank 0 of `tp` loads it (random weights)."""
-    from opweave.runtime.kernel_ops import with_kernels
-    from opweave.runtime.shard import materialize
-
-    out = []
-    for _ in range(n):
-        # materialize shards the full (unsharded) module itself; a copy keeps the meta model intact
-        module = materialize({index: copy.deepcopy(meta_module)}, "random", tp, 0, device)[index]
-        out.append((module, with_kernels({index: module}, device)[index]))
-    return out
 
 
 def _entry_line(e: OpEntry) -> str:

@@ -18,8 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from opweave.errors import OpWeaveError
-from opweave.ir.program import Peer, RankProgram, program_from_json
+from opweave.ir.program import RankProgram, program_from_json
 from opweave.models.config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
