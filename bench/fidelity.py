@@ -194,7 +194,7 @@ def plot(repeats: list[list[Row]], path: str) -> None:
     meas = [statistics.median(rows[i].measured for rows in repeats) * 1e3 for i in xs]
     left.bar([x - 0.2 for x in xs], pred, 0.4, label="predicted (simulator)")
     left.bar([x + 0.2 for x in xs], meas, 0.4, label="measured (opweave run)")
-    left.set_xticks(list(xs), [n.split()[0] for n in names])
+    left.set_xticks(list(xs), [n.split(" (")[0] for n in names])
     left.set_ylabel("TPOT (ms), median over repeats")
     left.legend(fontsize=8, loc="lower center")
     for i in xs:
@@ -205,7 +205,7 @@ def plot(repeats: list[list[Row]], path: str) -> None:
     right.set_ylim(min(-20.0, min(every) - 2), max(20.0, max(every) + 2))
     right.axhspan(-10, 10, color="green", alpha=0.08, label="target: |error| <= 10%")
     right.axhline(0, color="black", linewidth=0.6)
-    right.set_xticks(list(xs), [n.split()[0] for n in names])
+    right.set_xticks(list(xs), [n.split(" (")[0] for n in names])
     right.set_ylabel("signed TPOT error, predicted / measured - 1 (%)")
     right.legend(fontsize=8)
     fig.suptitle(f"Simulator fidelity on CPU ranks ({len(repeats)} repeats; dots: repeats, bars: medians)")
