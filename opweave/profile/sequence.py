@@ -113,12 +113,7 @@ def measure_sequence(graph, groups: dict[str, list[Op]], full_modules: dict, spe
     has_attn = any(ops[0].cls == OpClass.ATTN for ops in groups.values())
     for context in (contexts if has_attn else (contexts[0],)):
         for batch in batches:
-            for group in copies.values():
-                for module, _ in group:
-                    module.allocate_state(batch, context, device)
-            inputs = {sig: make_inputs(specs[ops[0].name], copies[sig][0][0], batch, context, device)
-                      for sig, ops in groups.items()}
-            calls = [(sig, copies[sig][k][1], inputs[sig]) for sig, k in sequence]
+            calls = _calls_at(copies, sequence, groups, specs, batch, context, device)
             for _ in range(SEQUENCE_WARMUP):
                 _run_sequence(calls, sync)
             budget, steps, start = TARGET_POINT_S * len(groups), 0, time.perf_counter()
@@ -151,6 +146,17 @@ def _sequence(graph, groups: dict[str, list[Op]], full_modules: dict, tp: int, d
     return copies, sequence
 
 
+def _calls_at(copies, sequence, groups, specs, batch: int, context: int, device: torch.device) -> list:
+    """The sequence's calls at one (batch, context) point: every copy's state allocated for it,
+    random inputs of the recorded shapes per group; (signature, callable, args) per op."""
+    for group in copies.values():
+        for module, _ in group:
+            module.allocate_state(batch, context, device)
+    inputs = {sig: make_inputs(specs[ops[0].name], copies[sig][0][0], batch, context, device)
+              for sig, ops in groups.items()}
+    return [(sig, copies[sig][k][1], inputs[sig]) for sig, k in sequence]
+
+
 def _busy_loop(graph, groups, full_modules, specs, batch: int, context: int, stop) -> None:
     """A background core's load while ops are timed: the same decode-step sequence, its own
     copies of the weights and state, again and again until `stop` is set (a forked process)."""
@@ -158,12 +164,7 @@ def _busy_loop(graph, groups, full_modules, specs, batch: int, context: int, sto
     cpu = torch.device("cpu")
     with torch.no_grad():
         copies, sequence = _sequence(graph, groups, full_modules, 1, cpu, batch, context)
-        for group in copies.values():
-            for module, _ in group:
-                module.allocate_state(batch, context, cpu)
-        inputs = {sig: make_inputs(specs[ops[0].name], copies[sig][0][0], batch, context, cpu)
-                  for sig, ops in groups.items()}
-        calls = [(sig, copies[sig][k][1], inputs[sig]) for sig, k in sequence]
+        calls = _calls_at(copies, sequence, groups, specs, batch, context, cpu)
         while not stop.is_set():
             _run_sequence(calls, lambda: None)
 
