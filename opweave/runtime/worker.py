@@ -4,8 +4,8 @@
 `rt.finish`, `rt.allreduce`, `rt.tp_argmax`). Transfers are point-to-point (gloo on CPU, NCCL on
 CUDA): one message per peer and transfer (width, positions, values packed as bytes; a prefill,
 wider than a decode step, sends a decode-sized message with its width first); sends are
-non-blocking, receives blocking, all in the plan's global order, so nothing waits on a
-coordinator. The replica leader receives and fans out to its TP peers with a group broadcast.
+non-blocking, receives posted ahead (`opweave.runtime.inbox`), all in the plan's global order,
+so nothing waits on a coordinator. The replica leader receives and fans out to its TP peers with a group broadcast.
 """
 
 from __future__ import annotations
@@ -94,7 +94,6 @@ class Runtime:
     def _receive_slots(self) -> list[Slot]:
         """Every point-to-point receive of one round, in program order (leaders only)."""
         prog, slots = self.program, []
-        esize = torch.empty(0, dtype=self.dtype).element_size()
         for st in prog.stages:
             for mb in range(prog.num_microbatches):
                 if st.recv is None:
@@ -102,10 +101,14 @@ class Runtime:
                         slots += [Slot(("tok", mb, p.rank), p.rank, p.hi - p.lo, torch.long, from_round=1)
                                   for p in prog.token_sources if p.rank != prog.rank]
                     continue
-                per_token = sum(_numel(s) for s in st.recv.shapes) * esize
+                per_token = self._per_token_bytes(st.recv)
                 slots += [Slot(("act", st.stage, mb, p.rank), p.rank, message_bytes(p.hi - p.lo, 1, per_token),
                                torch.uint8) for p in st.recv.peers]
         return slots
+
+    def _per_token_bytes(self, transfer) -> int:
+        """Bytes of a transfer's values per token (positions not included)."""
+        return sum(_numel(s) for s in transfer.shapes) * torch.empty(0, dtype=self.dtype).element_size()
 
     def _mark(self, kind: str, stage: int = -1, mb: int = -1) -> None:
         if self.timeline is not None:
@@ -146,8 +149,7 @@ class Runtime:
         lo = prog.rows[0]
         if self.is_leader:
             parts = []
-            esize = torch.empty(0, dtype=self.dtype).element_size()
-            per_token = sum(_numel(s) for s in st.recv.shapes) * esize
+            per_token = self._per_token_bytes(st.recv)
             for p in st.recv.peers:  # each upstream replica pads its rows to its own width
                 n = p.hi - p.lo
                 first = self.inbox.take(("act", stage, mb, p.rank))
