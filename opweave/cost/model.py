@@ -46,11 +46,14 @@ ACTIVATION_BUFFERS = 4
 
 
 class OpProfile(Protocol):
-    """A measured latency table (see the profiler); None where it has no figure."""
+    """A measured latency table (see the profiler); None where it has no figure.
+
+    Only `op_latency` is required. `opweave.profile.ProfileTable` also has the optional methods
+    the cost model uses when present: `grid_limits(op, gpu, tp)` and `count_beyond_grid()`
+    (scaling beyond the measured grid), `collective_s(gpu, tp, nbytes)` (measured TP
+    collectives) and `transfer_host_s(gpu, side, nbytes)` (host time of a transfer side)."""
 
     def op_latency(self, op: Op, gpu: str, tp: int, batch: int, context: int) -> float | None: ...
-
-    def transfer_host_s(self, gpu: str, side: str, nbytes: float) -> float | None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
