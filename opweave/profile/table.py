@@ -192,6 +192,8 @@ class ProfileTable:
                                                      ("miss_tp", "unprofiled TP degrees")) if c[k]]
         detail = f" ({', '.join(reasons)})" if reasons else ""
         host = "; transfer host time measured" if self.send_host_latency_s is not None else ""
+        if self.allreduce_latency_s is not None:
+            host += "; TP collectives from the measured all-reduce"
         if c["beyond_grid"]:
             host += (f"; {c['beyond_grid']} figures beyond the measured batch/context grid, scaled from its edge "
                      "by the roofline (profile the batches you plan for)")
