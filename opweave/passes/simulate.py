@@ -228,32 +228,26 @@ def _round(j: int, plan: list[tuple], ret: tuple, ready: list[float], stream_fre
     """
     arrive = ready
     for i, (o, c, k, d, dst) in enumerate(plan):
-        free = stream_free[o]
-        done = arrive[:]
-        for m, t in enumerate(arrive):
-            start = t if t > free else free
-            free = done[m] = start + c
-            if record:
-                record((KIND_COMPUTE, o, o, j, m, i, start, free))
-        stream_free[o] = free
-        arrive = _transfer(KIND_SEND, k, d, done, link_free, o, dst, j, i, record) if k >= 0 else done
+        done = _serve(KIND_COMPUTE, o, c, arrive, stream_free, o, o, j, i, record)
+        arrive = _serve(KIND_SEND, k, d, done, link_free, o, dst, j, i, record) if k >= 0 else done
     k, d, src, dst = ret
     if k < 0:
         return arrive, arrive
-    return arrive, _transfer(KIND_RETURN, k, d, arrive, link_free, src, dst, j, len(plan) - 1, record)
+    return arrive, _serve(KIND_RETURN, k, d, arrive, link_free, src, dst, j, len(plan) - 1, record)
 
 
-def _transfer(kind: str, k: int, dur: float, produced: list[float], link_free: list[float],
-              src: int, dst: int, j: int, i: int, record) -> list[float]:
-    """All microbatches' transfers on link k, in microbatch order; returns their arrivals."""
-    free = link_free[k]
+def _serve(kind: str, k: int, dur: float, produced: list[float], free_at: list[float],
+           src: int, dst: int, j: int, i: int, record) -> list[float]:
+    """Resource k (a compute stream or a link) runs every microbatch's task of `dur`, in
+    microbatch order, each once its input is ready; returns their finish times."""
+    free = free_at[k]
     out = produced[:]
     for m, t in enumerate(produced):
         start = t if t > free else free
         free = out[m] = start + dur
         if record:
             record((kind, src, dst, j, m, i, start, free))
-    link_free[k] = free
+    free_at[k] = free
     return out
 
 
