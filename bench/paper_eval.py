@@ -48,10 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -62,7 +59,7 @@ from opweave.hardware.cluster import parse_cluster
 from opweave.passes.search import PlanSpace, SearchOptions, search
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import git_commit  # noqa: E402
+from common import RunClock, emit, git_commit, header_lines  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "paper_eval.md")
@@ -201,22 +198,6 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def stats(xs: list[float]) -> tuple[float | None, float | None]:
     xs = [x for x in xs if x is not None and x == x]
     return (max(xs), statistics.fmean(xs)) if xs else (None, None)
-
-
-def header_lines(title: str, argv: list[str], started: datetime.datetime, total_s: float,
-                 load_before: tuple, load_after: tuple) -> list[str]:
-    return [
-        f"# {title}",
-        "",
-        f"- date: {started.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-        f"- machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        f"- load average (1/5/15 min) before: {' '.join(f'{x:.2f}' for x in load_before)}, after: "
-        f"{' '.join(f'{x:.2f}' for x in load_after)} (other processes share this machine; times are wall times)",
-        f"- git commit: {git_commit()}",
-        f"- command: `{' '.join(shlex.quote(a) for a in argv)}` (from the repository root)",
-        f"- total runtime: {total_s:.0f} s",
-        "",
-    ]
 
 
 def report(settings: list[Setting], quick: bool) -> tuple[str, list[str]]:
@@ -430,9 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = args.out if args.out else (None if args.quick else DEFAULT_OUT)
 
-    started = datetime.datetime.now(datetime.timezone.utc)
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
+    clock, commit = RunClock.start(), git_commit()
     catalog = load_catalog()
     clusters = {spec: parse_cluster(spec, catalog) for _, spec, _ in CLUSTERS}
     if args.quick:
@@ -469,19 +448,13 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{SYSTEM_LABEL[k]} {money(runs[k])} ({runs[k].seconds:.1f} s)" for k in SYSTEMS)
               + (f"; gain {g:.2f}x" if g is not None else "")
               + (f"; template {runs['opweave'].template}" if runs["opweave"].feasible else "")
-              + f"; elapsed {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+              + f"; elapsed {clock.elapsed():.0f} s", file=sys.stderr, flush=True)
 
     body, violations = report(settings, args.quick)
-    total = time.perf_counter() - t0
     argv_shown = ["python", "bench/paper_eval.py"] + (sys.argv[1:] if argv is None else argv)
     text = "\n".join(header_lines("OpWeave §7 evaluation grid" + (" (quick)" if args.quick else ""), argv_shown,
-                                  started, total, load_before, os.getloadavg())) + "\n" + body
-    print(text)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(text + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+                                  clock, commit)) + "\n" + body
+    emit([text], out)
     if violations:
         print("\n" + "!" * 78, file=sys.stderr)
         print(f"INVARIANT VIOLATION: {len(violations)} case(s) where OpWeave is not the cheapest of its own "

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import os
 import sys
 import time
@@ -45,7 +44,8 @@ from opweave.passes.search import PlanSpace, SearchOptions, search
 from opweave.passes.templates import enumerate_templates
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from paper_eval import REPO, header_lines, md_escape, table  # noqa: E402  (same header and table format)
+from common import RunClock, emit, git_commit, header_lines  # noqa: E402
+from paper_eval import REPO, md_escape, table  # noqa: E402  (same table format)
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "planner_ablation.md")
 SETTINGS = (  # (model, label, cluster label, cluster)
@@ -94,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = args.out if args.out else (None if args.quick else DEFAULT_OUT)
 
-    started = datetime.datetime.now(datetime.timezone.utc)
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
+    clock, commit = RunClock.start(), git_commit()
     catalog = load_catalog()
     settings = SETTINGS[:1] if args.quick else SETTINGS
     front_ends: dict = {}
@@ -114,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[mode] = run_mode(space, subset, pareto, bnb, mode)
             c = runs[mode].counters
             print(f"{model} {spec} {mode}: {runs[mode].seconds:.1f} s, {c['simulator_calls']} simulator calls, "
-                  f"{c['candidates']} candidates, cost {runs[mode].cost}; elapsed {time.perf_counter() - t0:.0f} s",
+                  f"{c['candidates']} candidates, cost {runs[mode].cost}; elapsed {clock.elapsed():.0f} s",
                   file=sys.stderr, flush=True)
         full = run_mode(space, None, True, True, "full family, both")
         print(f"{model} {spec} full family, both: {full.seconds:.1f} s, cost {full.cost}", file=sys.stderr, flush=True)
@@ -190,16 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         lines += ["**EXACTNESS VIOLATION** (a planner bug):", *[f"- {x}" for x in bad], ""]
 
-    total = time.perf_counter() - t0
     argv_shown = ["python", "bench/planner_ablation.py"] + (sys.argv[1:] if argv is None else argv)
     text = "\n".join(header_lines("OpWeave planner ablation (summary §7.5, Table 3)" + (" (quick)" if args.quick else ""),
-                                  argv_shown, started, total, load_before, os.getloadavg())) + "\n" + "\n".join(lines)
-    print(text)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(text + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+                                  argv_shown, clock, commit)) + "\n" + "\n".join(lines)
+    emit([text], out)
     if bad:
         print("EXACTNESS VIOLATION: the four modes disagree on the optimum:\n  " + "\n  ".join(bad), file=sys.stderr)
         return 1
