@@ -1,21 +1,39 @@
-"""`manifest.json`: what an artifact holds and the checksum of every file in it.
+"""`manifest.json`: what an artifact holds and the checksum of every file in it, optionally signed.
 
-Format version, OpWeave version, model and plan hashes, and the sha256 of each file. Every
-worker verifies the manifest (and the files it reads) before running, so a tampered or truncated
-artifact is refused with the name of the file that fails.
+Format version, OpWeave version, model and plan hashes, and the sha256 of each file.
+
+Note: an artifact is executable code. `opweave run` executes its `rank_XX.py` modules, so an
+artifact must be trusted like a program. The checksums detect accidental damage (a truncated copy,
+an edited file whose manifest was not updated) but not a deliberate edit: whoever can write the
+module can also rewrite its checksum. Against that, `opweave compile --sign-key FILE` writes
+`manifest.sig`, an HMAC-SHA256 of the exact bytes of `manifest.json` under a secret key, and
+`opweave run --verify-key FILE` refuses an artifact whose signature is missing or does not match.
+Every file the runtime uses is read once, hashed, and then used from those same bytes
+(`load_artifact`): nothing is re-opened between the check and its use, so swapping a file after
+the check changes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import hmac
 import json
 import os
+import re
 
 from opweave import __version__
 from opweave.errors import OpWeaveError
 
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"
 FORMAT = "opweave-artifact/1"
+MIN_KEY_BYTES = 16  # an HMAC key shorter than this is guessable; 32 random bytes is the norm
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def sha256_file(path: str) -> str:
@@ -27,36 +45,146 @@ def sha256_file(path: str) -> str:
 
 
 def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+    return sha256_bytes(text.encode())
 
 
-def write_manifest(folder: str, model_hash: str, plan_hash: str) -> None:
-    files = {name: sha256_file(os.path.join(folder, name)) for name in sorted(os.listdir(folder)) if name != MANIFEST}
+def read_key(path: str, flag: str) -> bytes:
+    """The secret key in file `path` (its bytes as they are), for `--sign-key` / `--verify-key`."""
+    try:
+        with open(path, "rb") as f:
+            key = f.read(1 << 16)
+    except OSError as e:
+        raise OpWeaveError(f"{flag} {path}: cannot read ({e.strerror})") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise OpWeaveError(f"{flag} {path}: a key needs at least {MIN_KEY_BYTES} bytes, the file has {len(key)} "
+                           "(make one with: head -c 32 /dev/urandom > key)")
+    return key
+
+
+def signature(manifest_bytes: bytes, key: bytes) -> str:
+    return hmac.new(key, manifest_bytes, hashlib.sha256).hexdigest()
+
+
+def write_manifest(folder: str, model_hash: str, plan_hash: str, sign_key: bytes | None = None) -> None:
+    """Writes manifest.json listing every file of `folder`, and manifest.sig when `sign_key` is given."""
+    files = {name: sha256_file(os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+             if name not in (MANIFEST, SIGNATURE)}
     manifest = {"format": FORMAT, "opweave_version": __version__, "model_hash": model_hash,
-                "plan_hash": plan_hash, "files": files}
-    with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=1)
+                "plan_hash": plan_hash, "signed": sign_key is not None, "files": files}
+    data = json.dumps(manifest, indent=1).encode()
+    with open(os.path.join(folder, MANIFEST), "wb") as f:
+        f.write(data)
+    if sign_key is not None:
+        with open(os.path.join(folder, SIGNATURE), "w") as f:
+            f.write(f"hmac-sha256 {signature(data, sign_key)}\n")
 
 
-def verify_manifest(folder: str, names: list[str] | None = None) -> dict:
-    """Checks the format and the checksums (of `names`, or of every file); returns the manifest."""
+def _read_bytes(path: str, what: str) -> bytes:
+    if not os.path.isfile(path):
+        raise OpWeaveError(f"{path}: missing from the artifact ({what})")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise OpWeaveError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _check_signature(folder: str, data: bytes, key: bytes) -> None:
+    path = os.path.join(folder, SIGNATURE)
+    if not os.path.isfile(path):
+        raise OpWeaveError(f"{folder}: the artifact is not signed (no {SIGNATURE}); recompile with --sign-key, "
+                           "or run without --verify-key")
+    text = _read_bytes(path, "signature").decode("ascii", "replace").split()
+    if len(text) != 2 or text[0] != "hmac-sha256" or not hmac.compare_digest(text[1], signature(data, key)):
+        raise OpWeaveError(f"{path}: the signature does not match manifest.json under this key "
+                           "(the artifact was changed, or signed with another key); do not run it")
+
+
+def read_manifest(folder: str, verify_key: bytes | None = None) -> dict:
+    """The manifest, its structure checked (and its signature, when `verify_key` is given)."""
     path = os.path.join(folder, MANIFEST)
+    if not os.path.isdir(folder):
+        raise OpWeaveError(f"{folder}: not a folder (give an artifact folder written by opweave compile)")
     if not os.path.isfile(path):
         raise OpWeaveError(f"{folder}: not an OpWeave artifact (no {MANIFEST}; run opweave compile)")
+    data = _read_bytes(path, "manifest")
+    if verify_key is not None:
+        _check_signature(folder, data, verify_key)
     try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except json.JSONDecodeError:
+        manifest = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise OpWeaveError(f"{path}: truncated or not JSON") from None
+    if not isinstance(manifest, dict):
+        raise OpWeaveError(f"{path}: not a manifest (a JSON {type(manifest).__name__}, expected an object)")
     if manifest.get("format") != FORMAT:
         raise OpWeaveError(f"{path}: format {manifest.get('format')!r}, this opweave reads {FORMAT}")
-    files = manifest.get("files", {})
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise OpWeaveError(f"{path}: 'files' must map file names to sha256 checksums")
+    for name, digest in files.items():
+        if not isinstance(name, str) or not name or name != os.path.basename(name) or name in (".", ".."):
+            raise OpWeaveError(f"{path}: file name {name!r} is not a plain name inside the artifact")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise OpWeaveError(f"{path}: checksum of {name!r} is not a sha256 hex digest")
+    return manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifiedArtifact:
+    """An artifact's files as the bytes that were checked: use these, never re-open the files."""
+
+    folder: str
+    manifest: dict
+    files: dict[str, bytes]
+
+    def bytes(self, name: str) -> bytes:
+        if name not in self.files:
+            raise OpWeaveError(f"{os.path.join(self.folder, name)}: not loaded from the artifact")
+        return self.files[name]
+
+    def json(self, name: str):
+        try:
+            return json.loads(self.bytes(name))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise OpWeaveError(f"{os.path.join(self.folder, name)}: not JSON") from None
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest["files"]
+
+
+def load_artifact(folder: str, names: list[str] | None = None, verify_key: bytes | None = None) -> VerifiedArtifact:
+    """Reads `names` (default: every file the manifest lists) once each, checks each against the
+    manifest, and returns their bytes."""
+    manifest = read_manifest(folder, verify_key)
+    files = manifest["files"]
+    out = {}
     for name in names if names is not None else sorted(files):
         full = os.path.join(folder, name)
         if name not in files:
             raise OpWeaveError(f"{full}: not listed in the manifest")
-        if not os.path.isfile(full):
-            raise OpWeaveError(f"{full}: missing from the artifact")
-        if sha256_file(full) != files[name]:
+        data = _read_bytes(full, "listed in the manifest")
+        if not hmac.compare_digest(sha256_bytes(data), files[name]):
             raise OpWeaveError(f"{full}: fails its checksum (tampered or truncated); recompile")
-    return manifest
+        out[name] = data
+    return VerifiedArtifact(folder=folder, manifest=manifest, files=out)
+
+
+def verify_manifest(folder: str, names: list[str] | None = None, verify_key: bytes | None = None) -> dict:
+    """Checks the format and the checksums (of `names`, or of every file); returns the manifest."""
+    return load_artifact(folder, names, verify_key).manifest
+
+
+def rank_files(rank: int) -> list[str]:
+    """The artifact files one rank uses."""
+    return [f"rank_{rank:02d}.py", f"rank_{rank:02d}.json", "model_config.json", "ops.json", "plan.json"]
+
+
+def load_program_source(artifact: VerifiedArtifact, name: str):
+    """The generated module `name` (e.g. rank_03.py) executed from its verified bytes."""
+    import types
+
+    code = compile(artifact.bytes(name), os.path.join(artifact.folder, name), "exec")
+    module = types.ModuleType(os.path.splitext(name)[0])
+    module.__file__ = os.path.join(artifact.folder, name)
+    exec(code, module.__dict__)
+    return module

@@ -1,0 +1,108 @@
+"""Artifact trust: the runtime executes exactly the bytes it checked, and a keyed signature catches
+an edit whose checksum was recomputed (which plain checksums cannot)."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from test_runtime import compile_pinned
+from opweave.errors import OpWeaveError
+from opweave.runtime.manifest import (MANIFEST, SIGNATURE, load_artifact, load_program_source, read_key,
+                                      read_manifest, sha256_file, write_manifest)
+
+KEY = b"k" * 32
+INJECTED = "\nopen(__file__ + '.ran', 'w').close()\n"
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_checkpoint, tmp_path_factory):
+    folder = tiny_checkpoint("llama", num_hidden_layers=3)
+    art = str(tmp_path_factory.mktemp("trust") / "art")
+    compile_pinned(folder, "afd", art)
+    return folder, art
+
+
+def _copy(art, tmp_path, name="copy"):
+    dst = str(tmp_path / name)
+    shutil.copytree(art, dst)
+    return dst
+
+
+def _sign(folder, key=KEY):
+    manifest = json.load(open(os.path.join(folder, MANIFEST)))
+    write_manifest(folder, manifest["model_hash"], manifest["plan_hash"], sign_key=key)
+
+
+def _tamper_and_rehash(folder):
+    """What an attacker with write access does: edit a module and fix its checksum."""
+    path = os.path.join(folder, "rank_00.py")
+    with open(path, "a") as f:
+        f.write(INJECTED)
+    manifest_path = os.path.join(folder, MANIFEST)
+    manifest = json.load(open(manifest_path))
+    manifest["files"]["rank_00.py"] = sha256_file(path)
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
+def test_executes_the_checked_bytes_not_the_file_reopened(artifact, tmp_path):
+    _, art = artifact
+    folder = _copy(art, tmp_path)
+    checked = load_artifact(folder, ["rank_00.py"])
+    with open(os.path.join(folder, "rank_00.py"), "a") as f:  # swapped after the check
+        f.write(INJECTED)
+    module = load_program_source(checked, "rank_00.py")
+    assert hasattr(module, "Program") and module.RANK == 0
+    assert not os.path.exists(os.path.join(folder, "rank_00.py.ran"))
+
+
+def test_signature_catches_a_rehashed_edit(artifact, tmp_path):
+    _, art = artifact
+    folder = _copy(art, tmp_path)
+    _sign(folder)
+    assert read_manifest(folder, KEY)["signed"] is True
+    load_artifact(folder, verify_key=KEY)  # intact: passes
+    _tamper_and_rehash(folder)
+    load_artifact(folder)  # checksums alone cannot see it (documented)
+    with pytest.raises(OpWeaveError, match="signature does not match"):
+        load_artifact(folder, verify_key=KEY)
+
+
+def test_wrong_key_and_unsigned_artifact_are_refused(artifact, tmp_path):
+    _, art = artifact
+    folder = _copy(art, tmp_path)
+    with pytest.raises(OpWeaveError, match="not signed"):
+        read_manifest(folder, KEY)
+    _sign(folder)
+    with pytest.raises(OpWeaveError, match="signature does not match"):
+        read_manifest(folder, b"x" * 32)
+    with open(os.path.join(folder, SIGNATURE), "w") as f:
+        f.write("garbage")
+    with pytest.raises(OpWeaveError, match="signature does not match"):
+        read_manifest(folder, KEY)
+
+
+def test_short_or_missing_key_files(tmp_path):
+    short = tmp_path / "short"
+    short.write_bytes(b"abc")
+    with pytest.raises(OpWeaveError, match="at least 16 bytes"):
+        read_key(str(short), "--verify-key")
+    with pytest.raises(OpWeaveError, match="--sign-key .*: cannot read"):
+        read_key(str(tmp_path / "nope"), "--sign-key")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "a JSON list, expected an object"),
+    ('{"format": "opweave-artifact/1", "files": ["rank_00.py"]}', "'files' must map"),
+    ('{"format": "opweave-artifact/1", "files": {"../x": "' + "0" * 64 + '"}}', "not a plain name"),
+    ('{"format": "opweave-artifact/1", "files": {"x": 3}}', "not a sha256"),
+    ('{"format": "other"}', "format 'other'"),
+    ("\xff\xfe", "truncated or not JSON"),
+])
+def test_malformed_manifests_are_one_line_errors(tmp_path, content, message):
+    (tmp_path / MANIFEST).write_text(content, encoding="latin-1")
+    with pytest.raises(OpWeaveError, match=message) as err:
+        load_artifact(str(tmp_path))
+    assert "\n" not in str(err.value)
