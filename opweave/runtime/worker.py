@@ -24,6 +24,7 @@ from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.inbox import Inbox, Slot
 from opweave.runtime.kernel_ops import with_kernels
+from opweave.runtime.manifest import VerifiedArtifact, load_artifact, load_program_source, rank_files
 from opweave.runtime.message import message_bytes, message_width, pack_message, unpack_message
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import materialize
@@ -31,20 +32,18 @@ from opweave.runtime.timeline import Timeline
 
 
 class Runtime:
-    def __init__(self, artifact: str, program: RankProgram, weights: str, device: str,
+    def __init__(self, artifact: VerifiedArtifact, program: RankProgram, weights: str, device: str,
                  groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False):
         self.program = program
         self.timeline = Timeline() if trace else None  # measured spans (see opweave.runtime.timeline)
         self.device = torch.device(device)
         self.group = groups[program.tp_group] if program.tp > 1 else None
-        with open(os.path.join(artifact, "model_config.json")) as f:
-            cfg = config_from_hf(json.load(f), program.model)
+        cfg = config_from_hf(artifact.json("model_config.json"), program.model)
         self.cfg = cfg
         self.dtype = torch_dtype(cfg)
         step = DecodeStep(build_model(cfg, "meta"))
         modules = dict(step.named_modules())
-        with open(os.path.join(artifact, "ops.json")) as f:
-            op_names = json.load(f)
+        op_names = artifact.json("ops.json")
         self.modules: dict[int, OpModule] = materialize(
             {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device)
         self.ops = with_kernels(self.modules, self.device)  # what the generated code calls
@@ -307,19 +306,25 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def load_program_module(path: str):
+    """A generated module run by hand (`python rank_00.py`): the user executes that file anyway.
+    `run_rank` never uses this: it executes the verified bytes (`load_program_source`)."""
     spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list[Request],
+def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: str, requests: list[Request],
              interpret: bool = False, trace: bool = False) -> tuple[list[Request], dict] | None:
     """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the
     outputs and its per-round wall and host (CPU) times, and with `trace` every rank's spans
-    (`{"spans": {rank: rows}}`, see opweave.runtime.timeline)."""
-    with open(os.path.join(artifact, f"rank_{rank:02d}.json")) as f:
-        program = program_from_json(json.load(f))
+    (`{"spans": {rank: rows}}`, see opweave.runtime.timeline).
+
+    `artifact` is the folder (its files are then read and checked here) or the files already
+    read and checked; either way the rank uses only those checked bytes."""
+    if isinstance(artifact, str):
+        artifact = load_artifact(artifact, rank_files(rank))
+    program = program_from_json(artifact.json(f"rank_{rank:02d}.json"))
     groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
     mine = []
     if program.scheduler:
@@ -331,7 +336,7 @@ def run_rank(artifact: str, rank: int, weights: str, device: str, requests: list
 
         prog = InterpretedProgram(rt, program)
     else:
-        prog = load_program_module(os.path.join(artifact, f"rank_{rank:02d}.py")).Program(rt)
+        prog = load_program_source(artifact, f"rank_{rank:02d}.py").Program(rt)
     kill_at = _fault_injection(rank)
     wall, host = [], []
     with torch.no_grad():
