@@ -487,8 +487,15 @@ class LMHead(OpModule):
                        tp_units=self.cfg.vocab_size)
 
 
+NON_FINITE_TOKEN = -1
+"""The id the sampler gives a row whose logits are not all finite (NaN or infinite): argmax would
+pick an arbitrary token (NaN wins, or an all-NaN row gives 0), so the row is marked instead and the
+scheduler ends that request with an error. Chosen on the device (no host sync per step)."""
+
+
 class Sample(OpModule):
-    """Greedy sampling: argmax of the last position's logits -> next token ids [B]."""
+    """Greedy sampling: argmax of the last position's logits -> next token ids [B]
+    (NON_FINITE_TOKEN for a row whose logits are not all finite)."""
 
     kind = OpKind.SAMPLE
 
@@ -496,7 +503,9 @@ class Sample(OpModule):
         super().__init__(cfg, None)
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.argmax(logits[:, -1, :], dim=-1)
+        last = logits[:, -1, :]
+        ids = torch.argmax(last, dim=-1)
+        return torch.where(torch.isfinite(last).all(dim=-1), ids, NON_FINITE_TOKEN)
 
     def facts(self) -> OpFacts:
         return OpFacts(flops_per_token=self.cfg.vocab_size, tp_rule=TPRule.VOCAB, tp_units=self.cfg.vocab_size)

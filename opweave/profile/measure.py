@@ -2,7 +2,9 @@
 
 Steps:
 1. trace the model's decode step into an OpGraph (at the measured dtype) and group its ops by
-   cost signature: one representative op per group (every layer's `qkv_proj` is one group);
+   cost signature: one representative op per group (every layer's `qkv_proj` is one group); a
+   grid whose estimated memory (`memory_needed`) does not fit the machine is refused here, before
+   any measurement (an allocation failure later is reported in one line as well);
 2. record each operator's input shapes by running the decode step on meta tensors with a
    forward pre-hook per operator (for TP > 1, the decode step of the sharded configuration);
 3. per TP degree, materialise copies of each representative with random weights exactly as a
@@ -37,7 +39,7 @@ from opweave.ir.kinds import OpClass
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule
 from opweave.profile.sequence import (MAX_REPS, MEASURE_THREADS, MIN_REPS, ROTATE_FACTOR, SEQUENCE_WARMUP,
-                                      TARGET_POINT_S, measure_sequence, start_busy_cores)
+                                      TARGET_POINT_S, measure_sequence, rotation_copies, start_busy_cores)
 from opweave.profile.signature import graph_hash, is_replicated, op_signature
 from opweave.profile.table import OpEntry, ProfileTable
 
@@ -109,15 +111,17 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
     if busy_cores and (device != "cpu" or not 0 < busy_cores < cores):
         raise OpWeaveError(f"--busy-cores {busy_cores}: needs --device cpu and fewer than this machine's {cores} cores")
     warnings: list[str] = []
-    links = None
-    if measure_links:  # first: the forked ranks start before this process runs any parallel op
-        links = _measure_links(device, say, warnings)
+    # the front end only traces on the meta device (no parallel op runs before the links fork)
     fe = run_front_end(model, dtype or ("float32" if device == "cpu" else None))
     graph = fe.graph
-    say(f"{graph.model}: {len(graph.ops)} ops, dtype {graph.dtype}, device {device_name(device)}")
     groups: dict[str, list[Op]] = {}
     for op in graph.ops:
         groups.setdefault(op_signature(op), []).append(op)
+    check_memory(fe.source, graph, groups, torch.device(device), batches, contexts, tp_degrees, busy_cores)
+    links = None
+    if measure_links:  # first: the forked ranks start before this process runs any parallel op
+        links = _measure_links(device, say, warnings)
+    say(f"{graph.model}: {len(graph.ops)} ops, dtype {graph.dtype}, device {device_name(device)}")
     threads = torch.get_num_threads()
     torch.set_num_threads(MEASURE_THREADS)
     try:
@@ -125,6 +129,11 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
             entries = _measure_ops(fe.source, graph.dtype, graph, groups, torch.device(device), batches, contexts,
                                    tp_degrees, say, busy_cores)
             dispatch_s = _measure_dispatch()
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not _out_of_memory(e):
+            raise
+        raise OpWeaveError(f"profiling {graph.model} ran out of memory at batch up to {max(batches)}, context up "
+                           f"to {max(contexts)} ({_first_line(e)}); lower --batches or --contexts") from None
     finally:
         torch.set_num_threads(threads)
     say(f"dispatch overhead {dispatch_s * 1e6:.2f} us per module call")
@@ -147,6 +156,98 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
         **_host_fields(links),
         warnings=tuple(warnings),
     )
+
+
+# ---------------------------------------------------------------- memory, checked up front
+
+MEMORY_HEADROOM = 0.9
+"""Profiling is refused when its estimated peak exceeds this fraction of the memory available: the
+estimate counts what grows with the grid (weights and state of the rotating copies, the inputs)
+and leaves out the interpreter, torch and each op's transient output."""
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """torch's CUDA and CPU allocation failures (`DefaultCPUAllocator: can't allocate memory`)."""
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or any(s in text for s in ("out of memory", "allocate memory",
+                                                                   "not enough memory"))
+
+
+def _input_bytes(specs, batch: int) -> int:
+    total = 0
+    for spec in specs:
+        if spec is not None:
+            numel = batch
+            for d in spec[0][1:]:
+                numel *= d
+            total += numel * torch.empty(0, dtype=spec[1]).element_size()
+    return total
+
+
+def memory_needed(source, graph, groups: dict[str, list[Op]], device: torch.device, batches, contexts,
+                  tp_degrees, busy_cores: int = 0) -> int:
+    """Estimated peak bytes of a profile: at the largest batch and context, every group's rotating
+    copies (weights and state, as `sequence._sequence` makes them) and random inputs, at the TP
+    degree that needs most; each busy core holds its own TP-1 copies."""
+    top_b, top_c = max(batches), max(contexts)
+    specs = _input_specs(_meta_step(source, graph.dtype, 1))
+    inputs = sum(_input_bytes(specs[ops[0].name], top_b) for ops in groups.values())
+
+    def resident(tp: int) -> float:
+        total = 0.0
+        for ops in groups.values():
+            op = ops[0]
+            shard = 1 if is_replicated(op) else tp
+            per_copy = op.weight_bytes / shard + top_b * op.state_bytes(top_c) / shard
+            total += min(len(ops), rotation_copies(per_copy, device)) * per_copy
+        return total
+
+    busy = busy_cores * (resident(1) + inputs)
+    return int(max(resident(tp) for tp in tp_degrees) + inputs + busy)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes this process may still allocate: free device memory on CUDA; on CPU the kernel's
+    MemAvailable, capped by the cgroup's limit (a container's) when there is one. None if unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    known = []
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    known.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit, encoding="utf-8") as f, open(usage, encoding="utf-8") as g:
+                known.append(int(f.read().strip()) - int(g.read().strip()))  # "max": no limit (ValueError)
+        except (OSError, ValueError):
+            pass
+    return min(known) if known else None
+
+
+def check_memory(source, graph, groups, device: torch.device, batches, contexts, tp_degrees,
+                 busy_cores: int = 0) -> None:
+    """Refuses, before anything is measured, a grid whose estimated peak (`memory_needed`) does
+    not fit the memory available: on CPU such a profile would otherwise be killed by the kernel,
+    or swap for hours, after the links were measured."""
+    available = available_memory(device)
+    if available is None:
+        return
+    need = memory_needed(source, graph, groups, device, batches, contexts, tp_degrees, busy_cores)
+    if need > MEMORY_HEADROOM * available:
+        busy = f" with {busy_cores} busy core(s)" if busy_cores else ""
+        flags = "--batches, --contexts or --busy-cores" if busy_cores else "--batches or --contexts"
+        raise OpWeaveError(f"profiling {graph.model} at batch {max(batches)} and context {max(contexts)}{busy} needs "
+                           f"about {need / 2**30:.3g} GiB, this machine's {device.type} has {available / 2**30:.3g} GiB "
+                           f"available; lower {flags}")
 
 
 def _host_fields(links) -> dict:

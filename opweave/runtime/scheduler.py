@@ -4,7 +4,9 @@ A free slot takes the next request of this replica's queue; its first step feeds
 prompt (prefill through the same compiled stages), later steps feed one token. A step's tokens
 for a microbatch are left-padded to the longest chunk with position -1 (no state is written for
 padding), so the last column always holds each slot's newest token. A slot frees when its
-sequence emits an EOS id, reaches `max_new_tokens`, or fills the planned context.
+sequence emits an EOS id, reaches `max_new_tokens`, or fills the planned context; or when the
+sampler marks its row NON_FINITE_TOKEN (its logits held a NaN or an infinity): the request then
+ends with an error naming the output token, and the other slots carry on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections import deque
 
 import torch
 
+from opweave.models.ops import NON_FINITE_TOKEN
+
 
 @dataclasses.dataclass
 class Request:
@@ -22,6 +26,7 @@ class Request:
     max_new_tokens: int
     output: list[int] = dataclasses.field(default_factory=list)
     error: str | None = None
+    source: str = ""  # where the prompt came from, for messages ("--prompts p.jsonl: line 3")
 
 
 @dataclasses.dataclass
@@ -78,9 +83,13 @@ class Scheduler:
             if req is None or slot.pending is None:
                 continue
             slot.position += len(slot.pending)
-            req.output.append(int(token))
-            finished = (int(token) in self.eos or len(req.output) >= req.max_new_tokens
-                        or slot.position >= self.context)
+            if token == NON_FINITE_TOKEN:
+                req.error = f"non-finite logits at output token {len(req.output) + 1}"
+                finished = True
+            else:
+                req.output.append(int(token))
+                finished = (int(token) in self.eos or len(req.output) >= req.max_new_tokens
+                            or slot.position >= self.context)
             if finished:
                 self.done.append(req)
                 slot.request, slot.pending = None, None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from opweave.models.ops import _rotate_half, activation
+from opweave.models.ops import NON_FINITE_TOKEN, _rotate_half, activation
 from opweave.models.ops import rms_norm as _ops_rms_norm
 from opweave.models.ops_linear import _l2_normalize
 
@@ -168,5 +168,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy sampling: [B, V] logits -> [B] int64 ids (the first index among equal maxima)."""
-    return torch.argmax(logits, dim=-1)
+    """Greedy sampling: [B, V] logits -> [B] int64 ids (the first index among equal maxima), or
+    `NON_FINITE_TOKEN` for a row whose logits are not all finite (like `ops.Sample`)."""
+    ids = torch.argmax(logits, dim=-1)
+    return torch.where(torch.isfinite(logits).all(dim=-1), ids, NON_FINITE_TOKEN)

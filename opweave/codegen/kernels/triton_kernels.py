@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from opweave.models.ops import NON_FINITE_TOKEN
+
 # l2-normalisation epsilon of Gated-DeltaNet's q and k (ops_linear._l2_normalize's default)
 _L2_EPS = tl.constexpr(1e-6)
 
@@ -542,28 +544,34 @@ def _argmax_kernel(
     stride_l,                 # elements between rows of logits
     V,                        # vocabulary size
     BLOCK_V: tl.constexpr,    # vocabulary entries per iteration
+    NON_FINITE: tl.constexpr,  # the id of a row whose logits are not all finite
 ):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK_V)
     best_val = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = lanes.to(tl.int64)  # an all -inf row gives 0, like torch.argmax
+    best_idx = lanes.to(tl.int64)
+    num_bad = tl.zeros([BLOCK_V], tl.int32)  # per lane: logits that are NaN or infinite
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + lanes
-        x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < V, other=0.0).to(tl.float32)
+        num_bad += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)  # x != x: NaN
+        x = tl.where(cols < V, x, float("-inf"))
         better = x > best_val  # strict: each lane keeps its first maximum
         best_val = tl.where(better, x, best_val)
         best_idx = tl.where(better, cols.to(tl.int64), best_idx)
     top = tl.max(best_val, axis=0)
     idx = tl.min(tl.where(best_val == top, best_idx, V), axis=0)  # the first index among the maxima
+    idx = tl.where(tl.sum(num_bad, axis=0) > 0, NON_FINITE, idx.to(tl.int64))
     tl.store(ids_ptr + row, idx.to(tl.int64))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """See `reference.argmax` (NaN logits are not handled: torch picks a NaN, this kernel skips them)."""
+    """See `reference.argmax` (`NON_FINITE_TOKEN` for a row whose logits are not all finite)."""
     assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
     _check_last_contiguous(logits=logits)
     b, v = logits.shape
     ids = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b:
-        _argmax_kernel[(b,)](logits, ids, logits.stride(0), v, BLOCK_V=min(_pow2(v), _MAX_BLOCK))
+        _argmax_kernel[(b,)](logits, ids, logits.stride(0), v, BLOCK_V=min(_pow2(v), _MAX_BLOCK),
+                             NON_FINITE=NON_FINITE_TOKEN)
     return ids
