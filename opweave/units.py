@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
 
 from opweave.errors import OpWeaveError
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|ms|us)\s*$")
+MAX_TOKENS = 1 << 31  # far above any model's positions; keeps sizes derived from it finite
 
 
 def parse_tokens(text: str) -> int:
@@ -15,9 +18,13 @@ def parse_tokens(text: str) -> int:
     m = _TOKENS.match(text)
     if not m:
         raise OpWeaveError(f"bad context length '{text}' (expected e.g. 4096, 32k, 1m)")
-    value = float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
-    if value != int(value) or value <= 0:
+    if len(m.group(1)) > 30:
+        raise OpWeaveError(f"bad context length '{text[:40]}...' (at most {MAX_TOKENS} tokens)")
+    value = Fraction(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]  # exact
+    if value.denominator != 1 or value <= 0:
         raise OpWeaveError(f"bad context length '{text}' (must be a positive whole number of tokens)")
+    if value > MAX_TOKENS:
+        raise OpWeaveError(f"bad context length '{text}' (at most {MAX_TOKENS} tokens)")
     return int(value)
 
 
@@ -43,6 +50,7 @@ def parse_contexts(text: str) -> list[int]:
 def parse_duration(text: str) -> float:
     """`50ms`, `0.05s`, `800us` -> seconds."""
     m = _DURATION.match(text)
-    if not m or float(m.group(1)) <= 0:
-        raise OpWeaveError(f"bad duration '{text}' (expected e.g. 50ms, 0.05s, 800us)")
+    if not m or float(m.group(1)) <= 0 or not math.isfinite(float(m.group(1))):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise OpWeaveError(f"bad duration '{shown}' (expected e.g. 50ms, 0.05s, 800us)")
     return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
