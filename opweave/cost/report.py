@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tempfile
 from typing import Any
 
 from opweave.cost.analysis import Analysis
-from opweave.errors import OpWeaveError
 from opweave.ir.graph import human_bytes
+from opweave.outputs import atomic_file, check_output_file
 
 
 def context_label(s: float) -> str:
@@ -126,10 +124,9 @@ def plot_analysis(a: Analysis, path: str) -> None:
         ax.legend(fontsize=8)
     ax_cost.set_yscale("log")
     fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise OpWeaveError(f"--plot {path}: folder {folder} does not exist")
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".png", delete=False) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)  # written whole, then renamed into place
-    plt.close(fig)
-    os.replace(tmp.name, path)
+    try:
+        check_output_file(path, "--plot")  # checked before the analysis too; the folder may have gone since
+        with atomic_file(path, binary=True, flag="--plot") as f:
+            fig.savefig(f, format="png", dpi=120)
+    finally:
+        plt.close(fig)

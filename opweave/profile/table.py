@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from typing import Any
 
 from opweave.errors import OpWeaveError
 from opweave.hardware.catalog import GPUSpec, normalize_name
 from opweave.ir.graph import OP_CLASS, Op, OpGraph
 from opweave.ir.kinds import OpClass, OpKind
+from opweave.outputs import atomic_file, check_output_file
 from opweave.profile.signature import graph_hash, graph_signatures, is_replicated, op_signature
 
 FORMAT = "opweave-profile"
@@ -216,17 +215,12 @@ class ProfileTable:
         return out
 
     def save(self, path: str) -> None:
-        """Writes the table as JSON (to a temporary file in the same folder, then renamed)."""
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".json.tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_json(), f, indent=1)
-                f.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        """Writes the table as JSON (to a temporary file in the same folder, then renamed), so an
+        interrupted or failed write leaves any previous file at `path` as it was."""
+        check_output_file(path, "-o")  # checked before the measurements too; the folder may have gone since
+        with atomic_file(path, flag="-o") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
 
 
 def table_from_json(data: dict[str, Any], where: str = "profile") -> ProfileTable:

@@ -22,8 +22,9 @@ import dataclasses
 import json
 import os
 import statistics
-import tempfile
 import time
+
+from opweave.outputs import atomic_file, check_output_file
 
 US_PER_S = 1e6
 KINDS = ("wait", "compute", "send", "sync")
@@ -145,15 +146,9 @@ def write_trace(stats: dict, path: str, artifact: str | None = None) -> list[str
     if simulated and os.path.isfile(simulated):
         with open(simulated) as f:
             trace = with_simulated(trace, spans, json.load(f), STEADY_SKIP)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trace.", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(trace, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    check_output_file(path, "--trace")  # checked before the run too; the folder may have gone since
+    with atomic_file(path, flag="--trace") as f:
+        json.dump(trace, f)
     beside = "; the simulated schedule beside it" if simulated and os.path.isfile(simulated) else ""
     lines = [f"trace: {path} ({len(spans)} ranks, {len(stats['round_s'])} rounds{beside}; open at ui.perfetto.dev)"]
     lines += summary(spans, len(stats["round_s"]))
