@@ -42,12 +42,14 @@ def test_plan_json_contents(artifact):
     assert data["tpot_ms"] <= 30
     plan = plan_from_json(data)
     assert plan_to_json(plan) == data
-    # instantiated on the cluster: every GPU used at most once, within the cluster, idle ones listed
-    used = [g for o in plan.owners for rs in o.gpus for replica in rs for g in replica]
-    assert len(used) == len(set(used)) and all(0 <= g < 8 for g in used)
-    assert sorted(used + list(plan.idle_gpus)) == list(range(8))
+    # instantiated on the cluster: replica set 0's GPUs used once each, within the cluster; idle ones
+    # as runs; every GPU in some replica set or idle
+    used = [g for o in plan.owners for replica in o.gpus for g in replica]
+    idle = [g for lo, hi in plan.idle_gpus for g in range(lo, hi)]
+    assert len(used) == len(set(used)) and all(0 <= g < 8 for g in used) and not set(used) & set(idle)
+    assert plan.gpus_used + len(idle) == 8 and plan.gpus_used == len(used) * plan.replica_sets
     for o in plan.owners:
-        assert len(o.gpus) == plan.replica_sets and all(len(r) == o.tp for rs in o.gpus for r in rs)
+        assert len(o.gpus) == o.replicas and all(len(r) == o.tp for r in o.gpus)
     covered = [i for s in plan.stages for i in range(s.first_op, s.last_op + 1)]
     assert covered == sorted(covered) and covered[0] == 0
     assert set(data["counters"]) >= {"templates", "owner_configs", "frontier_configs", "candidates",
@@ -87,7 +89,7 @@ def test_recompile_replaces_the_artifact(tmp_path, capsys):
     (["--cluster", "h100x0"], "must be"),
     (["--tpot-slo", "0.01ms"], "best TPOT"),
     (["--cluster", "l4x1", "--context", "128k"], "l4x1 is too small"),
-    (["--cluster", "l4x1", "--context", "1m"], "does not fit"),
+    (["--cluster", "l4x1", "--context", "1m"], "beyond llama-3.1-8b's max_position_embeddings 131072"),
 ])
 def test_bad_input(tmp_path, capsys, args, message):
     base = {"--cluster": "h100x4", "--tpot-slo": "30ms", "--context": "8k"}

@@ -1,7 +1,21 @@
 """Rendering a `RankProgram` as a readable Python module (`rank_XX.py`).
 
-Every decision is made here in Python; the jinja2 template only lays out plain strings. Each
+Every decision is made here in Python; the jinja2 template only lays out plain values. Each
 generated line carries a comment naming the plan stage, block, layer and operator it serves.
+
+Note: generated code is safe by construction. Names in a plan come from outside (a model is
+named after its checkpoint folder, operators after the model's modules), and `opweave run`
+executes these modules, so no value is ever pasted into source text. A value reaches the module
+in one of two forms only:
+  - `literal(value)`: an ASCII Python literal (`ascii()` of a str, int, bool, None, or a tuple
+    or list of them); anything else is refused;
+  - `comment(*parts)`: `# ` and the parts, each escaped as by `ascii()` (joined by the fixed
+    separator ` · `), so a newline, a quote, a backslash or a non-ASCII character in a name
+    cannot end the comment or change the file's encoding.
+Both return `Code`, and the template's finalizer emits any other value through `literal`, so the
+template cannot paste a raw string. Statements are built from numbers and the variable names
+`_Names` makes (checked identifiers). The module docstring and the first two lines are fixed
+text: nothing from the plan can form a `coding:` declaration.
 """
 
 from __future__ import annotations
@@ -14,9 +28,50 @@ import jinja2
 from opweave import __version__
 from opweave.ir.program import Launch, RankProgram, StageProgram
 
+_VALUE = re.compile(r"^(?P<name>[^\[]+)(\[(?P<index>[0-9]+)\])?$")
+_VARIABLE = re.compile(r"v[0-9]+(_[0-9]+)?|ids|positions")
+
+
+class Code(str):
+    """Python source made by `literal`, `comment` or `_statement`: the only text the template
+    emits as it is."""
+
+
+def literal(value) -> Code:
+    """`value` as an ASCII Python literal: str, int, bool, None, or a tuple/list of those.
+
+    Exact types only: a subclass may carry its own `__repr__` (an IntEnum's is not a literal)."""
+    if type(value) in (tuple, list):
+        items = [literal(v) for v in value]
+        if type(value) is list:
+            return Code("[" + ", ".join(items) + "]")
+        return Code("(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")")
+    if type(value) not in (str, int, bool, type(None)):
+        raise TypeError(f"a generated module holds only str, int, bool, None and tuples of them, "
+                        f"not {type(value).__name__}")
+    return Code(ascii(value))
+
+
+def comment(*parts: str) -> Code:
+    """`# part · part ...` on one line, whatever the parts hold (each escaped as by `ascii()`)."""
+    return Code("# " + " · ".join(ascii(str(p))[1:-1] for p in parts))
+
+
+def _statement(source: str, *note: str) -> Code:
+    """A generated statement (numbers and `_Names` variables only) and its comment, if any."""
+    if "\n" in source or "#" in source or not source.isascii():
+        raise ValueError(f"generated statement is not one plain line: {source!r}")
+    return Code(source + ("  " + comment(*note) if note else ""))
+
+
+def _emit(value) -> Code:
+    """The template's finalizer: `Code` as it is, every other value as a literal."""
+    return value if isinstance(value, Code) else literal(value)
+
+
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(os.path.join(os.path.dirname(__file__), "templates")),
-                          undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=False)
-_VALUE = re.compile(r"^(?P<name>[^\[]+)(\[(?P<index>\d+)\])?$")
+                          undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=False,
+                          autoescape=False, finalize=_emit)
 
 
 class _Names:
@@ -29,8 +84,11 @@ class _Names:
         if value in ("ids", "positions"):
             return value
         m = _VALUE.match(value)
-        base = f"v{self.op_index[m.group('name')]}"
-        return base if m.group("index") is None else f"{base}_{m.group('index')}"
+        base = f"v{int(self.op_index[m.group('name')])}"
+        name = base if m.group("index") is None else f"{base}_{int(m.group('index'))}"
+        if not _VARIABLE.fullmatch(name):
+            raise ValueError(f"generated variable name {name!r} is not an identifier")
+        return name
 
 
 def _where(st: StageProgram) -> str:
@@ -39,57 +97,58 @@ def _where(st: StageProgram) -> str:
     return f"{block}, {layers}, ops {st.launches[0].op}..{st.launches[-1].op}"
 
 
-def _comment(st: StageProgram, l: Launch) -> str:
+def _note(st: StageProgram, l: Launch, extra: str = "") -> tuple[str, ...]:
     block = "-" if l.block is None else l.block
     layer = "-" if l.layer is None else l.layer
-    return f"# stage {st.stage} · block {block} · layer {layer} · {l.kind} ({l.name})"
+    return f"stage {st.stage}", f"block {block}", f"layer {layer}", f"{l.kind} ({l.name}){extra}"
+
+
+def _peers(peers) -> str:
+    return ", ".join(f"rank {p.rank} rows {p.lo}..{p.hi - 1}" for p in peers)
 
 
 def _stage_lines(program: RankProgram, st: StageProgram, names: _Names) -> dict:
     used = {v for l in st.launches for v in l.inputs} | set(st.send.values if st.send else ())
     if st.recv is None:
-        head = "ids, positions = rt.begin(mb)  # scheduler: this step's tokens and positions for my rows"
+        head = _statement("ids, positions = rt.begin(mb)", "scheduler: this step's tokens and positions for my rows")
     else:
-        srcs = ", ".join(f"rank {p.rank} rows {p.lo}..{p.hi - 1}" for p in st.recv.peers)
         received = ", ".join(names.var(v) for v in st.recv.values)
-        head = f"positions, ({received},) = rt.recv({st.stage}, mb)  # after op {st.recv.cut}, from {srcs}"
+        head = _statement(f"positions, ({received},) = rt.recv({int(st.stage)}, mb)",
+                          f"after op {st.recv.cut}, from {_peers(st.recv.peers)}")
     lines = []
     for l in st.launches:
         out = names.var(l.output)
         args = ", ".join(names.var(v) for v in l.inputs)
         if l.kind == "sample" and program.tp > 1:
-            lines.append(f"{out} = rt.tp_argmax({args})  {_comment(st, l)}: vocab-split argmax")
+            lines.append(_statement(f"{out} = rt.tp_argmax({args})", *_note(st, l, ": vocab-split argmax")))
         else:
-            lines.append(f"{out} = self.op{l.op}({args})  {_comment(st, l)}")
+            lines.append(_statement(f"{out} = self.op{int(l.op)}({args})", *_note(st, l)))
         if l.allreduce:
-            lines.append(f"{out} = rt.allreduce({out})  # stage {st.stage} · TP all-reduce of {l.kind} partial sums")
+            lines.append(_statement(f"{out} = rt.allreduce({out})",
+                                    f"stage {st.stage}", f"TP all-reduce of {l.kind} partial sums"))
         elements = sorted(int(v.rsplit("[", 1)[1][:-1]) for v in used if v.startswith(l.output + "["))
         for i in elements:
-            lines.append(f"{out}_{i} = {out}[{i}]")
-    tail = ""
+            lines.append(_statement(f"{out}_{i} = {out}[{i}]"))
+    tail = None
     if st.send is not None:
-        dsts = ", ".join(f"rank {p.rank} rows {p.lo}..{p.hi - 1}" for p in st.send.peers)
         sent = ", ".join(names.var(v) for v in st.send.values)
-        tail = f"rt.send({st.stage}, mb, positions, ({sent},))  # after op {st.send.cut}, to {dsts}"
+        tail = _statement(f"rt.send({int(st.stage)}, mb, positions, ({sent},))",
+                          f"after op {st.send.cut}, to {_peers(st.send.peers)}")
     elif st.returns:
-        dsts = ", ".join(f"rank {p.rank} rows {p.lo}..{p.hi - 1}" for p in st.returns)
-        tail = f"rt.finish(mb, {names.var(st.launches[-1].output)})  # new token ids to {dsts}"
-    return {"stage": st.stage, "where": _where(st), "head": head, "lines": lines, "tail": tail}
+        tail = _statement(f"rt.finish(mb, {names.var(st.launches[-1].output)})",
+                          f"new token ids to {_peers(st.returns)}")
+    return {"title": comment(f"---- stage {st.stage}: {_where(st)}"), "head": head, "lines": lines, "tail": tail}
 
 
 def render_rank(program: RankProgram, op_names: list[str], template: str, num_stages: int) -> str:
-    """The source of `rank_XX.py` for one rank (deterministic)."""
+    """The source of `rank_XX.py` for one rank (deterministic, plain ASCII)."""
     names = _Names({name: i for i, name in enumerate(op_names)})
-    binds = [{"op": l.op, "name": l.name} for st in program.stages for l in st.launches
+    binds = [{"op": int(l.op), "note": comment(l.name)} for st in program.stages for l in st.launches
              if not (l.kind == "sample" and program.tp > 1)]
     return _ENV.get_template("rank.py.j2").render(
         version=__version__, model=program.model, plan_hash=program.plan_hash, template=template,
         num_stages=num_stages, rank=program.rank, world_size=program.world_size, owner=program.owner,
-        replica=program.replica, tp_rank=program.tp_rank, tp=program.tp, tp_group=list(program.tp_group),
-        rows_lo=program.rows[0], rows_hi_incl=program.rows[1] - 1, num_microbatches=program.num_microbatches,
-        microbatch_size=program.microbatch_size,
-        stage_list=", ".join(str(st.stage) for st in program.stages) if len(program.stages) <= 16
-        else f"{len(program.stages)} stages: {program.stages[0].stage}, {program.stages[1].stage}, ..., "
-             f"{program.stages[-1].stage}",
-        ops=repr(program.ops), binds=binds,
-        stages=[_stage_lines(program, st, names) for st in program.stages])
+        replica=program.replica, tp_rank=program.tp_rank, tp=program.tp, tp_group=tuple(program.tp_group),
+        rows=tuple(program.rows), num_microbatches=program.num_microbatches,
+        microbatch_size=program.microbatch_size, stage_indices=tuple(st.stage for st in program.stages),
+        ops=tuple(program.ops), binds=binds, stages=[_stage_lines(program, st, names) for st in program.stages])

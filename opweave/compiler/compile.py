@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import tempfile
 from typing import Callable
 
@@ -21,11 +20,14 @@ from opweave.errors import OpWeaveError
 from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import format_graph
 from opweave.ir.plan import PLAN_FORMAT, Plan, PlanOwner, PlanStage, Predicted, format_plan, plan_to_json
+from opweave.passes import placement
+from opweave.passes.placement import Placement
 from opweave.passes.search import Candidate, PlanSpace, SearchOptions, SearchResult, search, slot_of
 from opweave.codegen.render import render_rank
 from opweave.ir.program import program_to_json
 from opweave.passes.lower import lower
 from opweave.passes.trace_export import chrome_trace, gantt_png
+from opweave.outputs import check_artifact_dir, make_public, remove_tree, replace_folder
 from opweave.runtime.manifest import sha256_text, write_manifest
 
 
@@ -36,49 +38,20 @@ class Compiled:
     plan: Plan
 
 
-def place(cand: Candidate, cluster: Cluster) -> tuple[int, list[list[list[tuple[int, ...]]]], tuple[int, ...]]:
-    """Replica sets that fit and the GPUs of each (owner, replica); TP groups stay inside a node.
-
-    Returns (number of sets, gpus[owner][set][replica] -> global indices, idle global indices)."""
-    free: dict[str, list[list[int]]] = {}  # gpu type -> nodes -> free global indices
-    for g in cluster.physical_gpus():
-        nodes = free.setdefault(g.gpu_name, [])
-        while len(nodes) <= g.node_index:
-            nodes.append([])
-        nodes[g.node_index].append(g.global_index)
-    gpus: list[list[list[tuple[int, ...]]]] = [[] for _ in cand.owners]
-    sets = 0
-    while True:
-        trial = {name: [list(n) for n in nodes] for name, nodes in free.items()}
-        taken: list[list[tuple[int, ...]]] = []
-        ok = True
-        for o in cand.owners:
-            replicas = []
-            for _ in range(o.replicas):
-                node = next((n for n in trial.get(o.gpu.name, []) if len(n) >= o.tp), None)
-                if node is None:
-                    ok = False
-                    break
-                replicas.append(tuple(node[:o.tp]))
-                del node[:o.tp]
-            if not ok:
-                break
-            taken.append(replicas)
-        if not ok:
-            break
-        free = trial
-        for i, replicas in enumerate(taken):
-            gpus[i].append(replicas)
-        sets += 1
-    idle = tuple(sorted(i for nodes in free.values() for n in nodes for i in n))
-    return sets, gpus, idle
+def place(cand: Candidate, cluster: Cluster) -> Placement:
+    """The candidate's replica sets on the cluster's nodes (`passes/placement.py`: first fit,
+    TP groups inside a node, cost independent of the cluster's size)."""
+    return placement.place(tuple(placement.Group(gpu=o.gpu.name, tp=o.tp, replicas=o.replicas)
+                                 for o in cand.owners), cluster)
 
 
 def make_plan(fe: FrontEnd, cluster: Cluster, context: int, tpot_slo_s: float, result: SearchResult) -> Plan:
     cand = result.best
-    sets, gpus, idle = place(cand, cluster)
+    where = place(cand, cluster)
+    sets = where.num_sets
     if sets == 0:
         raise OpWeaveError(f"the plan's TP groups do not fit inside the nodes of {cluster.spec}")
+    set0 = where.replica_set(0)  # what the runtime deploys; set k is where.replica_set(k)
     k = len(cand.owners)
     sim = cand.result
     stages = tuple(PlanStage(index=s.index, first_op=s.first, last_op=s.last,
@@ -87,7 +60,7 @@ def make_plan(fe: FrontEnd, cluster: Cluster, context: int, tpot_slo_s: float, r
                    for s in cand.stage_plan.stages)
     owners = tuple(PlanOwner(slot=o.slot, gpu=o.gpu.name, tp=o.tp, replicas=o.replicas,
                              memory_per_gpu_bytes=o.memory_per_gpu, occupancy=sim.owners[i].occupancy,
-                             bubble_ms=sim.owners[i].bubble_s * 1e3, gpus=tuple(tuple(r) for r in gpus[i]))
+                             bubble_ms=sim.owners[i].bubble_s * 1e3, gpus=set0[i])
                    for i, o in enumerate(cand.owners))
     predicted = Predicted(
         tpot_ms=sim.tpot_s * 1e3, tokens_per_s=sim.tokens_per_s * sets, tokens_per_s_per_set=sim.tokens_per_s,
@@ -99,14 +72,37 @@ def make_plan(fe: FrontEnd, cluster: Cluster, context: int, tpot_slo_s: float, r
                 tpot_slo_ms=tpot_slo_s * 1e3, template=template.name, template_family=template.family,
                 template_sites=tuple(tuple(sorted(s)) for s in template.sites), num_stages=len(stages),
                 stages_per_block=cand.stage_plan.stages_per_block, stages=stages, owners=owners,
-                batch=cand.batch, microbatches=cand.microbatches, replica_sets=sets, idle_gpus=idle,
+                batch=cand.batch, microbatches=cand.microbatches, replica_sets=sets, idle_gpus=where.idle,
                 predicted=predicted, counters=dataclasses.asdict(result.counters))
+
+
+def check_context(fe: FrontEnd, context: int, allow_long_context: bool,
+                  warn: Callable[[str], None] | None) -> None:
+    """Refuses a context beyond the model's `max_position_embeddings` (the positions it was
+    trained for: past them its output is not to be trusted, and nothing at run time would say so),
+    unless `allow_long_context`, which turns the refusal into a warning through `warn` (default:
+    Python's `warnings.warn`)."""
+    limit = fe.source.cfg.max_position_embeddings
+    if context <= limit:
+        return
+    what = f"--context {context} is beyond {fe.graph.model}'s max_position_embeddings {limit}"
+    if not allow_long_context:
+        raise OpWeaveError(f"{what} (the positions it was trained for); pass --allow-long-context to plan it anyway")
+    message = f"{what}: its output past {limit} tokens is not to be trusted"
+    if warn is None:
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
+    else:
+        warn(message)
 
 
 def compile_model(model: str, cluster: Cluster, tpot_slo_s: float, context: int,
                   options: SearchOptions = SearchOptions(), cost_model: CostModel = CostModel(),
-                  progress: Callable[[str], None] | None = None) -> Compiled:
+                  progress: Callable[[str], None] | None = None, allow_long_context: bool = False,
+                  warn: Callable[[str], None] | None = None) -> Compiled:
     fe = run_front_end(model)                                            # trace + partition blocks
+    check_context(fe, context, allow_long_context, warn)                 # within the trained positions
     space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=context,
                       tpot_slo_s=tpot_slo_s, cost_model=cost_model)
     result = search(space, options, progress)                            # templates x owners x batching
@@ -138,14 +134,18 @@ def _write_rank_programs(folder: str, compiled: Compiled, plan_hash: str) -> str
     return sha256_text(config_text)
 
 
-def write_artifact(out_dir: str, compiled: Compiled) -> None:
-    """Writes the artifact into a temporary sibling folder, then renames it into place."""
-    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-    if not os.path.isdir(parent):
-        raise OpWeaveError(f"-o {out_dir}: folder {parent} does not exist")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise OpWeaveError(f"-o {out_dir}: exists and is not a folder")
-    tmp = tempfile.mkdtemp(prefix=".opweave-", dir=parent)
+def write_artifact(out_dir: str, compiled: Compiled, *, force: bool = False, sign_key: bytes | None = None) -> None:
+    """Writes the artifact into a temporary sibling folder, then renames it into place.
+
+    `out_dir` must be new, empty or a previous artifact; `force` also replaces another folder
+    (`opweave.outputs.check_artifact_dir`: never one holding the model). `sign_key` adds
+    manifest.sig. On any error or signal the temporary folder is removed and `out_dir` is as before.
+    """
+    target = check_artifact_dir(out_dir, force=force, inputs=(compiled.front_end.source.path,))
+    try:
+        tmp = tempfile.mkdtemp(prefix=".opweave-", dir=os.path.dirname(target))
+    except OSError as e:
+        raise OpWeaveError(f"-o {out_dir}: cannot write the artifact ({e.strerror})") from None
     try:
         cand = compiled.result.best
         plan_text = json.dumps(plan_to_json(compiled.plan), indent=1)
@@ -159,19 +159,12 @@ def write_artifact(out_dir: str, compiled: Compiled) -> None:
         with open(os.path.join(tmp, "trace.json"), "w") as f:
             json.dump(chrome_trace(cand.problem, cand.result), f)
         gantt_png(cand.problem, cand.result, os.path.join(tmp, "gantt.png"))
-        write_manifest(tmp, model_hash, sha256_text(plan_text))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp and temp files are private; the artifact is not
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-        if os.path.isdir(out_dir):
-            old = tempfile.mkdtemp(prefix=".opweave-old-", dir=parent)
-            os.rename(out_dir, os.path.join(old, "prev"))
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out_dir)
+        write_manifest(tmp, model_hash, sha256_text(plan_text), sign_key=sign_key)
+        make_public(tmp)
+        replace_folder(tmp, target)
+    except OSError as e:  # disk full, a folder removed meanwhile: one line, nothing left behind
+        remove_tree(tmp)
+        raise OpWeaveError(f"-o {out_dir}: cannot write the artifact ({e.strerror or e})") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         raise

@@ -5,6 +5,10 @@ A pool without a count is one GPU (`h100` == `h100x1`). A GPU type may appear on
 `h100x8+h100x4` is refused (write `h100x12`), because two pools of one type would be a
 distinction the planner cannot see (same GPUSpec) while changing the node layout silently.
 Nodes are filled in pool order, `gpus_per_node` GPUs of one type per node (h100x12 -> 8 + 4).
+
+A cluster is described per pool (`PoolLayout`: first GPU, first node, node size), never per GPU:
+parsing and placement cost grows with the number of pools, so `h100x1000000` is as quick as
+`h100x8`. A cluster holds at most `MAX_CLUSTER_GPUS` GPUs.
 """
 
 import dataclasses
@@ -17,6 +21,10 @@ from opweave.hardware.catalog import GPUSpec, find_gpu_name, get_gpu, override_s
 EXAMPLE = "h100x8+l40sx8"
 _POOL_RE = re.compile(r"(?P<name>.*?)(?P<sep>[x:])(?P<count>[^x:]*)")
 _FILE_EXTS = (".yaml", ".yml", ".json")
+MAX_CLUSTER_GPUS = 10_000_000
+"""The most GPUs a cluster may hold. The largest GPU clusters built hold a few hundred thousand
+GPUs, so a count beyond ten million is a typo (an extra digit or two); refusing it keeps every
+global index, count and price in the plan a plain, exact number."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +47,35 @@ class PhysicalGPU:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PoolLayout:
+    """Where one pool's GPUs sit: global indices `first_gpu` .. `first_gpu + count - 1`, in nodes
+    numbered from `first_node`, `per_node` GPUs each (the last node holds the remainder)."""
+
+    pool_index: int
+    gpu_name: str
+    first_gpu: int
+    first_node: int
+    per_node: int
+    count: int
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.count // self.per_node)
+
+    @property
+    def num_full_nodes(self) -> int:
+        return self.count // self.per_node
+
+    def node_size(self, node: int) -> int:
+        """GPUs of the pool's `node`-th node (0-based within the pool)."""
+        return min(self.per_node, self.count - node * self.per_node)
+
+    def gpu(self, node: int, local: int) -> int:
+        """Global index of GPU `local` of the pool's `node`-th node."""
+        return self.first_gpu + node * self.per_node + local
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Cluster:
     """Pools of distinct GPU types, in the order given."""
 
@@ -52,6 +89,12 @@ class Cluster:
             if isinstance(pool.count, bool) or not isinstance(pool.count, int) or pool.count <= 0:
                 raise OpWeaveError(f"cluster '{self.spec}': GPU count for '{pool.gpu.name}' must be a positive "
                                    f"whole number, got {pool.count!r}")
+            if pool.count > MAX_CLUSTER_GPUS:  # before formatting it: a count may have thousands of digits
+                raise OpWeaveError(f"cluster '{self.spec}': GPU count for '{pool.gpu.name}' is more than the "
+                                   f"{MAX_CLUSTER_GPUS:,} GPUs a cluster may hold")
+        if self.total_gpus > MAX_CLUSTER_GPUS:
+            raise OpWeaveError(f"cluster '{self.spec}' holds {self.total_gpus:,} GPUs, more than the "
+                               f"{MAX_CLUSTER_GPUS:,} a cluster may hold")
         names = [p.gpu.name for p in self.pools]
         for name in names:
             if names.count(name) > 1:
@@ -91,17 +134,30 @@ class Cluster:
                 return p
         raise OpWeaveError(f"cluster '{self.spec}' has no '{name}' GPUs (types: {', '.join(self.gpu_types)})")
 
-    def physical_gpus(self) -> tuple[PhysicalGPU, ...]:
-        """Every GPU with its node: each pool fills nodes of `gpus_per_node`, the last one partly."""
-        out, node, rank = [], 0, 0
-        for pool_index, p in enumerate(self.pools):
-            per_node = p.gpu.gpus_per_node
-            for i in range(p.count):
-                out.append(PhysicalGPU(pool_index=pool_index, node_index=node + i // per_node,
-                                       local_index=i % per_node, global_index=rank, gpu_name=p.gpu.name))
-                rank += 1
-            node += -(-p.count // per_node)
+    def layouts(self) -> tuple[PoolLayout, ...]:
+        """Each pool's place in the cluster: pools fill nodes in order, one GPU type per node."""
+        out, gpu, node = [], 0, 0
+        for i, p in enumerate(self.pools):
+            layout = PoolLayout(pool_index=i, gpu_name=p.gpu.name, first_gpu=gpu, first_node=node,
+                                per_node=p.gpu.gpus_per_node, count=p.count)
+            out.append(layout)
+            gpu, node = gpu + p.count, node + layout.num_nodes
         return tuple(out)
+
+    def locate(self, global_index: int) -> PhysicalGPU:
+        """Where GPU `global_index` sits (arithmetic over the pools)."""
+        for layout in self.layouts():
+            i = global_index - layout.first_gpu
+            if 0 <= i < layout.count:
+                return PhysicalGPU(pool_index=layout.pool_index, node_index=layout.first_node + i // layout.per_node,
+                                   local_index=i % layout.per_node, global_index=global_index,
+                                   gpu_name=layout.gpu_name)
+        raise OpWeaveError(f"cluster '{self.spec}' has no GPU {global_index} (it holds {self.total_gpus})")
+
+    def physical_gpus(self) -> tuple[PhysicalGPU, ...]:
+        """Every GPU with its node: one object per GPU, for small clusters (printing, tests);
+        placement works on `layouts()` instead."""
+        return tuple(self.locate(i) for i in range(self.total_gpus))
 
 
 def parse_cluster(spec: str, catalog: dict[str, GPUSpec]) -> Cluster:
@@ -124,8 +180,13 @@ def parse_cluster(spec: str, catalog: dict[str, GPUSpec]) -> Cluster:
     return Cluster(pools=pools, spec=spec)
 
 
+def _clip(text: str, limit: int = 60) -> str:
+    """`text`, shortened for an error message (a count of thousands of digits stays one short line)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _parse_pool(part: str, text: str, catalog: dict[str, GPUSpec]) -> Pool:
-    where = f"cluster '{text}'"
+    where = f"cluster '{_clip(text)}'"
     if not part:
         raise OpWeaveError(f"{where}: empty pool ('+' needs a pool on each side, e.g. {EXAMPLE})")
     if find_gpu_name(part, catalog) is not None:
@@ -140,10 +201,14 @@ def _parse_pool(part: str, text: str, catalog: dict[str, GPUSpec]) -> Pool:
         raise OpWeaveError(f"{where}: malformed pool '{part}' (expected TYPExCOUNT, e.g. h100x8)")
     if not count:
         raise OpWeaveError(f"{where}: pool '{part}' has no count after '{sep}' (e.g. {name}{sep}8)")
-    if re.fullmatch(r"[+-]?\d+", count) is None:
+    if re.fullmatch(r"[+-]?[0-9]+", count) is None:
         raise OpWeaveError(f"{where}: count '{count}' in pool '{part}' is not a whole number")
-    if int(count) <= 0:
-        raise OpWeaveError(f"{where}: count in pool '{part}' must be positive")
+    digits = count.lstrip("+-").lstrip("0")
+    if count.startswith("-") or not digits:
+        raise OpWeaveError(f"{where}: count in pool '{_clip(part)}' must be positive")
+    if len(digits) > len(str(MAX_CLUSTER_GPUS)) or int(digits) > MAX_CLUSTER_GPUS:  # before int() of 5000 digits
+        raise OpWeaveError(f"{where}: count in pool '{_clip(part)}' is more than the {MAX_CLUSTER_GPUS:,} GPUs "
+                           "a cluster may hold")
     if find_gpu_name(name, catalog) is None:
         raise OpWeaveError(f"{where}: {_unknown(name, catalog)}")
     return Pool(gpu=get_gpu(name, catalog), count=int(count))

@@ -2,9 +2,16 @@
 
 A plan names its template (the cut sites per block position), its stages (op ranges along the
 token path, each with its owner slot), its owners (GPU type, TP degree, replicas, and the
-physical GPUs of every replica in every replica set that fits on the cluster), the batching
-(resident batch of one replica set, microbatches) and the simulator's predicted figures.
-JSON round-trips through `plan_to_json` / `plan_from_json`.
+physical GPUs of every replica of replica set 0), how many replica sets fit on the cluster, the
+idle GPUs (as runs of global indices), the batching (resident batch of one replica set,
+microbatches) and the simulator's predicted figures. JSON round-trips through `plan_to_json` /
+`plan_from_json`.
+
+Note: the plan stays small whatever the cluster's size. It lists the GPUs of replica set 0 only:
+that is what the runtime deploys (`--torchrun` commands; local runs use the first devices), and
+every set's GPUs follow from the cluster and the owners (`passes/placement.py`,
+`Placement.replica_set(k)`). Format 1 listed every set and every idle GPU (a million-GPU cluster
+made a plan of tens of megabytes); `plan_from_json` still reads it.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-PLAN_FORMAT = "opweave-plan/1"
+PLAN_FORMAT = "opweave-plan/2"
+_OLD_FORMAT = "opweave-plan/1"  # every replica set's GPUs, idle GPUs one by one
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,7 +43,7 @@ class PlanOwner:
     memory_per_gpu_bytes: float
     occupancy: float
     bubble_ms: float
-    gpus: tuple[tuple[tuple[int, ...], ...], ...]  # [replica set][replica] -> global GPU indices
+    gpus: tuple[tuple[int, ...], ...]  # [replica] -> global GPU indices, in replica set 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,13 +75,21 @@ class Plan:
     batch: int                       # resident sequences per replica set
     microbatches: int
     replica_sets: int
-    idle_gpus: tuple[int, ...]
+    idle_gpus: tuple[tuple[int, int], ...]  # runs [lo, hi) of global GPU indices no replica set uses
     predicted: Predicted
     counters: dict[str, float]
 
     @property
+    def gpus_per_set(self) -> int:
+        return sum(o.tp * o.replicas for o in self.owners)
+
+    @property
     def gpus_used(self) -> int:
-        return sum(len(g) for o in self.owners for rs in o.gpus for g in rs)
+        return self.gpus_per_set * self.replica_sets
+
+    @property
+    def num_idle_gpus(self) -> int:
+        return sum(hi - lo for lo, hi in self.idle_gpus)
 
 
 def _plain(value: Any) -> Any:
@@ -98,9 +114,29 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
+def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted indices -> runs [lo, hi) of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return tuple((lo, hi) for lo, hi in runs)
+
+
+def _from_old_format(data: dict[str, Any]) -> dict[str, Any]:
+    """A format-1 plan as format 2: replica set 0's GPUs, idle GPUs as runs."""
+    owners = [{**o, "gpus": o["gpus"][0]} for o in data["owners"]]
+    return {**data, "format": PLAN_FORMAT, "owners": owners, "idle_gpus": _runs(data["idle_gpus"])}
+
+
 def plan_from_json(data: dict[str, Any]) -> Plan:
-    if data.get("format") != PLAN_FORMAT:
-        raise ValueError(f"not an {PLAN_FORMAT} plan (format {data.get('format')!r})")
+    if isinstance(data, dict) and data.get("format") == _OLD_FORMAT:
+        data = _from_old_format(data)
+    if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+        fmt = data.get("format") if isinstance(data, dict) else None
+        raise ValueError(f"not an {PLAN_FORMAT} plan (format {fmt!r})")
     return Plan(
         format=data["format"], model=data["model"], cluster=data["cluster"], context=data["context"],
         tpot_slo_ms=data["tpot_slo_ms"], template=data["template"], template_family=data["template_family"],
@@ -109,7 +145,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         stages=tuple(PlanStage(**s) for s in data["stages"]),
         owners=tuple(PlanOwner(**{**o, "gpus": _tuples(o["gpus"])}) for o in data["owners"]),
         batch=data["batch"], microbatches=data["microbatches"], replica_sets=data["replica_sets"],
-        idle_gpus=tuple(data["idle_gpus"]), predicted=Predicted(**data["predicted"]), counters=dict(data["counters"]),
+        idle_gpus=_tuples(data["idle_gpus"]), predicted=Predicted(**data["predicted"]), counters=dict(data["counters"]),
     )
 
 
@@ -120,7 +156,7 @@ def format_plan(plan: Plan) -> str:
              f"  template {plan.template} ({plan.template_family}): {plan.num_stages} stages per token, "
              f"{plan.stages_per_block} per block",
              f"  batch {plan.batch} per replica set in {plan.microbatches} microbatch(es); "
-             f"{plan.replica_sets} replica set(s) fit, {plan.gpus_used} GPUs used, {len(plan.idle_gpus)} idle"]
+             f"{plan.replica_sets:,} replica set(s) fit, {plan.gpus_used:,} GPUs used, {plan.num_idle_gpus:,} idle"]
     header = ("owner", "gpu", "tp", "replicas", "GPUs/set", "mem/GPU", "occupancy", "bubble")
     rows = [(f"o{o.slot}", o.gpu, str(o.tp), str(o.replicas), str(o.tp * o.replicas),
              f"{o.memory_per_gpu_bytes / 1e9:.1f} GB", f"{o.occupancy:.0%}", f"{o.bubble_ms:.2f} ms")
