@@ -10,10 +10,12 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 
 from opweave import __version__, config
-from opweave.errors import OpWeaveError
+from opweave.errors import Interrupted, OpWeaveError
+from opweave.signals import raising_on_signals
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +48,10 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from opweave.hardware.catalog import get_gpu, load_catalog
     from opweave.units import parse_contexts
 
+    if args.plot is not None:
+        from opweave.outputs import check_output_file
+
+        check_output_file(args.plot, "--plot", inputs=(args.model, args.catalog))
     contexts = parse_contexts(args.context)
     catalog = load_catalog(args.catalog)
     names = [n for n in args.gpus.split(",") if n.strip()]
@@ -70,8 +76,17 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from opweave.hardware.cluster import detect_local, parse_cluster
     from opweave.ir.plan import format_plan, plan_to_json
     from opweave.passes.search import SearchOptions
+    from opweave.outputs import check_artifact_dir
     from opweave.units import parse_duration, parse_tokens
 
+    # before the search: a bad -o is reported at once, and a folder holding an input is never replaced
+    check_artifact_dir(args.output, force=args.force,
+                       inputs=(args.model, args.profile, args.catalog, args.sign_key))
+    sign_key = None
+    if args.sign_key:
+        from opweave.runtime.manifest import read_key
+
+        sign_key = read_key(args.sign_key, "--sign-key")
     slo = parse_duration(args.tpot_slo)
     context = parse_tokens(args.context)
     catalog = load_catalog(args.catalog)
@@ -99,8 +114,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from opweave.cost.model import CostModel
 
     compiled = compile_model(args.model, cluster, slo, context, options, cost_model=CostModel(profile=table),
-                             progress=progress)
-    write_artifact(args.output, compiled)
+                             progress=progress, allow_long_context=args.allow_long_context,
+                             warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr))
+    write_artifact(args.output, compiled, force=args.force, sign_key=sign_key)
     if table is not None:
         print(f"opweave: {table.usage_summary()}", file=sys.stderr)
     if args.format == "json":
@@ -112,17 +128,49 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+_BAD_CONTENT = (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError)
+"""What parsing and printing a damaged artifact file raises: wrong or missing keys, wrong types."""
+
+
+def _render_artifact_file(path: str, what: str, render) -> str:
+    """`render(data)` for the JSON object in `path` (a plan or a rank program), any damage to the
+    file (truncated, not JSON, not an object, keys missing or of the wrong type) as one line."""
+    from opweave.models.checkpoint import require_regular_file
+
+    require_regular_file(path, what)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise OpWeaveError(f"{path}: cannot read the {what} ({e.strerror})") from None
+    except ValueError:
+        raise OpWeaveError(f"{path}: the {what} is not UTF-8 text") from None
+    try:
+        data = json.loads(text)
+    except _BAD_CONTENT as e:
+        raise OpWeaveError(f"{path}: the {what} is truncated or not JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise OpWeaveError(f"{path}: the {what} holds a JSON {type(data).__name__}, not an object")
+    try:
+        return render(data)
+    except _BAD_CONTENT as e:
+        detail = (str(e).splitlines() or [""])[0]
+        raise OpWeaveError(f"{path}: not a readable {what} ({type(e).__name__}: {detail})") from None
+
+
 def _dump_ranks(args: argparse.Namespace) -> int:
     from opweave.ir.program import format_program, program_from_json, program_to_json
 
     if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "rank_00.json")):
         raise OpWeaveError(f"{args.model}: no rank programs (give an artifact folder written by opweave compile)")
     names = sorted(n for n in os.listdir(args.model) if n.startswith("rank_") and n.endswith(".json"))
-    programs = [program_from_json(json.load(open(os.path.join(args.model, n)))) for n in names]
     if args.format == "json":
-        print(json.dumps([program_to_json(p) for p in programs], indent=1))
+        parts = [_render_artifact_file(os.path.join(args.model, n), "rank program",
+                                       lambda d: program_to_json(program_from_json(d))) for n in names]
+        print(json.dumps(parts, indent=1))
     else:
-        print("\n\n".join(format_program(p) for p in programs))
+        print("\n\n".join(_render_artifact_file(os.path.join(args.model, n), "rank program",
+                                                 lambda d: format_program(program_from_json(d))) for n in names))
     return 0
 
 
@@ -130,14 +178,11 @@ def _dump_plan(args: argparse.Namespace) -> int:
     from opweave.ir.plan import format_plan, plan_from_json, plan_to_json
 
     path = os.path.join(args.model, "plan.json") if os.path.isdir(args.model) else args.model
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise OpWeaveError(f"{args.model}: no plan.json (give an artifact folder written by opweave compile)")
-    try:
-        with open(path) as f:
-            plan = plan_from_json(json.load(f))
-    except (ValueError, KeyError, TypeError) as e:
-        raise OpWeaveError(f"{path}: not a readable plan ({type(e).__name__}: {e})") from None
-    print(json.dumps(plan_to_json(plan), indent=1) if args.format == "json" else format_plan(plan))
+    render = ((lambda d: json.dumps(plan_to_json(plan_from_json(d)), indent=1)) if args.format == "json"
+              else (lambda d: format_plan(plan_from_json(d))))
+    print(_render_artifact_file(path, "plan", render))
     return 0
 
 
@@ -149,13 +194,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         if not args.prompts:
             raise OpWeaveError("--torchrun needs --prompts FILE.jsonl (every node reads it)")
-        print("\n".join(torchrun_commands(args.artifact, args.weights, args.prompts, args.max_new_tokens)))
+        extra = ("--stall-timeout", repr(args.stall_timeout))
+        extra += ("--verify-key", args.verify_key) if args.verify_key else ()
+        print("\n".join(torchrun_commands(args.artifact, args.weights, args.prompts, args.max_new_tokens,
+                                          extra=extra)))
         return 0
     requests = read_requests(args.prompts, args.prompt_ids, args.max_new_tokens)
-    if args.trace and not os.path.isdir(os.path.dirname(os.path.abspath(args.trace))):
-        raise OpWeaveError(f"--trace {args.trace}: folder {os.path.dirname(os.path.abspath(args.trace))} does not exist")
+    verify_key = None
+    if args.verify_key:
+        from opweave.runtime.manifest import read_key
+
+        verify_key = read_key(args.verify_key, "--verify-key")
+    if args.trace is not None:
+        from opweave.outputs import check_output_file
+
+        check_output_file(args.trace, "--trace", inputs=(args.artifact, args.weights, args.prompts))
     cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests,
-                    trace=bool(args.trace), replica_sets=_replica_sets(args.replica_sets, args.artifact))
+                    trace=bool(args.trace), replica_sets=_replica_sets(args.replica_sets, args.artifact),
+                    stall_timeout_s=args.stall_timeout, verify_key=verify_key)
     outputs, stats = run_detailed(cfg)
     if args.json:
         print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
@@ -195,6 +251,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from opweave.passes.search import SearchOptions
     from opweave.runtime.launch import RunConfig, read_requests, run
 
+    from opweave.outputs import check_artifact_dir, check_output_folder
+
+    check_output_folder(args.out, "--out")  # before the work: the folder, then both artifacts in it
+    if os.path.isdir(args.out):
+        for name in ("gemma-3-27b", "tiny-gemma3"):
+            check_artifact_dir(os.path.join(args.out, name), flag="--out")
     catalog = load_catalog()
     os.makedirs(args.out, exist_ok=True)
     big = os.path.join(args.out, "gemma-3-27b")
@@ -227,8 +289,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     def numbers(text: str, flag: str, parse=int) -> tuple[int, ...]:
         try:
             values = tuple(parse(x.strip()) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise OpWeaveError(f"{flag} must be comma-separated whole numbers, got {text!r}") from None
+        except (ValueError, OverflowError):  # OverflowError: a figure too large for a float
+            raise OpWeaveError(f"{flag} must be comma-separated whole numbers, got {text[:60]!r}") from None
         if not values or min(values) <= 0:
             raise OpWeaveError(f"{flag} must list positive numbers, got {text!r}")
         return values
@@ -237,6 +299,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"  ... {message}", file=sys.stderr, flush=True)
 
+    from opweave.outputs import check_output_file
+
+    check_output_file(args.output, "-o", inputs=(args.model,))  # before minutes of measuring
     table = profile(args.model, args.device, batches=numbers(args.batches, "--batches"),
                     contexts=numbers(args.contexts, "--contexts", parse_tokens),
                     tp_degrees=numbers(args.tp, "--tp"), progress=progress, busy_cores=args.busy_cores)
@@ -281,7 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--cluster", required=True, help="e.g. h100x8+l40sx8, a100x16, a YAML/JSON file, or local")
     comp.add_argument("--tpot-slo", required=True, help="time per output token target, e.g. 50ms")
     comp.add_argument("--context", required=True, help="context length to plan for, e.g. 32k")
-    comp.add_argument("-o", "--output", required=True, help="artifact folder to write")
+    comp.add_argument("-o", "--output", required=True,
+                      help="artifact folder to write: a new or empty folder, or a previous artifact (replaced)")
+    comp.add_argument("--sign-key", metavar="KEY_FILE",
+                      help="sign the artifact: manifest.sig = HMAC-SHA256 of manifest.json under the secret in "
+                           "KEY_FILE (opweave run --verify-key checks it)")
+    comp.add_argument("--force", action="store_true",
+                      help="replace -o even if it holds other files (never the model's folder or one above it)")
     comp.add_argument("--templates", choices=("all", "colocated", "afd", "cad"), default="all",
                       help="restrict the stage templates (baselines): default all")
     comp.add_argument("--no-pareto", action="store_true", help="switch off per-owner Pareto pruning (ablation)")
@@ -291,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
     comp.add_argument("--profile", metavar="PROFILE.json", help="measured op latencies from opweave profile")
     comp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    comp.add_argument("--allow-long-context", action="store_true",
+                      help="plan a --context beyond the model's max_position_embeddings (with a warning)")
     comp.set_defaults(func=_cmd_compile)
 
     prof = sub.add_parser("profile", help="measure a model's operators and links on this machine for the planner")
@@ -319,21 +392,35 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run N of the plan's replica sets at once (requests dealt round-robin; default 1)")
     run.add_argument("--trace", metavar="FILE.json",
                      help="record what every rank did when (Chrome trace: compute, wait, send per stage and microbatch)")
+    run.add_argument("--verify-key", metavar="KEY_FILE",
+                     help="refuse the artifact unless its manifest.sig is the HMAC-SHA256 of manifest.json under "
+                          "the secret in KEY_FILE (see compile --sign-key)")
+    run.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
+                     help="end the run, naming the rank, when a rank makes no progress for this long (default 120)")
     run.set_defaults(func=_cmd_run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        return args.func(args)
-    except OpWeaveError as e:
-        if config.debug_enabled():
-            raise
-        print(f"opweave: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except BrokenPipeError:  # `opweave dump ... | head`
-        return 0
+    """Runs one command. SIGINT, SIGTERM and SIGHUP end it through an exception, so that its
+    cleanups run (no temporary folder, no rank process left), then print one line and return
+    128 + the signal number (130, 143, 129), as a shell reports a process the signal killed."""
+    with raising_on_signals():
+        try:
+            try:
+                args = build_parser().parse_args(argv)
+                return args.func(args)
+            except OpWeaveError as e:
+                if config.debug_enabled():
+                    raise
+                print(f"opweave: error: {e}", file=sys.stderr)
+                return e.exit_code
+            except BrokenPipeError:  # `opweave dump ... | head`
+                return 0
+        except (KeyboardInterrupt, Interrupted) as e:
+            signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
+            print(f"opweave: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+            return 128 + signum
 
 
 if __name__ == "__main__":

@@ -8,17 +8,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from opweave.errors import OpWeaveError
 
 
 def main() -> int:
+    """One rank under torchrun. Its process group's timeout is `--stall-timeout` (no launcher
+    watches the ranks here: a peer waiting longer for a stalled rank fails, and torchrun stops
+    the others). The rendezvous and gloo/NCCL sockets use the network between the nodes, which
+    must be trusted; `--iface` (or GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) names the interface."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
-    from opweave.runtime.launch import read_requests
-    from opweave.runtime.manifest import verify_manifest
+    from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, read_requests
+    from opweave.runtime.checks import check_inputs
+    from opweave.runtime.manifest import load_artifact, read_key
     from opweave.runtime.worker import run_rank
 
     parser = argparse.ArgumentParser(prog="opweave.runtime.entry")
@@ -26,50 +34,78 @@ def main() -> int:
     parser.add_argument("--weights", required=True)
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="SECONDS",
+                        help="the process group's timeout: a rank waiting longer on a peer fails")
+    parser.add_argument("--verify-key", metavar="KEY_FILE", help="refuse the artifact unless manifest.sig matches")
+    parser.add_argument("--iface", metavar="NAME", help="network interface for gloo/NCCL (default: "
+                        "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, else the one the host name resolves to)")
     args = parser.parse_args()
+    rank = os.environ.get("RANK")
     try:
         rank = int(os.environ["RANK"])
-        verify_manifest(args.artifact)
+        key = read_key(args.verify_key, "--verify-key") if args.verify_key else None
+        artifact = load_artifact(args.artifact, verify_key=key)  # read once, checked, then used
         requests = read_requests(args.prompts, None, args.max_new_tokens)
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=device, requests=requests,
+                        stall_timeout_s=args.stall_timeout)  # validates the flags as `opweave run` does
+        check_inputs(cfg)
+        if args.iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = args.iface
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-        out = run_rank(args.artifact, rank, args.weights, device, list(requests))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=args.stall_timeout))
+        out = run_rank(artifact, rank, args.weights, device, list(requests))
         if rank == 0:
             print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output} for r in out[0]]}))
         dist.destroy_process_group()
     except OpWeaveError as e:
-        print(f"opweave: error: rank {os.environ.get('RANK')}: {e}", file=sys.stderr)
+        print(f"opweave: error: rank {rank}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group
+        return 130
+    except Exception as e:  # a peer lost or timed out: one line, as the local launcher reports it
+        if os.environ.get("OPWEAVE_DEBUG"):
+            raise
+        print(f"opweave: error: rank {rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
-def torchrun_commands(artifact: str, weights: str, prompts: str, max_new_tokens: int, port: int = 29500) -> list[str]:
+def torchrun_commands(artifact: str, weights: str, prompts: str, max_new_tokens: int, port: int = 29500,
+                      extra: tuple[str, ...] = ()) -> list[str]:
     """One `torchrun` command per node of replica set 0; when the ranks do not fill the nodes
-    evenly (torchrun's static numbering), the per-rank commands of each node instead."""
+    evenly (torchrun's static numbering), the per-rank commands of each node instead.
+
+    Every argument is quoted for a POSIX shell (`shlex.quote`), so a path with a space, `;` or
+    `$(...)` stays one argument; `<node-0-address>` (quoted too: unedited it is a bad host name,
+    not a redirection) is to be replaced by the address of the first node."""
     from opweave.hardware.catalog import load_catalog
     from opweave.hardware.cluster import parse_cluster
     from opweave.ir.plan import plan_from_json
 
     with open(os.path.join(artifact, "plan.json")) as f:
         plan = plan_from_json(json.load(f))
-    node_of = {g.global_index: g.node_index for g in parse_cluster(plan.cluster, load_catalog()).physical_gpus()}
-    rank_nodes = [node_of[g] for o in plan.owners for replica in o.gpus[0] for g in replica]
+    cluster = parse_cluster(plan.cluster, load_catalog())
+    rank_nodes = [cluster.locate(g).node_index for o in plan.owners for replica in o.gpus for g in replica]
     nodes = sorted(set(rank_nodes), key=rank_nodes.index)
     per_node = [rank_nodes.count(n) for n in nodes]
     contiguous = rank_nodes == [n for n, c in zip(nodes, per_node) for _ in range(c)]
-    tail = f"-m opweave.runtime.entry {artifact} --weights {weights} --prompts {prompts} --max-new-tokens {max_new_tokens}"
+    address = shlex.quote("<node-0-address>")
+    tail = shlex.join(["-m", "opweave.runtime.entry", artifact, "--weights", weights, "--prompts", prompts,
+                       "--max-new-tokens", str(max_new_tokens), *extra])
     if not contiguous or len(set(per_node)) != 1:  # torchrun needs equal nodes: start each rank by hand
         out = []
         for i, n in enumerate(nodes):
             ranks = [r for r, node in enumerate(rank_nodes) if node == n]
-            lines = [f"RANK={r} LOCAL_RANK={j} WORLD_SIZE={len(rank_nodes)} MASTER_ADDR=<node-0-address> "
-                     f"MASTER_PORT={port} python {tail} &" for j, r in enumerate(ranks)]
+            lines = [f"RANK={r} LOCAL_RANK={j} WORLD_SIZE={len(rank_nodes)} MASTER_ADDR={address} "
+                     f"MASTER_PORT={int(port)} python {tail} &" for j, r in enumerate(ranks)]
             out.append(f"# node {i} (cluster node {n}): ranks {ranks[0]}..{ranks[-1]}\n" + "\n".join(lines) + "\nwait")
         return out
     return [f"# node {i} (cluster node {n})\ntorchrun --nnodes {len(nodes)} --node-rank {i} "
-            f"--nproc-per-node {per_node[0]} --master-addr <node-0-address> --master-port {port} {tail}"
+            f"--nproc-per-node {per_node[0]} --master-addr {address} --master-port {int(port)} {tail}"
             for i, n in enumerate(nodes)]
 
 

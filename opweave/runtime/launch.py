@@ -1,28 +1,49 @@
 """`opweave run`: starts one process per rank of the artifact and collects the generated tokens.
 
 Processes are forked on this machine and joined with torch.distributed (gloo on CPU, NCCL on
-CUDA) over loopback. The launcher watches them: if a rank fails or dies, the others are killed
-within seconds and the error names the rank. For clusters of several nodes it prints the
-`torchrun` command for each node instead.
+CUDA) over loopback. The launcher watches them: if a rank fails, dies or makes no progress for
+the stall timeout, the others are killed at once and the error names the rank. For clusters of
+several nodes it prints the `torchrun` command for each node instead.
+
+Note: nothing of a run outlives the launcher or waits on it. Each rank asks the kernel to kill
+it when the launcher dies (Linux `PR_SET_PDEATHSIG`; elsewhere a thread watching the parent pid),
+ignores the terminal's SIGINT and SIGHUP (they reach the whole process group; the launcher stops
+the ranks), and writes its results and errors as files in the run's private folder (written
+whole, then renamed), so a rank never blocks on a reader that is gone. The ranks meet through a
+file store in that folder (0700) and their gloo/NCCL sockets are bound to the loopback
+interface: a local run listens on no network interface.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import math
 import os
-import queue as queue_mod
-import socket
+import shutil
+import signal
+import sys
+import tempfile
+import threading
 import time
 import traceback
 
 from opweave.errors import OpWeaveError
-from opweave.runtime.manifest import verify_manifest
+from opweave.runtime import heartbeat
+from opweave.runtime.heartbeat import Heartbeat, Phase, StallWatch
+from opweave.runtime.manifest import VerifiedArtifact, load_artifact
+from opweave.runtime.checks import check_inputs, parse_prompt_ids, read_prompts_file
 from opweave.runtime.scheduler import Request
 
 POLL_S = 0.05
-KILL_GRACE_S = 2.0
 ROOT_CAUSE_WAIT_S = 0.5
+STALL_TIMEOUT_S = 120.0       # default `--stall-timeout`
+MAX_STALL_TIMEOUT_S = 7 * 24 * 3600.0
+PG_TIMEOUT_MARGIN_S = 30.0    # the process group's own timeout exceeds the stall timeout by this, so
+                              # the launcher names a stalled rank before its peers time out waiting
+PARENT_POLL_S = 0.5           # the parent watch where PR_SET_PDEATHSIG does not exist
+PR_SET_PDEATHSIG = 1          # <linux/prctl.h>
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +54,14 @@ class RunConfig:
     weights: str              # checkpoint folder or "random"
     device: str               # cpu | cuda
     requests: tuple[Request, ...]
-    timeout_s: float = 3600.0
+    timeout_s: float | None = None  # a bound on the whole run; none by default: a long healthy
+                                    # run is never cut, a stalled one ends after stall_timeout_s
     interpret: bool = False   # run the op-by-op interpreter instead of the generated modules
-    port: int | None = None   # rendezvous port on loopback (default: a free one); set k uses port + k
+    port: int | None = None   # unused: local ranks meet through a file store, not a port
     trace: bool = False       # record every rank's spans (opweave.runtime.timeline)
     replica_sets: int = 1     # independent copies of the plan's ranks, requests dealt round-robin
+    stall_timeout_s: float = STALL_TIMEOUT_S  # a rank without progress for this long ends the run
+    verify_key: bytes | None = None  # refuse an artifact whose manifest.sig does not match (--verify-key)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -48,22 +72,92 @@ class RunConfig:
             raise OpWeaveError("no prompts: give --prompts FILE.jsonl or --prompt-ids 1,2,3")
         if self.replica_sets < 1:
             raise OpWeaveError(f"--replica-sets must be at least 1, got {self.replica_sets}")
+        if not _seconds_ok(self.stall_timeout_s, MAX_STALL_TIMEOUT_S):
+            raise OpWeaveError(f"--stall-timeout must be a positive number of seconds up to "
+                               f"{MAX_STALL_TIMEOUT_S:.0f} (a week), got {self.stall_timeout_s!r}")
+        if self.timeout_s is not None and not _seconds_ok(self.timeout_s, math.inf):
+            raise OpWeaveError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
 
-def world_size(artifact: str) -> int:
-    n = sum(1 for name in os.listdir(artifact) if name.startswith("rank_") and name.endswith(".json"))
+def _seconds_ok(value, most: float) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+            and 0 < value <= most)
+
+
+def world_size(artifact: str, manifest: dict | None = None) -> int:
+    """Ranks of the artifact: its rank programs (those the manifest lists, when given)."""
+    names = manifest["files"] if manifest is not None else os.listdir(artifact)
+    n = sum(1 for name in names if name.startswith("rank_") and name.endswith(".json"))
     if n == 0:
         raise OpWeaveError(f"{artifact}: the artifact has no rank programs (was the model a model.py?)")
     return n
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class _RunFolder:
+    """A run's private folder (0700, removed at the end): each replica set's rendezvous store,
+    rank 0's results and every failing rank's error. A file is written under a temporary name and
+    renamed, so the launcher reads only whole files, and a rank writing one never waits for a
+    reader (a pipe would block a rank once its reader is gone)."""
+
+    def __init__(self):
+        try:
+            self.path = tempfile.mkdtemp(prefix="opweave-run-")
+        except OSError as e:
+            raise OpWeaveError(f"cannot create the run's folder in {tempfile.gettempdir()} ({e.strerror}); "
+                               "set TMPDIR to a writable folder") from None
+
+    def store(self, replica_set: int, world: int, timeout_s: float):
+        """The ranks' rendezvous: a file, so a local run listens on no port at all."""
+        import torch.distributed as dist
+
+        store = dist.FileStore(os.path.join(self.path, f"store-{replica_set}"), world)
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return store
+
+    def _put(self, name: str, text: str) -> None:
+        tmp = os.path.join(self.path, f".{name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(self.path, name))
+
+    def put_result(self, replica_set: int, outputs: list[Request], stats: dict) -> None:
+        self._put(f"result-{replica_set}.json",
+                  json.dumps({"outputs": [dataclasses.asdict(r) for r in outputs], "stats": stats}))
+
+    def put_error(self, replica_set: int, rank: int, message: str) -> None:
+        self._put(f"error-{replica_set}-{rank}.txt", message)
+
+    def result(self, replica_set: int) -> tuple[list[Request], dict] | None:
+        try:
+            with open(os.path.join(self.path, f"result-{replica_set}.json")) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return None
+        stats = data["stats"]
+        if "spans" in stats:  # JSON keys are strings
+            stats["spans"] = {int(r): rows for r, rows in stats["spans"].items()}
+        return [Request(**r) for r in data["outputs"]], stats
+
+    def errors(self) -> dict[tuple[int, int], str]:
+        out = {}
+        for name in os.listdir(self.path):
+            if name.startswith("error-") and name.endswith(".txt"):
+                k, r = name[len("error-"):-len(".txt")].split("-")
+                with open(os.path.join(self.path, name)) as f:
+                    out[(int(k), int(r))] = f.read()
+        return out
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _worker(cfg: RunConfig, rank: int, world: int, port: int, results, replica_set: int = 0) -> None:
+def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, folder: _RunFolder, beats: Heartbeat,
+            launcher_pid: int, replica_set: int = 0) -> None:
+    """One rank, forked by the launcher: `artifact` holds the files the launcher read and checked
+    (the rank never re-opens them)."""
+    _become_rank(launcher_pid)
+    heartbeat.install(beats, replica_set * world + rank)
+    heartbeat.report(Phase.STARTED)
     import torch
     import torch.distributed as dist
 
@@ -71,17 +165,18 @@ def _worker(cfg: RunConfig, rank: int, world: int, port: int, results, replica_s
 
     try:
         torch.set_num_threads(1)
-        verify_manifest(cfg.artifact, [f"rank_{rank:02d}.py", f"rank_{rank:02d}.json", "model_config.json",
-                                       "ops.json", "plan.json"])
         backend = "nccl" if cfg.device == "cuda" else "gloo"
         if cfg.device == "cuda":
             torch.cuda.set_device((replica_set * world + rank) % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        out = run_rank(cfg.artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret,
+        use_loopback_interface()
+        timeout_s = cfg.stall_timeout_s + PG_TIMEOUT_MARGIN_S
+        dist.init_process_group(backend, store=folder.store(replica_set, world, timeout_s), rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        heartbeat.report(Phase.JOINED)
+        out = run_rank(artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret,
                        cfg.trace)
         if rank == 0:
-            outputs, stats = out
-            results.put(("done", (replica_set, rank), ([dataclasses.asdict(r) for r in outputs], stats)))
+            folder.put_result(replica_set, *out)
         dist.destroy_process_group()
     except Exception as e:  # report to the launcher in one line, then exit non-zero
         from opweave.errors import OpWeaveError as UserError
@@ -89,14 +184,64 @@ def _worker(cfg: RunConfig, rank: int, world: int, port: int, results, replica_s
         detail = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, UserError) and os.environ.get("OPWEAVE_DEBUG"):
             detail += "\n" + traceback.format_exc()
-        results.put(("error", (replica_set, rank),
-                     detail.splitlines()[0] if not os.environ.get("OPWEAVE_DEBUG") else detail))
-        results.close()
-        results.join_thread()  # flush the message before exiting
+        folder.put_error(replica_set, rank, detail.splitlines()[0] if not os.environ.get("OPWEAVE_DEBUG") else detail)
         os._exit(1)
-    results.close()
-    results.join_thread()
     os._exit(0)
+
+
+def _become_rank(launcher_pid: int) -> None:
+    """In a freshly forked rank: die with the launcher, and leave terminal signals to it.
+
+    SIGINT (Ctrl-C) and SIGHUP (a closed terminal) reach the whole process group; the ranks ignore
+    them and the launcher, which gets them too, stops the ranks. SIGTERM gets its default action
+    back, since the launcher's own handler was inherited by the fork and would raise here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if not _kill_me_with_parent():
+        threading.Thread(target=_watch_parent, args=(launcher_pid,), daemon=True, name="parent-watch").start()
+    if os.getppid() != launcher_pid:  # the launcher died before the above took effect
+        os._exit(1)
+
+
+def _kill_me_with_parent() -> bool:
+    """Linux: SIGKILL this process when the thread that forked it ends (the launcher's thread
+    running `run_detailed`, even if the launcher itself is SIGKILLed). False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(launcher_pid: int) -> None:
+    """Ends this process once its parent is gone (it is then re-parented)."""
+    while os.getppid() == launcher_pid:
+        time.sleep(PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def use_loopback_interface() -> None:
+    """Binds this rank's gloo and NCCL sockets to the loopback interface. Unset, gloo binds to the
+    address the host name resolves to, which may be a public one."""
+    name = _loopback_interface()
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ["NCCL_SOCKET_IFNAME"] = name
+
+
+def _loopback_interface() -> str:
+    import socket
+
+    names = [n for _, n in socket.if_nameindex()]
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    raise OpWeaveError(f"no loopback interface on this machine (interfaces: {', '.join(names)}); "
+                       "local ranks talk over loopback only")
 
 
 def run(cfg: RunConfig) -> list[Request]:
@@ -109,8 +254,9 @@ def run_detailed(cfg: RunConfig) -> tuple[list[Request], dict]:
     with several replica sets, those of set 0, and `stats["replica_sets"]` holds every set's."""
     import multiprocessing as mp
 
-    verify_manifest(cfg.artifact)
-    world = world_size(cfg.artifact)
+    artifact = load_artifact(cfg.artifact, verify_key=cfg.verify_key)  # read once, checked, used by every rank
+    check_inputs(cfg)
+    world = world_size(cfg.artifact, artifact.manifest)
     planned = planned_replica_sets(cfg.artifact)
     if cfg.replica_sets > planned:
         raise OpWeaveError(f"--replica-sets {cfg.replica_sets}: the plan places {planned} replica set(s)")
@@ -125,20 +271,21 @@ def run_detailed(cfg: RunConfig) -> tuple[list[Request], dict]:
             raise OpWeaveError(f"{what} but this machine has {have} CUDA device(s); use --device cpu for a tiny "
                                "model, or run the torchrun commands per node")
     ctx = mp.get_context("fork")
-    results = ctx.Queue()
     sets = _deal(cfg.requests, cfg.replica_sets)
+    beats = Heartbeat(len(sets) * world, ctx)
+    folder = _RunFolder()
     procs: dict[tuple[int, int], object] = {}
-    for k, (requests, _) in enumerate(sets):
-        port = cfg.port + k if cfg.port else _free_port()
-        mine = dataclasses.replace(cfg, requests=requests)
-        for r in range(world):
-            procs[(k, r)] = ctx.Process(target=_worker, args=(mine, r, world, port, results, k), daemon=True)
-    for p in procs.values():
-        p.start()
-    try:
-        done = _watch(procs, results, cfg.timeout_s, len(sets))
+    try:  # whatever ends the watch (a failure, a stall, a signal turned into an exception), no rank is left
+        for k, (requests, _) in enumerate(sets):
+            mine = dataclasses.replace(cfg, requests=requests)
+            for r in range(world):
+                procs[(k, r)] = ctx.Process(target=_worker, args=(mine, artifact, r, world, folder, beats, os.getpid(), k),
+                                            name=_name((k, r), len(sets)), daemon=True)
+                procs[(k, r)].start()
+        done = _watch(procs, folder, StallWatch(beats, cfg.stall_timeout_s), cfg.timeout_s, len(sets))
     finally:
         _stop(list(procs.values()))
+        folder.remove()
     outputs = []
     for k, (_, original) in enumerate(sets):
         outputs += [dataclasses.replace(r, index=original[r.index]) for r in done[k][0]]
@@ -171,38 +318,57 @@ def _name(key: tuple[int, int], sets: int) -> str:
     return f"rank {key[1]}" if sets == 1 else f"replica set {key[0]}, rank {key[1]}"
 
 
-def _watch(procs: dict, results, timeout_s: float, sets: int) -> dict[int, tuple[list[Request], dict]]:
+def _watch(procs: dict, folder: _RunFolder, stall: StallWatch, timeout_s: float | None,
+           sets: int) -> dict[int, tuple[list[Request], dict]]:
+    """Waits for every rank to exit 0 (then returns each set's results); raises naming the rank
+    on the first error, death or stall."""
+    from multiprocessing.connection import wait
+
     start = time.monotonic()
-    done: dict[int, tuple[list[Request], dict]] = {}
-    errors: dict[tuple[int, int], str] = {}
+    world = len(procs) // sets
     while True:
-        try:
-            kind, key, payload = results.get(timeout=POLL_S)
-            if kind == "error":
-                errors.setdefault(tuple(key), payload)
-            else:
-                done[key[0]] = ([Request(**r) for r in payload[0]], payload[1])
-        except queue_mod.Empty:
-            pass
-        if errors or any(p.exitcode not in (None, 0) for p in procs.values()):
-            raise OpWeaveError(_root_cause(procs, results, errors, sets))
-        if len(done) == sets and all(p.exitcode == 0 for p in procs.values()):
-            return done
-        if time.monotonic() - start > timeout_s:
-            raise OpWeaveError(f"the run did not finish within {timeout_s:.0f} s")
+        wait([p.sentinel for p in procs.values() if p.exitcode is None], timeout=POLL_S)
+        if any(p.exitcode not in (None, 0) for p in procs.values()) or folder.errors():
+            raise OpWeaveError(_root_cause(procs, folder, sets))
+        if all(p.exitcode == 0 for p in procs.values()):
+            return _results(folder, sets)
+        running = [[k * world + r for r in range(world) if procs[(k, r)].exitcode is None] for k in range(sets)]
+        slot = stall.stalled(running, lambda w: _is_stopped(procs[divmod(w, world)].pid))
+        if slot is not None:
+            raise OpWeaveError(f"{_name(divmod(slot, world), sets)} made no progress for {stall.timeout_s:g} s "
+                               f"(last: {stall.heartbeat.describe(slot)})")
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            raise OpWeaveError(f"the run did not finish within {timeout_s:g} s")
 
 
-def _root_cause(procs: dict, results, errors: dict[tuple[int, int], str], sets: int) -> str:
+def _results(folder: _RunFolder, sets: int) -> dict[int, tuple[list[Request], dict]]:
+    done = {}
+    for k in range(sets):
+        done[k] = folder.result(k)
+        if done[k] is None:
+            raise OpWeaveError(f"{_name((k, 0), sets)} exited without writing its results")
+    return done
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether a process is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: Linux's
+    /proc/PID/stat state T or t; False where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _root_cause(procs: dict, folder: _RunFolder, sets: int) -> str:
     """The failure to report: a rank that died without a word (killed) before the errors its
     peers then raise (lost connections), else the first error reported."""
-    deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
-    while time.monotonic() < deadline:
-        try:
-            kind, key, payload = results.get(timeout=POLL_S)
-            if kind == "error":
-                errors.setdefault(tuple(key), payload)
-        except queue_mod.Empty:
-            pass
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + ROOT_CAUSE_WAIT_S  # peers of a dead rank fail within it
+    while time.monotonic() < deadline and any(p.exitcode is None for p in procs.values()):
+        wait([p.sentinel for p in procs.values() if p.exitcode is None], timeout=POLL_S)
+    errors = folder.errors()
     for key, p in procs.items():
         if p.exitcode is not None and p.exitcode < 0 and key not in errors:
             return f"{_name(key, sets)} died (killed by signal {-p.exitcode})"
@@ -214,40 +380,26 @@ def _root_cause(procs: dict, results, errors: dict[tuple[int, int], str], sets: 
 
 
 def _stop(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + KILL_GRACE_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
+    """Kills every started rank and reaps it. SIGKILL at once: a rank keeps nothing to save (its
+    results are whole files or nothing), and it also ends a rank stopped by SIGSTOP."""
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
+        if p.exitcode is None:
             p.kill()
-            p.join()
+    for p in started:
+        p.join()
 
 
 def read_requests(prompts_file: str | None, prompt_ids: str | None, max_new_tokens: int) -> tuple[Request, ...]:
-    """Requests from a JSONL file ({"prompt_ids": [...], "max_new_tokens": N}) or one id list."""
-    if max_new_tokens <= 0:
-        raise OpWeaveError("--max-new-tokens must be positive")
-    prompts: list[tuple[list[int], int]] = []
-    if prompt_ids:
-        try:
-            prompts.append(([int(x) for x in prompt_ids.split(",") if x.strip()], max_new_tokens))
-        except ValueError:
-            raise OpWeaveError(f"--prompt-ids: not a comma-separated list of token ids: {prompt_ids}") from None
+    """Requests from one id list (`--prompt-ids 1,2,3`) and a JSONL file (one
+    {"prompt_ids": [...], "max_new_tokens": N} per line), checked line by line before any rank
+    starts (`opweave.runtime.checks`; the vocabulary is checked against the artifact by
+    `check_inputs`). Each request remembers its source (file and line) for later messages."""
+    if type(max_new_tokens) is not int or max_new_tokens <= 0:
+        raise OpWeaveError(f"--max-new-tokens must be a positive whole number, got {max_new_tokens!r}")
+    requests: list[Request] = []
+    if prompt_ids is not None:
+        requests.append(parse_prompt_ids(prompt_ids, max_new_tokens))
     if prompts_file:
-        try:
-            with open(prompts_file) as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    item = json.loads(line)
-                    ids = item["prompt_ids"]
-                    if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
-                        raise ValueError("prompt_ids must be a list of token ids")
-                    prompts.append((ids, int(item.get("max_new_tokens", max_new_tokens))))
-        except OSError as e:
-            raise OpWeaveError(f"--prompts {prompts_file}: cannot read ({e.strerror})") from None
-        except (ValueError, KeyError, TypeError) as e:
-            raise OpWeaveError(f"--prompts {prompts_file}: line {n}: {e}") from None
-    return tuple(Request(index=i, prompt=p, max_new_tokens=m) for i, (p, m) in enumerate(prompts))
+        requests += read_prompts_file(prompts_file, max_new_tokens)
+    return tuple(dataclasses.replace(r, index=i) for i, r in enumerate(requests))

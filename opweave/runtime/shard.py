@@ -15,6 +15,7 @@ import torch
 
 from opweave.ir.kinds import OpKind, TPRule
 from opweave.models.ops import OpModule
+from opweave.runtime.heartbeat import Phase, report
 
 
 class RandomWeights:
@@ -78,5 +79,6 @@ def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: in
             module.init_buffers()
             module.load_weights(reader)
         out[index] = module.eval()
+        report(Phase.LOADING)  # a long load is progress, not a stall
     return out
 

@@ -10,6 +10,7 @@ so nothing waits on a coordinator. The replica leader receives and fans out to i
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -21,7 +22,8 @@ import torch.distributed as dist
 from opweave.ir.program import RankProgram, program_from_json
 from opweave.models.config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
-from opweave.models.ops import OpModule, torch_dtype
+from opweave.models.ops import NON_FINITE_TOKEN, OpModule, torch_dtype
+from opweave.runtime.heartbeat import Phase, report
 from opweave.runtime.inbox import Inbox, Slot
 from opweave.runtime.kernel_ops import with_kernels
 from opweave.runtime.manifest import VerifiedArtifact, load_artifact, load_program_source, rank_files
@@ -254,9 +256,12 @@ class Runtime:
 
     def tp_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sample over a vocabulary split across the TP group (lowest index wins ties):
-        one all-gather of each rank's (max logit, global index) per token."""
+        one all-gather of each rank's (max logit, global index) per token. A rank whose slice of
+        a row is not all finite sends NaN as its maximum, and a row with a NaN maximum from any
+        rank gives NON_FINITE_TOKEN (like `ops.Sample`; decided on the device, no host sync)."""
         last = logits[:, -1, :].float()
         best, idx = last.max(dim=-1)
+        best = torch.where(torch.isfinite(last).all(dim=-1), best, float("nan"))
         idx = idx + self.program.tp_rank * last.shape[-1]
         mine = torch.stack([best.double(), idx.double()])  # vocabulary ids are exact in float64
         gathered = [torch.empty_like(mine) for _ in range(self.program.tp)]
@@ -264,7 +269,8 @@ class Runtime:
         values = torch.stack([g[0] for g in gathered])
         indices = torch.stack([g[1] for g in gathered]).long()
         winner = values.argmax(dim=0)  # first maximum = lowest vocabulary shard
-        return indices.gather(0, winner[None])[0]
+        ids = indices.gather(0, winner[None])[0]
+        return torch.where(values.isnan().any(dim=0), NON_FINITE_TOKEN, ids)
 
     # ---------------------------------------------------------------- round control
     def end_round(self) -> bool:
@@ -337,7 +343,8 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
         prog = InterpretedProgram(rt, program)
     else:
         prog = load_program_source(artifact, f"rank_{rank:02d}.py").Program(rt)
-    kill_at = _fault_injection(rank)
+    faults = _fault_injection(rank)
+    report(Phase.LOADED)
     wall, host = [], []
     with torch.no_grad():
         while True:
@@ -347,28 +354,53 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
             prog.round()
             wall.append(time.perf_counter() - t0)
             host.append(time.process_time() - c0)
-            if rt.round_index == kill_at:
+            if rt.round_index == faults.get("kill"):
                 os.kill(os.getpid(), 9)
+            while rt.round_index == faults.get("stall"):
+                time.sleep(3600)
+            report(Phase.ROUND, rt.round_index)
             if not rt.end_round():
                 break
         rt.drain()
+    report(Phase.FINISHED, rt.round_index)
     done = rt.scheduler.done if rt.scheduler is not None else []
     spans = rt.timeline.to_rows() if rt.timeline is not None else None
-    gathered = [None] * program.world_size if rank == 0 else None
-    dist.gather_object((done, spans), gathered, dst=0)
+    gathered = _gather_json({"done": [dataclasses.asdict(r) for r in done], "spans": spans}, rank,
+                            program.world_size, rt.device)
     if rank != 0:
         return None
-    out = [r for part, _ in gathered if part for r in part]
+    out = [Request(**r) for part in gathered for r in part["done"]]
     stats = {"round_s": wall, "host_s": host}
     if trace:
-        stats["spans"] = {r: rows for r, (_, rows) in enumerate(gathered)}
+        stats["spans"] = {r: part["spans"] for r, part in enumerate(gathered)}
     return sorted(out, key=lambda r: r.index), stats
 
 
-def _fault_injection(rank: int) -> int | None:
-    """OPWEAVE_FAULT_KILL=RANK:ROUND makes that rank kill itself after that round (fault tests)."""
-    spec = os.environ.get("OPWEAVE_FAULT_KILL")
-    if not spec:
+def _gather_json(value, rank: int, world: int, device: torch.device) -> list | None:
+    """Every rank's `value` at rank 0 (None elsewhere), sent as JSON bytes in uint8 tensors: no
+    pickle crosses ranks. The sizes are all-gathered first, then each rank's bytes padded to the
+    largest are gathered."""
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
+    size = torch.tensor([data.numel()], dtype=torch.long, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    parts = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
+    dist.gather(padded, parts, dst=0)
+    if rank != 0:
         return None
-    target, _, at = spec.partition(":")
-    return int(at or 0) if int(target) == rank else None
+    return [json.loads(bytes(p[:int(n)].cpu().numpy())) for p, n in zip(parts, sizes)]
+
+
+def _fault_injection(rank: int) -> dict[str, int]:
+    """Faults for the fault tests, each RANK:ROUND: OPWEAVE_FAULT_KILL makes that rank kill
+    itself after that round, OPWEAVE_FAULT_STALL makes it sleep forever there (before reporting
+    the round's progress)."""
+    faults = {}
+    for kind in ("kill", "stall"):
+        target, _, at = os.environ.get(f"OPWEAVE_FAULT_{kind.upper()}", "").partition(":")
+        if target and int(target) == rank:
+            faults[kind] = int(at or 0)
+    return faults
