@@ -106,3 +106,24 @@ def test_malformed_manifests_are_one_line_errors(tmp_path, content, message):
     with pytest.raises(OpWeaveError, match=message) as err:
         load_artifact(str(tmp_path))
     assert "\n" not in str(err.value)
+
+
+def test_cli_signs_and_refuses_a_rehashed_edit(tiny_checkpoint, tmp_path, capsys):
+    from opweave.cli import main
+
+    folder = tiny_checkpoint("llama", num_hidden_layers=3)
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    art = str(tmp_path / "art")
+    assert main(["compile", folder, "--cluster", "h100x2+l40sx2", "--tpot-slo", "50ms", "--context", "64",
+                 "--max-batch", "4", "-o", art, "--sign-key", str(key), "--quiet"]) == 0
+    assert os.path.isfile(os.path.join(art, SIGNATURE))
+    capsys.readouterr()
+    run = ["run", art, "--weights", folder, "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--json"]
+    assert main(run + ["--verify-key", str(key)]) == 0
+    assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 2
+    _tamper_and_rehash(art)
+    assert main(run + ["--verify-key", str(key)]) == 2
+    err = capsys.readouterr().err
+    assert "signature does not match" in err and err.count("\n") == 1
+    assert not any(n.endswith(".ran") for n in os.listdir(art))  # refused before any rank ran the edit

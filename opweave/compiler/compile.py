@@ -118,18 +118,18 @@ def _write_rank_programs(folder: str, compiled: Compiled, plan_hash: str) -> str
     if fe.source.kind == "file":
         return ""
     config_path = fe.source.path if fe.source.kind == "builtin" else os.path.join(fe.source.path, "config.json")
-    with open(config_path) as f:
+    with open(config_path, encoding="utf-8") as f:
         config_text = f.read()
-    with open(os.path.join(folder, "model_config.json"), "w") as f:
+    with open(os.path.join(folder, "model_config.json"), "w", encoding="utf-8") as f:
         f.write(config_text)
     op_names = [op.name for op in fe.graph.ops]
-    with open(os.path.join(folder, "ops.json"), "w") as f:
+    with open(os.path.join(folder, "ops.json"), "w", encoding="utf-8") as f:
         json.dump(op_names, f, indent=0)
     programs = lower(compiled.plan, fe.graph, fe.source.cfg, fe.blocks.period, fe.blocks.num_blocks, plan_hash)
     for program in programs:
-        with open(os.path.join(folder, f"rank_{program.rank:02d}.json"), "w") as f:
+        with open(os.path.join(folder, f"rank_{program.rank:02d}.json"), "w", encoding="utf-8") as f:
             json.dump(program_to_json(program), f, indent=1)
-        with open(os.path.join(folder, f"rank_{program.rank:02d}.py"), "w") as f:
+        with open(os.path.join(folder, f"rank_{program.rank:02d}.py"), "w", encoding="utf-8") as f:
             f.write(render_rank(program, op_names, compiled.plan.template, compiled.plan.num_stages))
     return sha256_text(config_text)
 
@@ -149,14 +149,14 @@ def write_artifact(out_dir: str, compiled: Compiled, *, force: bool = False, sig
     try:
         cand = compiled.result.best
         plan_text = json.dumps(plan_to_json(compiled.plan), indent=1)
-        with open(os.path.join(tmp, "plan.json"), "w") as f:
+        with open(os.path.join(tmp, "plan.json"), "w", encoding="utf-8") as f:
             f.write(plan_text)
         model_hash = _write_rank_programs(tmp, compiled, sha256_text(plan_text))
-        with open(os.path.join(tmp, "plan.txt"), "w") as f:
+        with open(os.path.join(tmp, "plan.txt"), "w", encoding="utf-8") as f:
             f.write(format_plan(compiled.plan) + "\n")
-        with open(os.path.join(tmp, "ir.txt"), "w") as f:
+        with open(os.path.join(tmp, "ir.txt"), "w", encoding="utf-8") as f:
             f.write(format_graph(compiled.front_end.graph) + "\n")
-        with open(os.path.join(tmp, "trace.json"), "w") as f:
+        with open(os.path.join(tmp, "trace.json"), "w", encoding="utf-8") as f:
             json.dump(chrome_trace(cand.problem, cand.result), f)
         gantt_png(cand.problem, cand.result, os.path.join(tmp, "gantt.png"))
         write_manifest(tmp, model_hash, sha256_text(plan_text), sign_key=sign_key)

@@ -11,9 +11,11 @@ unpacking an arrived message), which a rank's only core spends outside its opera
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue as queue_mod
-import socket
+import shutil
 import statistics
+import tempfile
 import time
 
 P2P_SIZES = tuple(2 ** k for k in range(10, 23, 2))
@@ -75,24 +77,23 @@ def fit_link(samples: list[tuple[int, float]] | tuple[tuple[int, float], ...]) -
     return LinkFit(latency_s=latency, bandwidth=bandwidth, samples=tuple(pts))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _comm_worker(rank: int, port: int, device: str, results) -> None:
-    """One of the two ranks; rank 0 puts ("ok", {"p2p": [...], "allreduce": [...]}) on `results`."""
+def _comm_worker(rank: int, store_path: str, device: str, results) -> None:
+    """One of the two ranks; rank 0 puts ("ok", {"p2p": [...], "allreduce": [...]}) on `results`.
+    The ranks meet through a file store in a private folder and talk over loopback (as `opweave
+    run` does): nothing listens on a network interface."""
     import os
 
     try:
         import torch
         import torch.distributed as dist
 
+        from opweave.runtime.launch import use_loopback_interface
+
         torch.set_num_threads(1)
         if device == "cuda":
             torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+        use_loopback_interface()
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.FileStore(store_path, 2),
                                 rank=rank, world_size=2)
         dev = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
 
@@ -202,11 +203,12 @@ def measure_comm(device: str = "cpu", timeout_s: float = COMM_TIMEOUT_S) -> Comm
 
     ctx = mp.get_context("spawn" if device == "cuda" else "fork")  # CUDA cannot be used after fork
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_comm_worker, args=(r, port, device, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
+    folder = tempfile.mkdtemp(prefix="opweave-profile-")  # 0700
+    procs = [ctx.Process(target=_comm_worker, args=(r, os.path.join(folder, "store"), device, results), daemon=True)
+             for r in range(2)]
     try:
+        for p in procs:
+            p.start()
         try:
             kind, payload = results.get(timeout=timeout_s)
         except queue_mod.Empty:
@@ -217,7 +219,10 @@ def measure_comm(device: str = "cpu", timeout_s: float = COMM_TIMEOUT_S) -> Comm
         return CommFigures(p2p=fit_link(payload["p2p"]), allreduce=fit_link(payload["allreduce"]), **host)
     finally:
         for p in procs:
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(folder, ignore_errors=True)
