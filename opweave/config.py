@@ -1,17 +1,25 @@
 """Process-wide flags, read from environment variables (documented in docs/flags.md).
 
-Each flag is read when asked for, so tests can set the environment without reloading modules.
+Every OpWeave environment variable is read here and nowhere else. Each flag is read when asked
+for, so tests can set the environment without reloading modules. A boolean flag is on for any
+value but "", "0", "false", "no" and "off" (any case): `OPWEAVE_DEBUG=0` is off.
 """
+
+from __future__ import annotations
 
 import os
 
+from opweave.errors import OpWeaveError
+
+_OFF = ("", "0", "false", "no", "off")
+
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")
+    return os.environ.get(name, "0").strip().lower() not in _OFF
 
 
 def verify_enabled() -> bool:
-    """OPWEAVE_VERIFY=1: run each IR's `verify()` between passes."""
+    """OPWEAVE_VERIFY=1: run each IR's verifier between passes."""
     return _flag("OPWEAVE_VERIFY")
 
 
@@ -23,3 +31,42 @@ def debug_dir() -> str | None:
 def debug_enabled() -> bool:
     """OPWEAVE_DEBUG=1: show tracebacks for user errors too (for reporting bugs)."""
     return _flag("OPWEAVE_DEBUG")
+
+
+KERNEL_BACKENDS = ("triton", "torch")
+
+
+def kernels_forced() -> str | None:
+    """OPWEAVE_KERNELS=triton|torch: the runtime's kernel backend, whatever the device (None: the
+    device decides). Any other value is an error, not a silent fallback."""
+    value = os.environ.get("OPWEAVE_KERNELS", "").strip().lower()
+    if not value:
+        return None
+    if value not in KERNEL_BACKENDS:
+        raise OpWeaveError(f"OPWEAVE_KERNELS={value!r}: expected one of {', '.join(KERNEL_BACKENDS)}")
+    return value
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1 (Triton's own flag): Triton kernels run on the CPU interpreter."""
+    return _flag("TRITON_INTERPRET")
+
+
+def fault_injection(rank: int) -> dict[str, int]:
+    """The fault tests' injections for `rank`: OPWEAVE_FAULT_KILL=RANK:ROUND makes that rank kill
+    itself after that round, OPWEAVE_FAULT_STALL=RANK:ROUND makes it sleep forever there.
+    Returns {"kill": round, "stall": round} for the faults aimed at this rank."""
+    faults = {}
+    for kind in ("kill", "stall"):
+        name = f"OPWEAVE_FAULT_{kind.upper()}"
+        text = os.environ.get(name, "").strip()
+        if not text:
+            continue
+        target, _, at = text.partition(":")
+        try:
+            target_rank, at_round = int(target), int(at or 0)
+        except ValueError:
+            raise OpWeaveError(f"{name}={text!r}: expected RANK:ROUND") from None
+        if target_rank == rank:
+            faults[kind] = at_round
+    return faults

@@ -11,6 +11,7 @@ import os
 import shlex
 import sys
 
+from opweave import config
 from opweave.errors import OpWeaveError
 
 
@@ -66,7 +67,7 @@ def main() -> int:
     except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group
         return 130
     except Exception as e:  # a peer lost or timed out: one line, as the local launcher reports it
-        if os.environ.get("OPWEAVE_DEBUG"):
+        if config.debug_enabled():
             raise
         print(f"opweave: error: rank {rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
               file=sys.stderr)

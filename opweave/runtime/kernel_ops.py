@@ -9,19 +9,19 @@ Gated-DeltaNet recurrence stay on the operator module.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opweave import config
 from opweave.codegen.kernels import get_backend
 from opweave.ir.kinds import OpKind
 from opweave.models.ops import OpModule
 
 
 def kernel_backend(device: torch.device) -> str:
-    forced = os.environ.get("OPWEAVE_KERNELS")
+    forced = config.kernels_forced()
     if forced:
         return forced
     return "triton" if device.type == "cuda" else "torch"

@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 
+from opweave import config
 from opweave.errors import OpWeaveError
 from opweave.runtime import heartbeat
 from opweave.runtime.heartbeat import Heartbeat, Phase, StallWatch
@@ -182,9 +183,9 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
         from opweave.errors import OpWeaveError as UserError
 
         detail = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
-        if not isinstance(e, UserError) and os.environ.get("OPWEAVE_DEBUG"):
+        if not isinstance(e, UserError) and config.debug_enabled():
             detail += "\n" + traceback.format_exc()
-        folder.put_error(replica_set, rank, detail.splitlines()[0] if not os.environ.get("OPWEAVE_DEBUG") else detail)
+        folder.put_error(replica_set, rank, detail.splitlines()[0] if not config.debug_enabled() else detail)
         os._exit(1)
     os._exit(0)
 

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from opweave import config
 from opweave.ir.program import RankProgram, program_from_json
 from opweave.models.config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
@@ -395,12 +396,5 @@ def _gather_json(value, rank: int, world: int, device: torch.device) -> list | N
 
 
 def _fault_injection(rank: int) -> dict[str, int]:
-    """Faults for the fault tests, each RANK:ROUND: OPWEAVE_FAULT_KILL makes that rank kill
-    itself after that round, OPWEAVE_FAULT_STALL makes it sleep forever there (before reporting
-    the round's progress)."""
-    faults = {}
-    for kind in ("kill", "stall"):
-        target, _, at = os.environ.get(f"OPWEAVE_FAULT_{kind.upper()}", "").partition(":")
-        if target and int(target) == rank:
-            faults[kind] = int(at or 0)
-    return faults
+    """Faults for the fault tests (`opweave.config.fault_injection`)."""
+    return config.fault_injection(rank)

@@ -15,12 +15,12 @@ float32 operands use IEEE precision (not TF32) on the GPU too, so float32 runs m
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from opweave import config
 from opweave.models.ops import NON_FINITE_TOKEN
 
 # l2-normalisation epsilon of Gated-DeltaNet's q and k (ops_linear._l2_normalize's default)
@@ -39,7 +39,7 @@ ATTN_BLOCK_N = 64  # cache slots per decode-attention iteration (power of two >=
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return config.triton_interpret()
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
