@@ -94,7 +94,7 @@ def test_memory_per_gpu_counts_weights_state_and_buffers():
     one = C.memory_per_gpu(g.ops, 1, 1, 8192)
     assert one == pytest.approx(g.weight_bytes + g.state_bytes(8192), rel=0.01)
     assert C.memory_per_gpu(g.ops, 2, 1, 8192) < one
-    assert C.memory_per_gpu(g.ops, 1, 4, 8192) - one == pytest.approx(3 * g.state_bytes(8192), rel=0.01)
+    assert C.memory_per_gpu(g.ops, 1, 4, 8192, rows=1) - one == pytest.approx(3 * g.state_bytes(8192), rel=0.01)
 
 
 def test_profile_replaces_roofline_where_it_has_a_figure():

@@ -114,3 +114,23 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert "Plan for gemma-3-27b on h100x32" in out and "Plan for tiny-gemma3" in out
     assert out.count("-> generated [") == 2
     assert os.path.isfile(tmp_path / "demo" / "gemma-3-27b" / "rank_27.py")
+
+
+def test_one_owner_taking_every_stage_runs_them_as_one(tiny_checkpoint):
+    """A one-cut-per-block template on one owner (a plan the search can emit): its consecutive
+    stages become one stage program, started once and with nothing sent between them."""
+    from opweave.compiler.frontend import run_front_end
+    from opweave.compiler.pinned import pinned_plan
+    from opweave.hardware.catalog import load_catalog
+    from opweave.hardware.cluster import parse_cluster
+    from opweave.passes.lower import lower
+
+    fe = run_front_end(tiny_checkpoint("llama", num_hidden_layers=3))
+    compiled = pinned_plan(fe, parse_cluster("h100x8", load_catalog()), "F:pre_attn", [("h100", 2, 1)],
+                           batch=2, microbatches=2, context=32)
+    assert compiled.plan.num_stages > 1
+    programs = lower(compiled.plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, "h")
+    for p in programs:
+        (stage,) = p.stages
+        assert stage.recv is None and stage.send is None and stage.returns
+        assert [l.op for l in stage.launches] == list(range(len(fe.graph.ops)))

@@ -8,12 +8,14 @@ Per op, on a device group of `tp` GPUs of one type, at resident batch b and cont
     flops  = b * flops_at(s) / shards
     bytes  = weights read at batch b / shards + b * (activations + state_bytes(s)) / shards
 
-with `shards` = tp for sharded ops and 1 for replicated ones (the state shards at most
-`state.max_shards` ways: KV heads). Weights read at batch b are all of them for dense ops, the
-expected distinct experts E * (1 - (1 - k/E)^b) for routed experts, and b rows of the embedding.
-Tensor-parallel ops whose output is a partial sum (`ROW`, `EXPERT_FFN`, the vocab-split
-embedding) pay a ring all-reduce; a stage boundary pays latency + bytes / link bandwidth,
-inter-node when the two groups are on different nodes.
+with `shards` and the state's shards from the TP table (`opweave.ir.tp`): the full weights over
+one rank's for sharded ops (so replicated KV heads and norm weights count), 1 for replicated ones
+(the embedding too); the state divides by its KV heads at most. Weights read at batch b are all
+of them for dense ops, the expected distinct experts E * (1 - (1 - k/E)^b) for routed experts,
+and b rows of the embedding. Ops whose output the table names a partial sum pay a ring
+all-reduce (routed experts followed by a shared expert: one, after the shared expert); a stage
+boundary pays latency + bytes / link bandwidth, inter-node when the two groups are on different
+nodes.
 
 A profiled table (`CostModel(profile=...)`) replaces the roofline latency op by op where it has
 a figure (beyond its measured grid: the figure at the grid's edge, scaled by the roofline's
@@ -28,10 +30,11 @@ from typing import Protocol
 
 from opweave.hardware.catalog import GPUSpec
 from opweave.ir.graph import Op
-from opweave.ir.kinds import OpKind, TPRule
+from opweave.ir import tp as tp_table
+from opweave.ir.kinds import OpKind
 
-ALLREDUCE_RULES = (TPRule.ROW, TPRule.EXPERT_FFN)
-"""Rules whose output is a partial sum over the TP group (the vocab-split embedding too)."""
+ALLREDUCE_RULES = tuple(kind for kind, r in tp_table.TP_TABLE.items() if r.partial_sum)
+"""Op kinds whose output is a partial sum over the TP group (from the TP table, `opweave.ir.tp`)."""
 
 INTRA_LINK_EFFICIENCY = 0.4
 """Achieved / line rate inside a node: NCCL send/recv between two H100s plateaus near 180 GB/s
@@ -40,10 +43,6 @@ of NVLink's 450 GB/s (refdata efficiency.nccl_and_network.H100_pair_sendrecv_bus
 INTER_LINK_EFFICIENCY = 0.94
 """Achieved / line rate between nodes: 46-48 GB/s NCCL bus bandwidth per 400 Gb/s (50 GB/s) NDR NIC
 (refdata efficiency.nccl_and_network.NDR400_per_NIC_busbw, NVIDIA/nccl-tests#290)."""
-
-ACTIVATION_BUFFERS = 4
-"""Activation buffers per resident sequence in the memory estimate (in, out, two scratch)."""
-
 
 class OpProfile(Protocol):
     """A measured latency table (see the profiler); None where it has no figure.
@@ -71,9 +70,10 @@ class OpCost:
         return self.compute_s + self.comm_s
 
 
-def shards(op: Op, tp: int) -> int:
-    """How many ways the op's work divides over a TP group of `tp` GPUs."""
-    return 1 if op.tp_rule == TPRule.REPLICATE else tp
+def shards(op: Op, tp: int) -> float:
+    """How many ways the op's weights and work divide over a TP group of `tp` GPUs (the TP
+    table's: full weight bytes over one rank's, so replicated KV heads and norm weights count)."""
+    return tp_table.compute_shards(op, tp)
 
 
 def weight_bytes_read(op: Op, batch: int) -> float:
@@ -87,9 +87,8 @@ def weight_bytes_read(op: Op, batch: int) -> float:
 
 
 def state_shards(op: Op, tp: int) -> int:
-    if op.state is None or op.tp_rule == TPRule.REPLICATE:
-        return 1
-    return max(1, min(tp, op.state.max_shards))
+    """How many ways the op's per-sequence state divides (KV heads beyond which it is replicated)."""
+    return tp_table.state_shards(op, tp)
 
 
 def op_bytes(op: Op, tp: int, batch: int, context: int) -> float:
@@ -122,12 +121,14 @@ SAMPLE_CANDIDATE_BYTES = 16
 """A vocab-split greedy sample gathers one (max logit, index) pair per token from each rank."""
 
 
-def needs_allreduce(op: Op) -> bool:
-    return op.tp_rule in ALLREDUCE_RULES or op.kind == OpKind.EMBED
+def needs_allreduce(op: Op, following: Op | None = None) -> bool:
+    """Whether the group all-reduces the op's output (TP table): a partial sum, unless `following`
+    extends it first (routed experts, then the shared expert)."""
+    return tp_table.reduces(op, following)
 
 
-def allreduce_bytes(op: Op, batch: int, hidden_bytes: int) -> float:
-    return batch * hidden_bytes if needs_allreduce(op) else 0.0
+def allreduce_bytes(op: Op, batch: int, hidden_bytes: int, following: Op | None = None) -> float:
+    return batch * hidden_bytes if needs_allreduce(op, following) else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,22 +137,26 @@ class CostModel:
 
     profile: OpProfile | None = None
 
-    def op_cost(self, op: Op, gpu: GPUSpec, tp: int, batch: int, context: int, hidden_bytes: int) -> OpCost:
+    def op_cost(self, op: Op, gpu: GPUSpec, tp: int, batch: int, context: int, hidden_bytes: int,
+                following: Op | None = None) -> OpCost:
+        """The op's cost; `following` is the op after it in the stage (a shared expert after
+        routed experts takes their all-reduce: `needs_allreduce`)."""
         memory_s, math_s, compute_s = roofline(op, gpu, tp, batch, context)
         measured = False
         if self.profile is not None:
             figure = self._measured(op, gpu, tp, batch, context, compute_s)
             if figure is not None:
                 compute_s, measured = figure, True
-        comm_s = self._collectives(op, gpu, tp, batch, hidden_bytes)
+        comm_s = self._collectives(op, gpu, tp, batch, hidden_bytes, following)
         return OpCost(compute_s=compute_s, memory_s=memory_s, math_s=math_s, comm_s=comm_s, measured=measured)
 
-    def _collectives(self, op: Op, gpu: GPUSpec, tp: int, batch: int, hidden_bytes: int) -> float:
-        """The op's TP collectives: an all-reduce of a partial sum, the sampler's all-gather of
-        (max logit, index) per token. Measured (the profile's all-reduce fit) where the profile
-        covers `gpu`, else ring figures on the catalog's links."""
-        gathers = op.kind == OpKind.SAMPLE and op.tp_rule == TPRule.VOCAB
-        reduce_bytes = allreduce_bytes(op, batch, hidden_bytes)
+    def _collectives(self, op: Op, gpu: GPUSpec, tp: int, batch: int, hidden_bytes: int,
+                     following: Op | None = None) -> float:
+        """The op's TP collectives (TP table): an all-reduce of a partial sum, the sampler's
+        all-gather of (max logit, index) per token. Measured (the profile's all-reduce fit) where
+        the profile covers `gpu`, else ring figures on the catalog's links."""
+        gathers = tp_table.rule(op.kind).gathers
+        reduce_bytes = allreduce_bytes(op, batch, hidden_bytes, following)
         measured = getattr(self.profile, "collective_s", None) if self.profile is not None else None
         if measured is not None and tp > 1 and measured(gpu.name, tp, 0.0) is not None:
             comm = measured(gpu.name, tp, reduce_bytes) if reduce_bytes > 0 else 0.0
@@ -190,9 +195,15 @@ class CostModel:
         """Whether `transfer_host_s` can be non-zero (a profile with host figures)."""
         return self.profile is not None and hasattr(self.profile, "transfer_host_s")
 
+    def op_costs(self, ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, batch: int, context: int,
+                 hidden_bytes: int) -> list[OpCost]:
+        """The cost of each op of a stage run in order (each op sees the next: all-reduce fusion)."""
+        return [self.op_cost(op, gpu, tp, batch, context, hidden_bytes, ops[i + 1] if i + 1 < len(ops) else None)
+                for i, op in enumerate(ops)]
+
     def ops_latency(self, ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, batch: int, context: int,
                     hidden_bytes: int) -> float:
-        return sum(self.op_cost(op, gpu, tp, batch, context, hidden_bytes).total_s for op in ops)
+        return sum(c.total_s for c in self.op_costs(ops, gpu, tp, batch, context, hidden_bytes))
 
 
 def roofline(op: Op, gpu: GPUSpec, tp: int, batch: int, context: int) -> tuple[float, float, float]:
@@ -231,11 +242,10 @@ def boundary_s(nbytes: float, src: GPUSpec, dst: GPUSpec, dst_tp: int, inter_nod
     return transfer_s(nbytes, src, dst, inter_node) + fanout
 
 
-def memory_per_gpu(ops: tuple[Op, ...] | list[Op], tp: int, resident_batch: int, context: int) -> float:
-    """Bytes one GPU of a TP group holds: its share of the weights, of the resident sequences'
-    state, and activation buffers (B.4)."""
-    per_weight = {w.name: w.nbytes / shards(op, tp) for op in ops for w in op.weights}  # a tied weight once
-    weights = sum(per_weight.values())
-    state = sum(resident_batch * op.state_bytes(context) / state_shards(op, tp) for op in ops)
-    act = max((op.act_bytes_per_token for op in ops), default=0)
-    return weights + state + ACTIVATION_BUFFERS * resident_batch * act
+def memory_per_gpu(ops: tuple[Op, ...] | list[Op], tp: int, slots: int, context: int,
+                   rows: int | None = None) -> float:
+    """Bytes one GPU of a TP group holds with `slots` state slots and steps of `rows` rows: see
+    `opweave.cost.memory`, the one memory accounting."""
+    from opweave.cost import memory
+
+    return memory.memory_per_gpu(ops, tp, slots, context, rows)

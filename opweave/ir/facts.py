@@ -44,4 +44,5 @@ class OpFacts:
     state: StateSpec | None = None
     tp_rule: TPRule = TPRule.REPLICATE
     tp_units: int = 1                 # legal TP degrees divide this (heads, experts' intermediate…)
+    kv_heads: int = 0                 # KV heads of the op's k / v (0: none); TP may replicate them
     active_weight_fraction: float = 1.0  # share of the op's weights one token reads (MoE: k / E)

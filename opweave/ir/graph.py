@@ -70,6 +70,7 @@ class Op:
     state: StateSpec | None = None
     tp_rule: TPRule = TPRule.REPLICATE
     tp_units: int = 1
+    kv_heads: int = 0         # KV heads of the op's k / v tensors (0: none): see opweave.ir.tp
 
     @property
     def weight_bytes(self) -> int:
@@ -279,6 +280,7 @@ def from_json(data: dict[str, Any]) -> OpGraph:
             active_weight_fraction=o["active_weight_fraction"], flops_per_token=o["flops_per_token"],
             flops_per_context_token=o["flops_per_context_token"], act_bytes_per_token=o["act_bytes_per_token"],
             state=StateSpec(**o["state"]) if o["state"] else None, tp_rule=TPRule(o["tp_rule"]), tp_units=o["tp_units"],
+            kv_heads=o.get("kv_heads", 0),
         ))
     return OpGraph(
         model=data["model"], family=data["family"], dtype=data["dtype"], num_layers=data["num_layers"],

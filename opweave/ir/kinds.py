@@ -45,5 +45,5 @@ class TPRule(str, enum.Enum):
     COLUMN = "column"        # weight split on its output dim; output stays sharded
     ROW = "row"              # weight split on its input dim; partial sums need an all-reduce
     HEADS = "heads"          # split by attention heads; state split the same way
-    VOCAB = "vocab"          # embedding / LM head split on the vocabulary (all-gather or all-reduce)
+    VOCAB = "vocab"          # LM head / sampler split on the vocabulary ((max, index) all-gather)
     EXPERT_FFN = "expert_ffn"  # each expert's intermediate dim split; partial sums all-reduced

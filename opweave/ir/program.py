@@ -2,8 +2,8 @@
 
 One decode round of a rank is, for every stage its owner runs (in token order) and every
 microbatch: receive the stage's inputs (from the previous owner's replicas whose rows overlap,
-fanned out to the TP peers), launch its ops (with an all-reduce after row-parallel ones), and
-send its outputs on (or, at the last stage, the new token ids back to the embedding owner).
+fanned out to the TP peers), launch its ops (with an all-reduce after the partial sums the TP
+table names), and send its outputs on (or, at the last stage, the new token ids back to the embedding owner).
 Every rank follows the same global order (round, stage, microbatch), so blocking receives and
 non-blocking sends never deadlock, and there is no coordinator between stages.
 """
@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+from opweave.errors import OpWeaveError
+from opweave.ir.tp import Layout, layout_from_json, layout_to_json
+from opweave.models.activation import PREFILL_CHUNK
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,7 +34,7 @@ class Transfer:
     cut: int
     values: tuple[str, ...]                   # IR value names, in packing order
     shapes: tuple[tuple[int, ...], ...]       # per-token shape of each value
-    layouts: tuple[str, ...]                  # how TP splits each value: "rep", "split", "parts:a,b,c"
+    layouts: tuple[Layout, ...]               # how a TP group holds each value (opweave.ir.tp)
     peers: tuple[Peer, ...]
 
 
@@ -77,6 +81,7 @@ class RankProgram:
     model: str
     plan_hash: str
     context: int
+    prefill_chunk: int = PREFILL_CHUNK  # at most this many tokens per row per step (chunked prefill)
 
     @property
     def leader(self) -> int:
@@ -88,18 +93,33 @@ class RankProgram:
 
 
 def program_to_json(program: RankProgram) -> dict[str, Any]:
-    return dataclasses.asdict(program)
+    """JSON-ready dict (layouts in their typed form: {"replicated": {}} or {"split": {...}})."""
+    out = dataclasses.asdict(program)
+    for stage, s in zip(out["stages"], program.stages):
+        for name in ("recv", "send"):
+            transfer = getattr(s, name)
+            if transfer is not None:
+                stage[name]["layouts"] = [layout_to_json(layout) for layout in transfer.layouts]
+    return out
 
 
 def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
+def _layout(data: Any) -> Layout:
+    try:
+        return layout_from_json(data)
+    except ValueError:
+        raise OpWeaveError(f"rank program: value layout {data!r} is not one this opweave reads "
+                           "(an artifact from another version: compile it again)") from None
+
+
 def _transfer(d: dict | None) -> Transfer | None:
     if d is None:
         return None
     return Transfer(cut=d["cut"], values=tuple(d["values"]), shapes=_tuples(d["shapes"]),
-                    layouts=tuple(d["layouts"]), peers=tuple(Peer(**p) for p in d["peers"]))
+                    layouts=tuple(_layout(x) for x in d["layouts"]), peers=tuple(Peer(**p) for p in d["peers"]))
 
 
 def program_from_json(d: dict[str, Any]) -> RankProgram:

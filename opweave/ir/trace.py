@@ -102,6 +102,7 @@ def _op_from_node(index: int, node: torch.fx.Node, module: OpModule, inputs: tup
         active_weight_fraction=facts.active_weight_fraction, flops_per_token=facts.flops_per_token,
         flops_per_context_token=facts.flops_per_context_token, act_bytes_per_token=act_bytes,
         state=facts.state, tp_rule=facts.tp_rule, tp_units=facts.tp_units,
+        kv_heads=facts.kv_heads,
     )
 
 

@@ -7,15 +7,22 @@ contiguous rows [floor(j·m/r), floor((j+1)·m/r)). A stage boundary becomes, fo
 of replicas whose rows overlap, one packed send of the overlapping rows of the cut's live values
 from the source replica's leader to the destination replica's leader, which fans them out to its
 TP peers. The last stage returns the new token ids to the embedding owner's leaders the same way.
+Consecutive stages of one owner (one owner taking every stage of a template) are one stage
+program: nothing crosses between them.
+
+What TP does to each op and value comes from the TP table (`opweave.ir.tp`): which launches are
+followed by an all-reduce, and the typed layout (`Replicated` / `Split`) of every value crossing a
+cut. Lowering reads only the Plan and the OpGraph (no model configuration).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from opweave.ir.graph import OpGraph
-from opweave.ir.kinds import OpKind, TPRule
 from opweave.ir.plan import Plan
 from opweave.ir.program import Launch, Peer, RankProgram, StageProgram, Transfer
-from opweave.models.config import ModelConfig
+from opweave.ir.tp import allreduce_after, value_layout
 
 
 def replica_rows(microbatch_size: int, replicas: int) -> list[tuple[int, int]]:
@@ -41,46 +48,15 @@ def _overlaps(plan: Plan, leaders, other: int, rows: tuple[int, int], mb: int) -
     return tuple(peers)
 
 
-def _allreduce_after(graph: OpGraph, index: int, tp: int) -> bool:
-    """Row-parallel partial sums are all-reduced, except routed experts whose sum the shared
-    expert extends first (its output is all-reduced instead)."""
-    op = graph.ops[index]
-    if tp <= 1 or op.tp_rule not in (TPRule.ROW, TPRule.EXPERT_FFN):
-        return False
-    nxt = graph.ops[index + 1] if index + 1 < len(graph.ops) else None
-    return not (op.kind == OpKind.MOE_EXPERTS and nxt is not None and nxt.kind == OpKind.SHARED_EXPERT)
-
-
-_SPLIT_KINDS = (OpKind.QKV_PROJ, OpKind.QK_NORM, OpKind.ROPE, OpKind.ATTN_FULL, OpKind.ATTN_SLIDING,
-                OpKind.ATTN_LINEAR)
-
-
-def value_layout(graph: OpGraph, cfg: ModelConfig, value: str) -> str:
-    """How a TP group holds a value: replicated ("rep"), split in contiguous head blocks along its
-    first per-token dim ("split"), or split part by part ("parts:a,b,c": Gated-DeltaNet's packed
-    q | k | v channels)."""
-    name, _, index = value.partition("[")
-    op = next(o for o in graph.ops if o.name == name)
-    if op.kind not in _SPLIT_KINDS:
-        return "rep"
-    if op.kind == OpKind.QKV_PROJ and cfg.linear_attn and op.layer is not None \
-            and cfg.layer_types[op.layer] == "linear_attention" and index.rstrip("]") == "0":
-        la = cfg.linear_attn
-        qk = la.num_key_heads * la.key_head_dim
-        return f"parts:{qk},{qk},{la.num_value_heads * la.value_head_dim}"
-    return "split"
-
-
-def _transfer(graph: OpGraph, cfg: ModelConfig, cut: int, peers: tuple[Peer, ...]) -> Transfer:
+def _transfer(graph: OpGraph, cut: int, peers: tuple[Peer, ...]) -> Transfer:
     point = graph.cut_after(cut)
     if point is None:
         raise ValueError(f"plan cuts after op {cut}, which is not a legal cut point")
     return Transfer(cut=cut, values=point.values, shapes=point.value_shapes,
-                    layouts=tuple(value_layout(graph, cfg, v) for v in point.values), peers=peers)
+                    layouts=tuple(value_layout(graph, v) for v in point.values), peers=peers)
 
 
-def lower(plan: Plan, graph: OpGraph, cfg: ModelConfig, period: int, num_blocks: int,
-          plan_hash: str) -> tuple[RankProgram, ...]:
+def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: str) -> tuple[RankProgram, ...]:
     """One program per rank of replica set 0."""
     layout = rank_layout(plan)
     leaders = _leaders(plan)
@@ -102,17 +78,23 @@ def lower(plan: Plan, graph: OpGraph, cfg: ModelConfig, period: int, num_blocks:
                 block = op.layer // period if op.layer is not None and op.layer < num_blocks * period else None
                 launches.append(Launch(op=index, name=op.name, kind=op.kind.value, layer=op.layer, block=block,
                                        inputs=op.inputs, output=op.name,
-                                       allreduce=_allreduce_after(graph, index, owner.tp)))
+                                       allreduce=allreduce_after(graph.ops, index, owner.tp)))
             prev_owner = plan.stages[i - 1].owner if i > 0 else None
-            recv = (_transfer(graph, cfg, st.first_op - 1, _overlaps(plan, leaders, prev_owner, rows, mb))
+            recv = (_transfer(graph, st.first_op - 1, _overlaps(plan, leaders, prev_owner, rows, mb))
                     if i > 0 and prev_owner != o else None)
             last = i == len(plan.stages) - 1
             send = None
             if not last and plan.stages[i + 1].owner != o:
-                send = _transfer(graph, cfg, st.last_op, _overlaps(plan, leaders, plan.stages[i + 1].owner, rows, mb))
+                send = _transfer(graph, st.last_op, _overlaps(plan, leaders, plan.stages[i + 1].owner, rows, mb))
             returns = _overlaps(plan, leaders, first_owner, rows, mb) if last else ()
             layers = tuple(sorted({graph.ops[x].layer for x in range(st.first_op, st.last_op + 1)
                                    if graph.ops[x].layer is not None}))
+            if i > 0 and plan.stages[i - 1].owner == o:  # the owner's previous stage goes straight on
+                before = stages.pop()
+                stages.append(dataclasses.replace(
+                    before, layers=tuple(sorted(set(before.layers) | set(layers))),
+                    launches=before.launches + tuple(launches), send=send, returns=returns))
+                continue
             stages.append(StageProgram(stage=st.index, block=next((l.block for l in launches if l.block is not None), None), layers=layers, recv=recv,
                                        launches=tuple(launches), send=send, returns=returns))
         scheduler = o == first_owner

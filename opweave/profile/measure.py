@@ -36,6 +36,7 @@ from opweave import __version__
 from opweave.errors import OpWeaveError
 from opweave.ir.graph import Op
 from opweave.ir.kinds import OpClass
+from opweave.ir.tp import legal_tp
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule
 from opweave.profile.sequence import (MAX_REPS, MEASURE_THREADS, MIN_REPS, ROTATE_FACTOR, SEQUENCE_WARMUP,
@@ -349,10 +350,11 @@ def _measure_all(source, dtype: str, graph, groups, device, batches, contexts, t
         runnable = {}
         for sig, ops in groups.items():
             op = ops[0]
-            if is_replicated(op) or op.tp_units % tp == 0:
+            if is_replicated(op) or legal_tp([op], tp):
                 runnable[sig] = ops
             else:
-                say(f"{op.kind.value}: TP {tp} does not divide {op.tp_units} units: not measured")
+                say(f"{op.kind.value}: {op.tp_units} units (KV heads {op.kv_heads}) do not split over TP {tp}: "
+                    "not measured")
         samples = measure_sequence(graph, runnable, full_modules, specs, tp, device, batches, contexts, say)
         for sig, ops in runnable.items():
             op = ops[0]

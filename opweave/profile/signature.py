@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 
 from opweave.ir.graph import Op, OpGraph
-from opweave.ir.kinds import OpKind, TPRule
+from opweave.ir.tp import rule as tp_rule
 
 
 def op_signature(op: Op) -> str:
@@ -35,5 +35,5 @@ def graph_hash(graph: OpGraph) -> str:
 
 
 def is_replicated(op: Op) -> bool:
-    """Ops every TP rank runs whole (`opweave.runtime.shard.materialize`): one figure for any TP."""
-    return op.tp_rule == TPRule.REPLICATE or op.kind == OpKind.EMBED
+    """Ops every TP rank runs whole (the TP table, `opweave.ir.tp`): one figure for any TP."""
+    return not tp_rule(op.kind).sharded

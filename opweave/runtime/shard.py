@@ -1,10 +1,10 @@
 """Materialising a rank's operator modules: its TP shard of each, with only its weights.
 
 Operators are built on the meta device with the model; a rank materialises the ones it runs.
-With TP degree t an operator is rebuilt for a sharded configuration (1/t of the heads, of the
-intermediate size, of the vocabulary) and loads the matching slices of its checkpoint tensors
-(`runtime/tp.py` says which dimension and block layout); the runtime all-reduces the
-partial sums of row-parallel operators.
+With TP degree t an operator the TP table (`opweave.ir.tp`) shards is rebuilt for a sharded
+configuration (its share of the heads, of the intermediate size, of the vocabulary) and loads the
+table's blocks of its checkpoint tensors (`runtime/tp.py`); the runtime all-reduces the partial
+sums the table names. Replicated operators (the embedding, norms, the router) load whole.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import zlib
 
 import torch
 
-from opweave.ir.kinds import OpKind, TPRule
+from opweave.ir.kinds import OpKind
 from opweave.models.ops import OpModule
 from opweave.runtime.heartbeat import Phase, report
+from opweave.runtime.tp import module_tp, needs_shard, shard_module
 
 
 class RandomWeights:
@@ -44,6 +45,8 @@ class RandomWeights:
 
 
 def _reader(weights: str, cfg, modules: dict[int, OpModule]):
+    if callable(weights):  # a reader factory given the full shapes (runtime/memory.py: meta tensors)
+        return weights(_reader("random", cfg, modules))
     if weights == "random":
         shapes = {}
         for m in modules.values():  # full (unsharded) shapes, for slicing
@@ -63,22 +66,41 @@ def _reader(weights: str, cfg, modules: dict[int, OpModule]):
 
 def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: int,
                 device: torch.device) -> dict[int, OpModule]:
-    """The rank's operators on `device` with their (sharded) weights loaded."""
+    """The rank's operators on `device` with their (sharded) weights loaded: the TP table
+    (`opweave.ir.tp`) says which are sharded and how. A tied LM head on the rank that also holds
+    the embedding views its block of the embedding's weight (held once, as the planner counts).
+    On the meta device nothing is read: the modules show what the rank would allocate."""
     if not modules:
         return {}
-    reader = _reader(weights, next(iter(modules.values())).cfg, modules)
+    reader = None if device.type == "meta" else _reader(weights, next(iter(modules.values())).cfg, modules)
     out = {}
     for index, module in modules.items():
-        replicated = module.facts().tp_rule == TPRule.REPLICATE or module.kind in (OpKind.EMBED, OpKind.SAMPLE)
-        if tp > 1 and not replicated:
-            from opweave.runtime.tp import shard_module
-
+        if tp > 1 and needs_shard(module):
             module = shard_module(module, tp, tp_rank, reader, device)
         else:
             module = module.to_empty(device=device)
             module.init_buffers()
-            module.load_weights(reader)
+            if reader is not None:
+                module.load_weights(reader)
         out[index] = module.eval()
         report(Phase.LOADING)  # a long load is progress, not a stall
+    _tie(out, tp, tp_rank)
     return out
 
+
+def _tie(modules: dict[int, OpModule], tp: int, tp_rank: int) -> None:
+    embed = next((m for m in modules.values() if m.kind == OpKind.EMBED), None)
+    for m in modules.values():
+        if m.kind != OpKind.LM_HEAD or "weight" not in m.tied or embed is None:
+            continue
+        full = embed.weight
+        found = module_tp(m).weight_split(m.tied["weight"], tuple(full.shape)) if tp > 1 else None
+        if found is None:
+            block = full
+        else:
+            dim, split = found
+            (start, length), = split.blocks(tp, tp_rank)
+            block = full.narrow(dim, start, length)
+        if tuple(block.shape) != tuple(m.weight.shape):
+            raise AssertionError(f"tied LM head {tuple(m.weight.shape)} vs embedding block {tuple(block.shape)}")
+        m.weight = torch.nn.Parameter(block, requires_grad=False)

@@ -1,13 +1,12 @@
-"""Tensor-parallel shards of operator modules.
+"""Tensor-parallel shards of operator modules, as `opweave.ir.tp` says.
 
-A shard of an operator is the same module class built for a sharded configuration: 1/t of the
-attention heads (q, kv and Gated-DeltaNet key/value heads), of the dense and expert intermediate
-sizes, and of the vocabulary. Its weights are the matching slices of the checkpoint tensors,
-read with safetensors slices: a sharded dimension is the one whose size differs from the full
-tensor's, split in t contiguous blocks, except two packed layouts split part by part:
-  - fused experts `gate_up_proj` [E, 2I, H]: the gate half and the up half;
-  - the Gated-DeltaNet causal conv [q | k | v channels, 1, K]: each of the three parts.
-Row-parallel shards (o_proj, down, experts) produce partial sums: the generated code all-reduces.
+A shard of an operator is the same module class built for a sharded configuration: the table's
+share of the attention heads (q heads / t; KV heads / t, or one replicated KV head when t exceeds
+them), of the dense and expert intermediate sizes, of the Gated-DeltaNet key/value heads and of
+the vocabulary. Its weights are the table's blocks of the checkpoint tensors (`OpTP.weight_split`:
+which dimension, which packed parts), read with safetensors slices; the module's parameter shapes
+are checked against the table, so the two never drift apart. The generated code all-reduces the
+partial sums the table names.
 """
 
 from __future__ import annotations
@@ -17,84 +16,93 @@ import dataclasses
 import torch
 
 from opweave.errors import OpWeaveError
+from opweave.ir.tp import OpTP, share
 from opweave.models.config import ModelConfig
 from opweave.models.ops import OpModule
 
 
-def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    def div(n: int, what: str) -> int:
-        if n % tp:
-            raise OpWeaveError(f"{cfg.name}: {what} ({n}) does not divide by TP {tp}")
-        return n // tp
+def module_tp(module: OpModule) -> OpTP:
+    """The table's view of an operator module (full, unsharded shapes)."""
+    facts = module.facts()
+    weights = tuple((module.tied.get(attr) or module.weight_keys[attr], tuple(p.shape))
+                    for attr, p in module.named_parameters(recurse=False, remove_duplicate=False))
+    return OpTP(kind=module.kind, units=facts.tp_units, kv_heads=facts.kv_heads, weights=weights)
 
-    changes = dict(num_heads=div(cfg.num_heads, "attention heads"),
-                   num_kv_heads=div(cfg.num_kv_heads, "KV heads"),
-                   intermediate_size=div(cfg.intermediate_size, "intermediate size") if cfg.intermediate_size else 0,
-                   vocab_size=div(cfg.vocab_size, "vocabulary"))
+
+def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The configuration one rank's shards are built for (`share` of every unit count). Units an
+    op cannot split are refused by `shard_module` for the ops a rank really runs."""
+    def part(n: int) -> int:
+        return share(n, tp) if n else 0
+
+    changes = dict(num_heads=part(cfg.num_heads), num_kv_heads=part(cfg.num_kv_heads),
+                   intermediate_size=part(cfg.intermediate_size), vocab_size=part(cfg.vocab_size))
     if cfg.moe:
         changes["moe"] = dataclasses.replace(
-            cfg.moe, intermediate_size=div(cfg.moe.intermediate_size, "expert intermediate size"),
-            shared_expert_intermediate_size=div(cfg.moe.shared_expert_intermediate_size, "shared expert size")
-            if cfg.moe.shared_expert_intermediate_size else 0)
+            cfg.moe, intermediate_size=part(cfg.moe.intermediate_size),
+            shared_expert_intermediate_size=part(cfg.moe.shared_expert_intermediate_size))
     if cfg.linear_attn:
         changes["linear_attn"] = dataclasses.replace(
-            cfg.linear_attn, num_key_heads=div(cfg.linear_attn.num_key_heads, "linear key heads"),
-            num_value_heads=div(cfg.linear_attn.num_value_heads, "linear value heads"))
+            cfg.linear_attn, num_key_heads=part(cfg.linear_attn.num_key_heads),
+            num_value_heads=part(cfg.linear_attn.num_value_heads))
     return dataclasses.replace(cfg, **changes)
 
 
 class ShardReader:
-    """Reads this rank's slice of each checkpoint tensor (see the module docstring)."""
+    """Reads this rank's block of each checkpoint tensor of one operator (see the module docstring)."""
 
-    def __init__(self, reader, cfg: ModelConfig, tp: int, rank: int):
-        self.reader, self.cfg, self.tp, self.rank = reader, cfg, tp, rank
+    def __init__(self, reader, view: OpTP, tp: int, rank: int):
+        self.reader, self.view, self.tp, self.rank = reader, view, tp, rank
 
     def has(self, key: str) -> bool:
         return self.reader.has(key)
 
-    def _full_shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.reader.shape(key))
-
-    def _block(self, key: str, dim: int, start: int, size: int) -> torch.Tensor:
-        return self.reader.get_slice(key, dim, start, start + size)
-
     def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        full = self._full_shape(key)
-        if shape is None or tuple(shape) == full:
+        full = tuple(self.reader.shape(key))
+        expected = dict(self.view.weights).get(key)
+        if expected is not None and full != tuple(expected):  # before splitting it: name the tensor
+            raise OpWeaveError(f"tensor '{key}' has shape {full}, the model's config implies {tuple(expected)}")
+        found = self.view.weight_split(key, full)
+        local = self.view.local_shape(key, full, self.tp)
+        if shape is not None and tuple(shape) != local:
+            raise OpWeaveError(f"tensor '{key}' has shape {full}: a TP {self.tp} shard is {local}, "
+                               f"the operator expects {tuple(shape)}")
+        if found is None:
             return self.reader.get(key, full)
-        dims = [d for d in range(len(full)) if full[d] != shape[d]]
-        if len(dims) != 1 or full[dims[0]] != shape[dims[0]] * self.tp:
-            raise OpWeaveError(f"tensor '{key}' has shape {full}, the config implies {self.tp} TP shards "
-                               f"of {tuple(shape)}")
-        dim = dims[0]
-        if key.endswith("gate_up_proj"):
-            half = full[dim] // 2
-            part = half // self.tp
-            return torch.cat([self._block(key, dim, h * half + self.rank * part, part) for h in (0, 1)], dim=dim)
-        if key.endswith("conv1d.weight"):
-            la = self.cfg.linear_attn
-            sizes = [la.num_key_heads * la.key_head_dim] * 2 + [la.num_value_heads * la.value_head_dim]
-            parts, offset = [], 0
-            for size in sizes:
-                parts.append(self._block(key, dim, offset + self.rank * size // self.tp, size // self.tp))
-                offset += size
-            return torch.cat(parts, dim=dim)
-        size = shape[dim]
-        return self._block(key, dim, self.rank * size, size)
+        dim, split = found
+        return torch.cat([self.reader.get_slice(key, dim, start, start + length)
+                          for start, length in split.blocks(self.tp, self.rank)], dim=dim)
+
+
+def needs_shard(module: OpModule) -> bool:
+    """Whether a TP group runs a shard of `module` (a weightless, stateless op is the same module
+    at any degree: the sampler, RoPE's rotation, the activation)."""
+    if not module_tp(module).rule.sharded:
+        return False
+    return any(True for _ in module.parameters(recurse=False)) or bool(module.state_attrs)
 
 
 def shard_module(module: OpModule, tp: int, rank: int, reader, device: torch.device) -> OpModule:
-    """This rank's shard of `module`, materialised on `device` with its weight slices."""
-    cfg = sharded_config(module.cfg, tp)
-    sharded = rebuild(module, cfg)
+    """This rank's shard of `module`, materialised on `device` with its weight blocks."""
+    view = module_tp(module)
+    if not view.legal(tp):
+        raise OpWeaveError(f"{module.cfg.name}: {module.kind.value} ({view.units} units, {view.kv_heads} KV heads) "
+                           f"does not split over TP {tp}")
+    sharded = rebuild(module, sharded_config(module.cfg, tp), tp)
+    for attr, p in sharded.named_parameters(recurse=False, remove_duplicate=False):
+        key = sharded.tied.get(attr) or sharded.weight_keys[attr]
+        expected = view.local_shape(key, dict(view.weights)[key], tp)
+        if tuple(p.shape) != expected:
+            raise AssertionError(f"{module.kind.value} shard {attr}: built {tuple(p.shape)}, the TP table says {expected}")
     sharded = sharded.to_empty(device=device)
     sharded.init_buffers()
-    sharded.load_weights(ShardReader(reader, module.cfg, tp, rank))
+    if reader is not None:  # None: on the meta device, shapes only
+        sharded.load_weights(ShardReader(reader, view, tp, rank))
     return sharded
 
 
-def rebuild(module: OpModule, cfg: ModelConfig) -> OpModule:
-    """The same operator for another (sharded) configuration, on the meta device."""
+def rebuild(module: OpModule, cfg: ModelConfig, tp: int) -> OpModule:
+    """The same operator for the TP-`tp` sharded configuration `cfg`, on the meta device."""
     from opweave.models import ops
 
     cls = type(module)
@@ -104,15 +112,17 @@ def rebuild(module: OpModule, cfg: ModelConfig) -> OpModule:
         if cls is ops.Rope:
             return ops.Rope(cfg, module.layer, module.spec)
         if cls is ops.OProj:
-            return ops.OProj(cfg, module.layer, module.weight_keys["weight"], module.weight.shape[1] // _tp(module, cfg))
+            key = module.weight_keys["weight"]
+            in_features = module_tp(module).local_shape(key, tuple(module.weight.shape), tp)[1]
+            return ops.OProj(cfg, module.layer, key, in_features)
         if cls is ops.LMHead:
             head = ops.LMHead.__new__(ops.LMHead)
             ops.OpModule.__init__(head, cfg, None)
             key = module.tied.get("weight") or module.weight_keys["weight"]
             head._param("weight", key, cfg.vocab_size, cfg.hidden_size)
+            if module.tied:  # still the embedding's weight: a view of it where both are on a rank
+                head.tied = dict(module.tied)
+                del head.weight_keys["weight"]
             return head
         return cls(cfg, module.layer)
 
-
-def _tp(module: OpModule, cfg: ModelConfig) -> int:
-    return module.cfg.num_heads // cfg.num_heads
