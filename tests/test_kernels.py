@@ -1,5 +1,6 @@
-"""The kernel library: torch references against the operator modules (bitwise), and the Triton
-kernels against the references (under TRITON_INTERPRET=1 on CPU; skipped without triton).
+"""The kernel library: the operator modules call the torch references (checked bitwise), blocked
+attention against a naive softmax, and the Triton kernels against the references (under
+TRITON_INTERPRET=1 on CPU; skipped without triton).
 
 Tolerances of the Triton tests: float32 1e-5; float16 2e-3 (about two units in the last place:
 the kernels round once where the references round after each torch op); bfloat16 (attention and
@@ -108,16 +109,56 @@ def test_rope_reference_is_the_module(raw, layer_type):
 def test_decode_attention_reference_is_the_module(window):
     cfg = _cfg(TINY_GEMMA)
     m = ops.Attention(cfg, 0, window)
-    b, max_len, hq, hkv, d = 4, 12, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    m.allocate_state(b, max_len, "cpu")
+    b, context, hq, hkv, d = 4, 12, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    m.allocate_state(b, context, "cpu")
+    assert m.k_cache.shape[1] == (window or context)  # a sliding window keeps a ring of its size
     m.k_cache.normal_()
     m.v_cache.normal_()
     q, k, v = torch.randn(b, 1, hq, d), torch.randn(b, 1, hkv, d), torch.randn(b, 1, hkv, d)
     positions = torch.tensor([[0], [3], [11], [-1]])
+    before = m.k_cache.clone(), m.v_cache.clone()
     want = m(q, k, v, positions)  # writes k, v into the cache, then attends
-    got = ref.decode_attention(q[:, 0], m.k_cache[:, :max_len], m.v_cache[:, :max_len], positions[:, 0],
-                               cfg.attn_scale, window)
+    ref.cache_write(*before, k, v, positions)
+    assert torch.equal(before[0], m.k_cache) and torch.equal(before[1], m.v_cache)
+    got = ref.decode_attention(q[:, 0], m.k_cache, m.v_cache, positions[:, 0], cfg.attn_scale, window)
     assert torch.equal(got.reshape(want.shape), want)
+
+
+def _naive_attention(q, k, v, q_pos, k_pos, scale, window):
+    """Softmax over every key (no blocks) with the causal / window mask by position; [B, T, Hq, D]."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bthd,blhd->bhtl", q, k) * scale
+    qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
+    allowed = (kp >= 0) & (kp <= qp) & ((kp > qp - window) if window else True)
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhtl,blhd->bthd", p, v)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block", [3, 256])
+def test_chunk_attention_in_key_blocks(monkeypatch, window, block):
+    """A prefill chunk over a wrapped ring and itself, in key blocks smaller than the ring and the
+    chunk (online softmax across blocks), equals one softmax over the whole history."""
+    monkeypatch.setattr(ref, "ATTN_KEY_BLOCK", block)
+    gen = torch.Generator().manual_seed(4)
+    b, t, hq, hkv, d, slots = 3, 7, 4, 2, 8, (window or 40)  # a full cache holds the context (40)
+    start = torch.tensor([0, 9, 23])  # position of each row's first chunk column
+    history = torch.randn(b, 40, 2, hkv, d, generator=gen)  # keys and values of positions 0..39
+    positions = start[:, None] + torch.arange(t)
+    positions[2, :2] = -1  # left padding: row 2's chunk starts at 25 (the ring has wrapped)
+    k_cache, v_cache = torch.randn(b, slots, hkv, d), torch.randn(b, slots, hkv, d)  # stale slots
+    for row in range(b):
+        for p in range(int(positions[row][positions[row] >= 0].min())):
+            k_cache[row, p % slots], v_cache[row, p % slots] = history[row, p, 0], history[row, p, 1]
+    q = torch.randn(b, t, hq, d, generator=gen)
+    k = torch.stack([history[r, positions[r].clamp(min=0), 0] for r in range(b)])
+    v = torch.stack([history[r, positions[r].clamp(min=0), 1] for r in range(b)])
+    got = ref.chunk_attention(q, k, v, k_cache, v_cache, positions, 0.3, window)
+    all_pos = torch.arange(40).repeat(b, 1)
+    all_pos = torch.where(all_pos < start[:, None] + t, all_pos, -1)  # the future is not there
+    want = _naive_attention(q, history[:, :, 0], history[:, :, 1], positions, all_pos, 0.3, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
@@ -150,19 +191,16 @@ def test_argmax_reference_is_the_module():
 def _gdn_decode_with_kernels(backend, m: ops_linear.GatedDeltaNet, mixed, z, b, a, positions):
     """One decode token of GatedDeltaNet with the recurrence from `backend.gdn_step` (conv, gates
     and gated norm as in the module). Returns (out [B, 1, Hv*Dv], new recurrent state)."""
-    dtype = mixed.dtype
     bsz = mixed.shape[0]
     pos = positions[:, 0]
-    prev = torch.where((pos == 0)[:, None, None], 0.0, m.conv_state)
-    window = torch.cat((prev, mixed[:, 0, :, None]), dim=-1)
-    u = F.silu((window.float() * m.conv_weight[:, 0, :].float()).sum(dim=-1)).to(dtype)
+    u, _ = ref.causal_conv_step(mixed[:, 0], m.conv_state, m.conv_weight[:, 0, :], pos)
     q, k, v = torch.split(u, [m.key_dim, m.key_dim, m.hv * m.dv], dim=-1)
     beta = torch.sigmoid(b[:, 0]).float()
     g = -m.A_log.float().exp() * F.softplus(a[:, 0].float() + m.dt_bias.float())
     o, state = backend.gdn_step(q.reshape(bsz, m.hk, m.dk), k.reshape(bsz, m.hk, m.dk), v.reshape(bsz, m.hv, m.dv),
                                 g, beta, m.recurrent_state, pos)
-    h = ref.rms_norm(o, m.norm_weight, m.cfg.rms_norm_eps, False) * F.silu(z[:, 0].float())
-    return h.to(dtype).reshape(bsz, 1, m.hv * m.dv), state
+    h = ref.gated_rms_norm(o, m.norm_weight, z[:, 0], m.cfg.rms_norm_eps)
+    return h.reshape(bsz, 1, m.hv * m.dv), state
 
 
 def _gdn_module(dtype: str):
@@ -229,13 +267,13 @@ def test_rope_triton_leading_dims_and_strided_input(tri):
 @pytest.mark.parametrize("hkv,group,d", [(2, 3, 24), (1, 8, 64), (3, 1, 16)])
 @pytest.mark.parametrize("window", [None, 5, 16])
 def test_decode_attention_triton(tri, dtype, hkv, group, d, window):
-    b, length = 5, 40
+    b, length = 7, 40
     q = torch.randn(b, hkv * group, d).to(dtype)
-    # the module's caches have one scratch slot past the end: pass the strided view, like the runtime
-    k_cache = torch.randn(b, length + 1, hkv, d).to(dtype)[:, :length]
-    v_cache = torch.randn(b, length + 1, hkv, d).to(dtype)[:, :length]
-    # first slot; window boundary on and off block edges (16); last slot; padding
-    positions = torch.tensor([0, 20, 31, length - 1, -1])
+    # ring-buffer caches (position p at slot p % length); a strided view, as a microbatch's rows are
+    k_cache = torch.randn(b + 1, length, hkv, d).to(dtype)[1:]
+    v_cache = torch.randn(b + 1, length, hkv, d).to(dtype)[1:]
+    # first slot; window boundary on and off block edges (16); last slot; padding; wrapped rings
+    positions = torch.tensor([0, 20, 31, length - 1, -1, length + 3, 3 * length + 17])
     _close(tri.decode_attention(q, k_cache, v_cache, positions, d ** -0.5, window),
            ref.decode_attention(q, k_cache, v_cache, positions, d ** -0.5, window), dtype)
 
@@ -295,3 +333,23 @@ def test_argmax_triton(tri, dtype, vocab):
         logits[2, [3, vocab - 2]] = 5.0  # a tie: the first index wins, like torch.argmax
         logits[3, :] = float("-inf")
     _close(tri.argmax(logits), ref.argmax(logits), dtype)
+
+
+def test_gdn_module_runs_the_triton_recurrence_in_the_runtime_wrapper(tri):
+    """`KernelOp` runs Gated-DeltaNet with the backend's `gdn_step`: a 4-token chunk then a decode
+    token agree with the module, outputs and both states."""
+    import copy
+
+    from opweave.runtime.kernel_ops import KernelOp
+
+    m, _, _ = _gdn_module("float32")
+    wrapped = KernelOp(copy.deepcopy(m), tri)
+    la = m.cfg.linear_attn
+    gen = torch.Generator().manual_seed(5)
+    for positions in (torch.tensor([[0, 1, 2, 3], [-1, -1, 7, 8], [-1, -1, -1, -1]]), torch.tensor([[4], [9], [0]])):
+        t = positions.shape[1]
+        x = (torch.randn(3, t, m.conv_dim, generator=gen), torch.randn(3, t, la.num_value_heads, la.value_head_dim,
+             generator=gen), torch.randn(3, t, la.num_value_heads, generator=gen),
+             torch.randn(3, t, la.num_value_heads, generator=gen))
+        _close(wrapped(*x, positions), m(*x, positions), torch.float32)
+        _close((wrapped.op.conv_state, wrapped.op.recurrent_state), (m.conv_state, m.recurrent_state), torch.float32)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from opweave.models import ops
+from opweave.models.activation import PREFILL_CHUNK
 from opweave.models.config import FULL, LINEAR, SLIDING, ModelConfig
 
 
@@ -140,7 +141,8 @@ class CausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, ops.OpModule)]
 
     def allocate_state(self, batch: int, max_len: int, device="cpu") -> None:
-        """Allocates KV caches / recurrent state for `batch` slots of up to `max_len` tokens."""
+        """Allocates KV caches / recurrent state for `batch` slots of up to `max_len` tokens (each
+        op exactly its `StateSpec.bytes_at(max_len)` per slot: sliding windows as ring buffers)."""
         for m in self.op_modules():
             m.allocate_state(batch, max_len, device)
 
@@ -168,15 +170,17 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Causal
 
 
 @torch.no_grad()
-def generate(model: CausalLM, prompt: list[int], max_new_tokens: int):
-    """Greedy generation for one prompt through prefill + decode steps.
+def generate(model: CausalLM, prompt: list[int], max_new_tokens: int, prefill_chunk: int = PREFILL_CHUNK):
+    """Greedy generation for one prompt: prefill in chunks of `prefill_chunk` tokens, then decode steps.
 
     Returns (logits [T + max_new_tokens - 1, V]: the prompt's, then each decode step's;
     new token ids)."""
     model.allocate_state(1, len(prompt) + max_new_tokens)
-    logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0]
-    all_logits = [logits]
-    tokens = [int(torch.argmax(logits[-1]))]
+    all_logits = []
+    for start in range(0, len(prompt), prefill_chunk):
+        chunk = prompt[start:start + prefill_chunk]
+        all_logits.append(model(torch.tensor([chunk]), torch.arange(start, start + len(chunk))[None])[0])
+    tokens = [int(torch.argmax(all_logits[-1][-1]))]
     for i in range(max_new_tokens - 1):
         pos = torch.tensor([[len(prompt) + i]])
         step_logits = model(torch.tensor([[tokens[-1]]]), pos)[0]

@@ -6,18 +6,23 @@ key) and cost facts (`facts()`). The containers in `opweave.models.model` only w
 
 Shapes: activations are [B, T, ...] (batch, tokens this step); `positions` is [B, T] int64 with
 -1 marking a padding slot (no state is written for it).
-Numerics follow Hugging Face transformers (RMSNorm in float32, softmax in float32).
-The Gated-DeltaNet operators live in `opweave.models.ops_linear`.
+Numerics follow Hugging Face transformers (RMSNorm in float32, softmax in float32). The math is
+written once, in the kernel library's torch reference (`opweave.codegen.kernels.reference`): the
+modules hold weights and state and call it. The Gated-DeltaNet operators live in
+`opweave.models.ops_linear`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opweave.codegen.kernels import reference as K
+from opweave.codegen.kernels.reference import NON_FINITE_TOKEN  # noqa: F401  (re-exported)
 from opweave.ir.facts import OpFacts, StateSpec
 from opweave.ir.kinds import OpKind, TPRule
 from opweave.models.config import ModelConfig, RopeSpec
@@ -92,18 +97,13 @@ class Embed(OpModule):
         return x
 
     def facts(self) -> OpFacts:
-        # a lookup reads one row per token: weights are resident but barely read
-        return OpFacts(flops_per_token=0, tp_rule=TPRule.VOCAB, tp_units=self.cfg.vocab_size,
+        # a lookup reads one row per token: weights are resident but barely read; every TP rank
+        # holds the whole table (opweave.ir.tp)
+        return OpFacts(flops_per_token=0, tp_rule=TPRule.REPLICATE, tp_units=self.cfg.vocab_size,
                        active_weight_fraction=1.0)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if offset:
-        return (h * (1.0 + weight.float())).to(dtype)
-    return weight * h.to(dtype)
+rms_norm = K.rms_norm
 
 
 class RMSNorm(OpModule):
@@ -159,7 +159,7 @@ class QKVProj(OpModule):
         return q, k, v, gate
 
     def facts(self) -> OpFacts:
-        return _gemm_facts(self, TPRule.HEADS, self.cfg.num_heads)
+        return dataclasses.replace(_gemm_facts(self, TPRule.HEADS, self.cfg.num_heads), kv_heads=self.cfg.num_kv_heads)
 
 
 class QKNorm(OpModule):
@@ -180,7 +180,7 @@ class QKNorm(OpModule):
     def facts(self) -> OpFacts:
         c = self.cfg
         return OpFacts(flops_per_token=4 * (c.num_heads + c.num_kv_heads) * c.head_dim,
-                       tp_rule=TPRule.HEADS, tp_units=c.num_heads)
+                       tp_rule=TPRule.HEADS, tp_units=c.num_heads, kv_heads=c.num_kv_heads)
 
 
 def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -202,11 +202,6 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
     return inv
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Rope(OpModule):
     """Rotary embedding on q and k at `positions`; partial rotary rotates the first part only."""
 
@@ -222,26 +217,24 @@ class Rope(OpModule):
         self.inv_freq = rope_inv_freq(self.spec, self.cfg.head_dim).to(self.inv_freq.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        freqs = positions.clamp(min=0)[..., None].float() * self.inv_freq.float()  # [B,T,rot/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # broadcast over heads
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-
-        def apply(x):
-            rot, keep = x[..., : self.rot_dim], x[..., self.rot_dim:]
-            return torch.cat((rot * cos + _rotate_half(rot) * sin, keep), dim=-1)
-
-        return apply(q), apply(k)
+        return K.rope(q, k, positions, self.inv_freq.float(), self.rot_dim)
 
     def facts(self) -> OpFacts:
         c = self.cfg
         return OpFacts(flops_per_token=3 * (c.num_heads + c.num_kv_heads) * self.rot_dim,
-                       tp_rule=TPRule.HEADS, tp_units=c.num_heads)
+                       tp_rule=TPRule.HEADS, tp_units=c.num_heads, kv_heads=c.num_kv_heads)
 
 
 class Attention(OpModule):
-    """Decode/prefill softmax attention over a per-slot KV cache (full or sliding window).
+    """Softmax attention over a per-slot KV cache (full, or a sliding-window ring buffer).
 
-    The cache holds `max_len` positions plus one scratch slot that padding writes go to."""
+    The cache of a sequence slot holds `slots` positions, position p at slot p % slots: the whole
+    context for full attention, min(context, window) for a sliding window (exactly the planner's
+    `StateSpec.bytes_at(context)`). A one-token step writes its k/v, then attends the cache
+    (`decode_attention`); a step of several tokens (a prefill chunk) attends the cache and itself
+    in key blocks (`chunk_attention`), then writes its newest keys. Padding (position -1) writes
+    nothing; which position a slot holds follows from the sequence's positions, so a reused slot
+    never shows a previous request's keys."""
 
     state_attrs = ("k_cache", "v_cache")
 
@@ -252,36 +245,30 @@ class Attention(OpModule):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def cache_slots(self, context: int) -> int:
+        """Positions the cache of one sequence holds at planned `context`."""
+        return min(context, self.window) if self.window else context
+
     def allocate_state(self, batch: int, max_len: int, device) -> None:
         c = self.cfg
-        shape = (batch, max_len + 1, c.num_kv_heads, c.head_dim)
+        shape = (batch, self.cache_slots(max_len), c.num_kv_heads, c.head_dim)
         self.k_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
         self.v_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                state: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`state`: the (k cache, v cache) of these rows (the runtime passes a microbatch's
+        view); by default the module's own caches."""
         c = self.cfg
         b, t = positions.shape
-        max_len = self.k_cache.shape[1] - 1
-        rows = torch.arange(b, device=q.device)[:, None].expand(b, t)
-        slots = torch.where(positions >= 0, positions, max_len)
-        self.k_cache[rows, slots] = k
-        self.v_cache[rows, slots] = v
-        keys = self.k_cache[:, :max_len]
-        vals = self.v_cache[:, :max_len]
-        group = c.num_heads // c.num_kv_heads
-        qh = q.view(b, t, c.num_kv_heads, group, c.head_dim).permute(0, 2, 3, 1, 4)  # B,Hkv,G,T,D
-        kh = keys.permute(0, 2, 1, 3)[:, :, None]                                     # B,Hkv,1,L,D
-        vh = vals.permute(0, 2, 1, 3)[:, :, None]
-        scores = torch.matmul(qh, kh.transpose(-1, -2)) * c.attn_scale                # B,Hkv,G,T,L
-        j = torch.arange(max_len, device=q.device)
-        pos = positions[:, None, None, :, None]
-        allowed = j <= pos
-        if self.window:
-            allowed = allowed & (j > pos - self.window)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
-        out = torch.matmul(probs, vh)                                                 # B,Hkv,G,T,D
-        return out.permute(0, 3, 1, 2, 4).reshape(b, t, c.num_heads * c.head_dim)
+        k_cache, v_cache = (self.k_cache, self.v_cache) if state is None else state
+        if t == 1:
+            K.cache_write(k_cache, v_cache, k, v, positions)
+            out = K.decode_attention(q[:, 0], k_cache, v_cache, positions[:, 0], c.attn_scale, self.window)
+        else:
+            out = K.chunk_attention(q, k, v, k_cache, v_cache, positions, c.attn_scale, self.window)
+            K.cache_write(k_cache, v_cache, k, v, positions)
+        return out.reshape(b, t, c.num_heads * c.head_dim)
 
     def facts(self) -> OpFacts:
         c = self.cfg
@@ -290,7 +277,7 @@ class Attention(OpModule):
             flops_per_token=0,
             flops_per_context_token=4 * c.num_heads * c.head_dim,  # q·k and p·v
             state=StateSpec(bytes_per_token=kv_bytes, max_tokens=self.window, max_shards=c.num_kv_heads),
-            tp_rule=TPRule.HEADS, tp_units=c.num_heads,
+            tp_rule=TPRule.HEADS, tp_units=c.num_heads, kv_heads=c.num_kv_heads,
         )
 
 
@@ -340,10 +327,7 @@ class MLPGateUp(OpModule):
         return _gemm_facts(self, TPRule.COLUMN, self.cfg.intermediate_size)
 
 
-def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    if name == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh")
+activation = K.activation
 
 
 class Act(OpModule):
@@ -352,7 +336,7 @@ class Act(OpModule):
     kind = OpKind.ACT
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return activation(self.cfg.hidden_act, gate) * up
+        return K.gated_act(gate, up, self.cfg.hidden_act)
 
     def facts(self) -> OpFacts:
         return OpFacts(flops_per_token=8 * self.cfg.intermediate_size, tp_rule=TPRule.COLUMN,
@@ -385,10 +369,7 @@ class MoERouter(OpModule):
         self._param("weight", layer_prefix(layer) + "mlp.gate.weight", cfg.moe.num_experts, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor):
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.cfg.moe.top_k, dim=-1)
-        if self.cfg.moe.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = K.moe_route(F.linear(x, self.weight), self.cfg.moe.top_k, self.cfg.moe.norm_topk_prob)
         return weights.to(x.dtype), ids
 
     def facts(self) -> OpFacts:
@@ -425,15 +406,7 @@ class MoEExperts(OpModule):
         self.down.data = torch.stack(down).to(self.down.dtype)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
-        flat = x.reshape(b * t, 1, h, 1)
-        idx = ids.reshape(b * t, -1)
-        gate_up = torch.matmul(self.gate_up[idx], flat.expand(-1, idx.shape[1], -1, -1))[..., 0]  # N,k,2I
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = (F.silu(gate) * up)[..., None]
-        out = torch.matmul(self.down[idx], act)[..., 0]                                          # N,k,H
-        out = (out * weights.reshape(b * t, -1, 1)).sum(dim=1)
-        return out.reshape(b, t, h)
+        return K.moe_experts(x, weights, ids, self.gate_up, self.down)
 
     def facts(self) -> OpFacts:
         m = self.cfg.moe
@@ -457,7 +430,7 @@ class SharedExpert(OpModule):
         self._param("gate_scale", p + "shared_expert_gate.weight", 1, h)
 
     def forward(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        h = F.silu(F.linear(x, self.gate_weight)) * F.linear(x, self.up_weight)
+        h = K.gated_act(F.linear(x, self.gate_weight), F.linear(x, self.up_weight), "silu")
         return routed + torch.sigmoid(F.linear(x, self.gate_scale)) * F.linear(h, self.down_weight)
 
     def facts(self) -> OpFacts:
@@ -487,12 +460,6 @@ class LMHead(OpModule):
                        tp_units=self.cfg.vocab_size)
 
 
-NON_FINITE_TOKEN = -1
-"""The id the sampler gives a row whose logits are not all finite (NaN or infinite): argmax would
-pick an arbitrary token (NaN wins, or an all-NaN row gives 0), so the row is marked instead and the
-scheduler ends that request with an error. Chosen on the device (no host sync per step)."""
-
-
 class Sample(OpModule):
     """Greedy sampling: argmax of the last position's logits -> next token ids [B]
     (NON_FINITE_TOKEN for a row whose logits are not all finite)."""
@@ -503,9 +470,7 @@ class Sample(OpModule):
         super().__init__(cfg, None)
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        last = logits[:, -1, :]
-        ids = torch.argmax(last, dim=-1)
-        return torch.where(torch.isfinite(last).all(dim=-1), ids, NON_FINITE_TOKEN)
+        return K.argmax(logits[:, -1, :])
 
     def facts(self) -> OpFacts:
         return OpFacts(flops_per_token=self.cfg.vocab_size, tp_rule=TPRule.VOCAB, tp_units=self.cfg.vocab_size)

@@ -9,7 +9,8 @@ Per sequence the layer keeps constant-size state: the last K-1 conv inputs [C, K
 and one recurrent matrix S [Dk, Dv] per value head (float32). `positions` [B, T] drive it:
 position 0 starts a new sequence in that slot (state reset), position < 0 is padding (state kept).
 Both are applied with `torch.where`, so the ops never branch on tensor values and also run on the
-meta device. Numerics follow transformers' torch fallback (the recurrence in float32).
+meta device. Numerics follow transformers' torch fallback (the recurrence in float32); the math
+is the kernel library's torch reference (`causal_conv_step`, `gdn_step`, `gated_rms_norm`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from opweave.codegen.kernels import reference as K
 from opweave.ir.facts import OpFacts, StateSpec
 from opweave.ir.kinds import OpKind, TPRule
 from opweave.models.config import ModelConfig
@@ -62,10 +64,6 @@ class LinearQKVProj(OpModule):
         return _gemm_facts(self, TPRule.HEADS, self.cfg.linear_attn.num_key_heads)
 
 
-def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
 class GatedDeltaNet(OpModule):
     """Causal depthwise conv + gated delta-rule recurrence + gated RMSNorm.
 
@@ -108,46 +106,30 @@ class GatedDeltaNet(OpModule):
         self.recurrent_state = torch.zeros(batch, self.hv, self.dk, self.dv, dtype=torch.float32, device=device)
 
     def forward(self, mixed_qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
-        dtype = mixed_qkv.dtype
+                positions: torch.Tensor, kernels=K,
+                state: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`kernels`: the backend whose `gdn_step` runs the recurrence (the runtime passes Triton's).
+        `state`: the (conv state, recurrent state) of these rows, updated in place (the runtime
+        passes a microbatch's view); by default the module's own."""
         bsz, t_len, _ = mixed_qkv.shape
-        r = self.hv // self.hk
-        conv_w = self.conv_weight[:, 0, :].float()                                   # [C, K]
+        conv_w = self.conv_weight[:, 0, :]                                           # [C, K]
         beta = torch.sigmoid(b).float()                                              # [B, T, Hv]
         log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        conv_state, state = self.conv_state, self.recurrent_state
+        conv_slots, recurrent_slots = (self.conv_state, self.recurrent_state) if state is None else state
+        conv, s = conv_slots, recurrent_slots
         outs = []
         for t in range(t_len):  # token by token: the same code serves prefill and decode
             pos = positions[:, t]
-            live = (pos >= 0)[:, None, None]
-            start = (pos == 0)[:, None, None]
-            # causal conv over [K-1 previous inputs | this input]; a new sequence sees zeros before it
-            prev = torch.where(start, 0.0, conv_state)
-            window = torch.cat((prev, mixed_qkv[:, t, :, None]), dim=-1)            # [B, C, K]
-            u = F.silu((window.float() * conv_w).sum(dim=-1)).to(dtype)             # [B, C]
-            conv_state = torch.where(live, window[:, :, 1:], conv_state)
-
-            q, k, v = torch.split(u.float(), [self.key_dim, self.key_dim, self.hv * self.dv], dim=-1)
-            q = _l2_normalize(q.view(bsz, self.hk, self.dk)).repeat_interleave(r, dim=1) * self.dk ** -0.5
-            k = _l2_normalize(k.view(bsz, self.hk, self.dk)).repeat_interleave(r, dim=1)   # [B, Hv, Dk]
-            v = v.view(bsz, self.hv, self.dv)
-
-            s = torch.where(start[..., None], 0.0, state)                            # [B, Hv, Dk, Dv]
-            s = s * log_decay[:, t].exp()[..., None, None]
-            predicted = (s * k[..., None]).sum(dim=-2)                               # S^T k  [B, Hv, Dv]
-            delta = (v - predicted) * beta[:, t, :, None]
-            s = s + k[..., None] * delta[:, :, None, :]
-            outs.append((s * q[..., None]).sum(dim=-2))                              # S^T q
-            state = torch.where(live[..., None], s, state)
-        self.conv_state.copy_(conv_state)
-        self.recurrent_state.copy_(state)
-
-        o = torch.stack(outs, dim=1).to(dtype)                                       # [B, T, Hv, Dv]
-        # gated RMSNorm: normalise in float32, scale by w in model dtype, gate with silu(z) in float32
-        h = o.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        h = (self.norm_weight * h.to(dtype)) * F.silu(z.float())
-        return h.to(dtype).reshape(bsz, t_len, self.hv * self.dv)
+            u, conv = K.causal_conv_step(mixed_qkv[:, t], conv, conv_w, pos)
+            q, k, v = torch.split(u, [self.key_dim, self.key_dim, self.hv * self.dv], dim=-1)
+            o, s = kernels.gdn_step(q.reshape(bsz, self.hk, self.dk), k.reshape(bsz, self.hk, self.dk),
+                                    v.reshape(bsz, self.hv, self.dv), log_decay[:, t], beta[:, t], s, pos)
+            outs.append(o)
+        conv_slots.copy_(conv)
+        recurrent_slots.copy_(s)
+        o = torch.stack(outs, dim=1)                                                 # [B, T, Hv, Dv]
+        h = K.gated_rms_norm(o, self.norm_weight, z, self.cfg.rms_norm_eps)
+        return h.reshape(bsz, t_len, self.hv * self.dv)
 
     def facts(self) -> OpFacts:
         c, f = self.conv_dim, _TRANSCENDENTAL_FLOPS

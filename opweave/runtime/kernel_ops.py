@@ -3,8 +3,9 @@
 On CUDA the runtime wraps the operators that have kernels so the generated code calls the Triton
 kernels; on CPU it keeps the torch operator modules. `OPWEAVE_KERNELS=triton|torch` forces a
 backend (with `TRITON_INTERPRET=1`, Triton runs on CPU: that is how the tests check this path).
-Decode attention uses the kernel for one-token steps; prefill steps (several tokens) and the
-Gated-DeltaNet recurrence stay on the operator module.
+Decode attention uses the kernel for one-token steps (prefill chunks stay on the operator module,
+whose math is the torch reference kernels); the Gated-DeltaNet module runs its recurrence with
+the backend's `gdn_step`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from opweave import config
 from opweave.codegen.kernels import get_backend
+from opweave.codegen.kernels.reference import cache_write
 from opweave.ir.kinds import OpKind
 from opweave.models.ops import OpModule
 
@@ -35,7 +37,9 @@ class KernelOp(nn.Module):
         self.op, self.k = op, k
         self.kind = op.kind
 
-    def forward(self, *args):
+    def forward(self, *args, state=None):
+        """`state`: a stateful operator's per-sequence state for these rows (see
+        `opweave.runtime.state`), passed on to the operator; None for the others."""
         op, k, kind = self.op, self.k, self.kind
         if kind in (OpKind.NORM, OpKind.FINAL_NORM):
             return k.rms_norm(args[0], op.weight, op.cfg.rms_norm_eps, op.cfg.norm_offset)
@@ -56,22 +60,19 @@ class KernelOp(nn.Module):
         if kind == OpKind.SAMPLE:
             return k.argmax(args[0][:, -1, :])
         if kind in (OpKind.ATTN_FULL, OpKind.ATTN_SLIDING) and args[3].shape[1] == 1:
-            return self._decode_attention(*args)
-        return op(*args)
+            return self._decode_attention(*args, state=state)
+        if kind == OpKind.ATTN_LINEAR:  # the module's conv and gates around the backend's recurrence
+            return op(*args, kernels=k, state=state)
+        return op(*args) if state is None else op(*args, state=state)
 
-    def _decode_attention(self, q, kk, v, positions):
+    def _decode_attention(self, q, kk, v, positions, state=None):
         op = self.op
-        b = positions.shape[0]
-        max_len = op.k_cache.shape[1] - 1
-        rows = torch.arange(b, device=q.device)[:, None]
-        slots = torch.where(positions >= 0, positions, max_len)
-        op.k_cache[rows, slots] = kk
-        op.v_cache[rows, slots] = v
-        out = self.k.decode_attention(q[:, 0], op.k_cache[:, :max_len], op.v_cache[:, :max_len], positions[:, 0],
-                                      op.cfg.attn_scale, op.window)
-        return out.reshape(b, 1, -1)
+        k_cache, v_cache = (op.k_cache, op.v_cache) if state is None else state
+        cache_write(k_cache, v_cache, kk, v, positions)  # ring buffer: position p at slot p % slots
+        out = self.k.decode_attention(q[:, 0], k_cache, v_cache, positions[:, 0], op.cfg.attn_scale, op.window)
+        return out.reshape(positions.shape[0], 1, -1)
 
-    # the runtime switches microbatch state on the wrapped module
+    # the wrapped module's attributes (kind, layer, state_attrs, its default state...) read through
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
@@ -80,7 +81,7 @@ class KernelOp(nn.Module):
 
 
 KERNEL_KINDS = (OpKind.NORM, OpKind.FINAL_NORM, OpKind.QK_NORM, OpKind.ROPE, OpKind.ACT, OpKind.MOE_ROUTER,
-                OpKind.MOE_EXPERTS, OpKind.SAMPLE, OpKind.ATTN_FULL, OpKind.ATTN_SLIDING)
+                OpKind.MOE_EXPERTS, OpKind.SAMPLE, OpKind.ATTN_FULL, OpKind.ATTN_SLIDING, OpKind.ATTN_LINEAR)
 
 
 def with_kernels(ops: dict[int, OpModule], device: torch.device) -> dict[int, nn.Module]:

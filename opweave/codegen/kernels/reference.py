@@ -1,19 +1,42 @@
-"""Torch reference kernels: the CPU path of the runtime and the oracle for the Triton kernels.
+"""Torch reference kernels: the math of every operator, written once.
 
-Each function computes exactly what the matching operator module in `opweave.models.ops` /
-`opweave.models.ops_linear` computes for one decode token (same operations in the same dtypes, so
-the results are bitwise equal to the modules'); the Triton backend (`triton_kernels`) has the same
-names and signatures. Shapes and conventions are documented in `docs/kernels.md`.
+The operator modules in `opweave.models.ops` / `opweave.models.ops_linear` call these functions
+(they hold weights and state, and wire the calls); the runtime's CPU path is therefore these
+functions, and they are the oracle the Triton backend (`triton_kernels`, same names and
+signatures for the functions in `KERNEL_NAMES`) is tested against. Shapes and conventions are
+documented in `docs/kernels.md`.
+
+Besides the decode kernels (`KERNEL_NAMES`) this module holds the torch-only pieces the modules
+need for steps of several tokens: `chunk_attention` (key-blocked attention of a prefill chunk over
+the cache and itself), `cache_write` (writes a step's keys and values into a ring-buffer cache),
+`causal_conv_step` and `gated_rms_norm` (Gated-DeltaNet). Their scratch is bounded by the block
+sizes in `opweave.models.activation`, never by the context.
+
+KV caches are ring buffers: a cache of C slots holds position p at slot p % C. A full-attention
+cache has C = context (so slot = position); a sliding-window cache has C = min(context, window).
+Which position a slot holds is derived from the newest position of its sequence, so a slot reused
+for a new request never shows the previous request's keys.
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
+import torch.nn.functional as F
 
-from opweave.models.ops import NON_FINITE_TOKEN, _rotate_half, activation
-from opweave.models.ops import rms_norm as _ops_rms_norm
-from opweave.models.ops_linear import _l2_normalize
+from opweave.models.activation import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK
 
+NON_FINITE_TOKEN = -1
+"""The id the sampler gives a row whose logits are not all finite (NaN or infinite): argmax would
+pick an arbitrary token (NaN wins, or an all-NaN row gives 0), so the row is marked instead and the
+scheduler ends that request with an error. Chosen on the device (no host sync per step)."""
+
+# running maximum before any key is seen: finite, so a fully masked block gives exp(-inf) = 0, not NaN
+_NO_MAX = -1.0e30
+
+
+# ---------------------------------------------------------------------------------------------- norms
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
     """RMSNorm over the last dim: `weight * norm(x)` or, with `offset`, `(1 + weight) * norm(x)`.
@@ -26,7 +49,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) ->
     Returns:
         [..., H] in x's dtype.
     """
-    return _ops_rms_norm(x, weight, eps, offset)
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (1.0 + weight.float())).to(dtype)
+    return weight * h.to(dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (Gated-DeltaNet's q and k)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -47,18 +87,76 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
 
     def apply(x):
         rot, keep = x[..., :rot_dim], x[..., rot_dim:]
-        return torch.cat((rot * cos + _rotate_half(rot) * sin, keep), dim=-1)
+        return torch.cat((rot * cos + rotate_half(rot) * sin, keep), dim=-1)
 
     return apply(q), apply(k)
 
 
+# ---------------------------------------------------------------------------------------------- attention
+
+def ring_positions(newest: torch.Tensor, slots: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """The position each ring slot j in [start, stop) holds when its sequence's newest cached
+    position is `newest` [B]: newest - ((newest - j) mod slots) -> [B, stop - start] (negative: empty)."""
+    j = torch.arange(start, slots if stop is None else stop, device=newest.device)
+    return newest[:, None] - torch.remainder(newest[:, None] - j, slots)
+
+
+def _cache_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, newest: torch.Tensor) -> Iterator:
+    """(keys, values, key positions) of a ring cache in blocks of `ATTN_KEY_BLOCK` slots (views)."""
+    slots = k_cache.shape[1]
+    for start in range(0, slots, ATTN_KEY_BLOCK):
+        stop = min(start + ATTN_KEY_BLOCK, slots)
+        yield k_cache[:, start:stop], v_cache[:, start:stop], ring_positions(newest, slots, start, stop)
+
+
+def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: int | None) -> torch.Tensor:
+    """Online-softmax attention (GQA) of queries over key blocks, float32 accumulation.
+
+    A query at position p attends keys at positions kp with 0 <= kp <= p and, with a window,
+    kp > p - window; a query with nothing to attend (padding) gets zeros. Scratch per block:
+    [B, Hq, T, block] float32.
+
+    Args:
+        q: [B, T, Hq, D]; q_pos: [B, T] int.
+        blocks: iterable of (keys [B, L, Hkv, D], values [B, L, Hkv, D], key positions [B, L]).
+    Returns:
+        [B, T, Hq, D] in q's dtype.
+    """
+    b, t, hq, d = q.shape
+    hkv = g = qh = m = l = acc = None
+    for keys, vals, k_pos in blocks:
+        if qh is None:
+            hkv = keys.shape[2]
+            g = hq // hkv
+            # a kv head's query heads and tokens as the rows of one matmul: no broadcast copy of the keys
+            qh = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+            qp = q_pos[:, None, None, :].expand(b, 1, g, t).reshape(b, 1, g * t, 1)
+            m = torch.full((b, hkv, g * t, 1), _NO_MAX, dtype=torch.float32, device=q.device)
+            l = torch.zeros_like(m)
+            acc = torch.zeros(b, hkv, g * t, d, dtype=torch.float32, device=q.device)
+        s = torch.matmul(qh, keys.permute(0, 2, 3, 1)).float() * scale               # B,Hkv,G*T,L
+        kp = k_pos[:, None, None, :]
+        allowed = (kp >= 0) & (kp <= qp)
+        if window:
+            allowed = allowed & (kp > qp - window)
+        s = s.masked_fill(~allowed, float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        p = torch.exp(s - m_new)
+        alpha = torch.exp(m - m_new)
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p.to(vals.dtype), vals.permute(0, 2, 1, 3)).float()
+        m = m_new
+    out = acc / torch.where(l > 0, l, 1.0)                                            # B,Hkv,G*T,D
+    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq, d).to(q.dtype)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      scale: float, window: int | None) -> torch.Tensor:
-    """Softmax attention of one query token per sequence over its KV cache (GQA).
+    """Softmax attention of one query token per sequence over its ring-buffer KV cache (GQA).
 
-    Sequence b attends cache slots j <= positions[b] and, with a sliding `window`, j > pos - window;
-    a sequence with a negative position (padding) gets zeros. The cache must already hold this
-    token's k and v at slot positions[b].
+    Sequence b attends the cached positions kp <= positions[b] (and, with a sliding `window`,
+    kp > pos - window); slot j holds position pos - ((pos - j) mod L). A sequence with a negative
+    position (padding) gets zeros. The cache must already hold this token's k and v (slot pos % L).
 
     Args:
         q: [B, Hq, D].
@@ -69,21 +167,88 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Returns:
         [B, Hq, D] in q's dtype.
     """
-    b, hq, d = q.shape
-    length, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    qh = q.view(b, hkv, group, 1, d)                                       # B,Hkv,G,1,D
-    kh = k_cache.permute(0, 2, 1, 3)[:, :, None]                           # B,Hkv,1,L,D
-    vh = v_cache.permute(0, 2, 1, 3)[:, :, None]
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale                # B,Hkv,G,1,L
-    j = torch.arange(length, device=q.device)
-    pos = positions[:, None, None, None, None]
-    allowed = j <= pos
-    if window:
-        allowed = allowed & (j > pos - window)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
-    return torch.matmul(probs, vh).reshape(b, hq, d)
+    out = _attend(q[:, None], positions[:, None], _cache_blocks(k_cache, v_cache, positions), scale, window)
+    return out[:, 0]
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, positions: torch.Tensor, scale: float,
+                    window: int | None) -> torch.Tensor:
+    """Attention of a chunk of T tokens per sequence over its cached positions and the chunk itself.
+
+    The cache holds the positions before the chunk's first valid position (not this chunk's keys:
+    write them afterwards with `cache_write`); the chunk's own keys are attended causally. Keys are
+    processed in blocks of `ATTN_KEY_BLOCK`, so the scratch is [B, Hq, T, ATTN_KEY_BLOCK] float32
+    whatever the context.
+
+    Args:
+        q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; caches [B, L, Hkv, D].
+        positions: [B, T] int, -1 for padding (anywhere in the row).
+    Returns:
+        [B, T, Hq, D] in q's dtype (zeros for padding).
+    """
+    t = positions.shape[1]
+    first = torch.where(positions >= 0, positions, torch.iinfo(positions.dtype).max).amin(dim=1)
+    cached = first - 1  # newest cached position of each sequence (rows of padding only: irrelevant)
+
+    def blocks():
+        yield from _cache_blocks(k_cache, v_cache, cached)
+        for start in range(0, t, ATTN_KEY_BLOCK):
+            stop = min(start + ATTN_KEY_BLOCK, t)
+            yield k[:, start:stop], v[:, start:stop], positions[:, start:stop]
+
+    return _attend(q, positions, blocks(), scale, window)
+
+
+def cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor) -> None:
+    """Writes a step's keys and values into ring-buffer caches, in place: position p -> slot p % L.
+
+    Only a sequence's newest L positions of the step are written (older ones of a chunk longer than
+    the ring would be overwritten in the same step). Padding (position < 0) and those dropped
+    tokens are redirected to a slot that the step writes anyway, with the value it gets there
+    (the sequence's newest token; a row of padding only rewrites slot 0 with its own content), so
+    every duplicate index carries the same value and the result does not depend on write order.
+    No host synchronisation, no data-dependent shapes (runs on the meta device and in CUDA graphs).
+
+    Args:
+        k_cache, v_cache: [B, L, Hkv, D].
+        k, v: [B, T, Hkv, D].
+        positions: [B, T] int.
+    """
+    b, t = positions.shape
+    slots = k_cache.shape[1]
+    newest, t_newest = positions.max(dim=1)                                    # [B]
+    keep = (positions >= 0) & (positions > newest[:, None] - slots)
+    any_valid = (newest >= 0)[:, None, None]
+    fill_slot = torch.remainder(newest.clamp(min=0), slots)                    # [B]
+    batch = torch.arange(b, device=positions.device)
+    index = torch.where(keep, torch.remainder(positions.clamp(min=0), slots), fill_slot[:, None])
+    rows = batch[:, None].expand(b, t)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        fill = torch.where(any_valid, new[batch, t_newest], cache[batch, fill_slot])  # [B, Hkv, D]
+        cache[rows, index] = torch.where(keep[..., None, None], new, fill[:, None])
+
+
+# ---------------------------------------------------------------------------------------------- Gated-DeltaNet
+
+def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of Gated-DeltaNet's causal depthwise conv + silu.
+
+    u = silu(sum_j w[:, j] * window[:, j]) over window = [K-1 previous inputs | x] (float32 sum, u
+    rounded to x's dtype). Position 0 starts a new sequence (zeros before it); a negative position
+    (padding) keeps the old conv state.
+
+    Args:
+        x: [B, C] this token's conv input; conv_state: [B, C, K-1]; weight: [C, K]; positions: [B].
+    Returns:
+        (u [B, C] in x's dtype, new conv state [B, C, K-1]).
+    """
+    prev = torch.where((positions == 0)[:, None, None], 0.0, conv_state)
+    window = torch.cat((prev, x[:, :, None]), dim=-1)                                 # [B, C, K]
+    u = F.silu((window.float() * weight.float()).sum(dim=-1)).to(x.dtype)
+    return u, torch.where((positions >= 0)[:, None, None], window[:, :, 1:], conv_state)
 
 
 def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -107,8 +272,8 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     """
     hk, dk = q.shape[1], q.shape[2]
     r = v.shape[1] // hk
-    qf = _l2_normalize(q.float()).repeat_interleave(r, dim=1) * dk ** -0.5
-    kf = _l2_normalize(k.float()).repeat_interleave(r, dim=1)                # [B, Hv, Dk]
+    qf = l2_normalize(q.float()).repeat_interleave(r, dim=1) * dk ** -0.5
+    kf = l2_normalize(k.float()).repeat_interleave(r, dim=1)                 # [B, Hv, Dk]
     s = state
     if positions is not None:
         s = torch.where((positions == 0)[:, None, None, None], 0.0, state)
@@ -122,9 +287,24 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return o.to(v.dtype), s
 
 
+def gated_rms_norm(o: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated-DeltaNet's output norm: rms_norm(o) * w (model dtype) * silu(z) (float32), in o's dtype.
+
+    Shapes: o, z [..., Dv]; weight [Dv]."""
+    return (rms_norm(o, weight, eps, False) * F.silu(z.float())).to(o.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- MLP / MoE
+
+def activation(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """silu (`kind` "silu") or tanh-approximated gelu (any other kind, e.g. "gelu_pytorch_tanh")."""
+    if kind == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh")
+
+
 def gated_act(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
-    """act(gate) * up with act = silu (`kind` "silu") or tanh-approximated gelu (any other kind,
-    e.g. "gelu_pytorch_tanh"), like `ops.activation`. Shapes [..., I]; result in gate's dtype."""
+    """act(gate) * up (see `activation`). Shapes [..., I]; result in gate's dtype."""
     return activation(kind, gate) * up
 
 
@@ -149,6 +329,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
                 down: torch.Tensor) -> torch.Tensor:
     """Routed experts: sum_k weights_k * down[ids_k] (silu(gate) * up), [gate | up] = gate_up[ids_k] x.
 
+    The selected experts' weights are gathered per token (shapes never depend on the routing), in
+    blocks of `MOE_TOKEN_BLOCK` tokens so the gathered copy stays bounded.
+
     Args:
         x: [..., H].
         weights: [..., k] (x's dtype); ids: [..., k] int expert ids.
@@ -158,17 +341,28 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     """
     h = x.shape[-1]
     flat = x.reshape(-1, 1, h, 1)
-    idx = ids.reshape(flat.shape[0], -1)
-    gu = torch.matmul(gate_up[idx], flat.expand(-1, idx.shape[1], -1, -1))[..., 0]   # N,k,2I
-    gate, up = gu.chunk(2, dim=-1)
-    act = (torch.nn.functional.silu(gate) * up)[..., None]
-    out = torch.matmul(down[idx], act)[..., 0]                                      # N,k,H
-    out = (out * weights.reshape(flat.shape[0], -1, 1)).sum(dim=1)
+    n = flat.shape[0]
+    idx = ids.reshape(n, -1)
+    w = weights.reshape(n, -1, 1)
+    parts = []
+    for start in range(0, n, MOE_TOKEN_BLOCK):
+        sl = slice(start, min(start + MOE_TOKEN_BLOCK, n))
+        i = idx[sl]
+        gu = torch.matmul(gate_up[i], flat[sl].expand(-1, i.shape[1], -1, -1))[..., 0]   # N,k,2I
+        gate, up = gu.chunk(2, dim=-1)
+        act = (F.silu(gate) * up)[..., None]
+        out = torch.matmul(down[i], act)[..., 0]                                        # N,k,H
+        parts.append((out * w[sl]).sum(dim=1))
+    if not parts:
+        return torch.zeros_like(x)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(x.shape)
 
 
+# ---------------------------------------------------------------------------------------------- sampling
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy sampling: [B, V] logits -> [B] int64 ids (the first index among equal maxima), or
-    `NON_FINITE_TOKEN` for a row whose logits are not all finite (like `ops.Sample`)."""
+    `NON_FINITE_TOKEN` for a row whose logits are not all finite."""
     ids = torch.argmax(logits, dim=-1)
     return torch.where(torch.isfinite(logits).all(dim=-1), ids, NON_FINITE_TOKEN)

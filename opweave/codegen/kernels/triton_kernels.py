@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 
 from opweave import config
-from opweave.models.ops import NON_FINITE_TOKEN
+from opweave.codegen.kernels.reference import NON_FINITE_TOKEN
 
-# l2-normalisation epsilon of Gated-DeltaNet's q and k (ops_linear._l2_normalize's default)
+# l2-normalisation epsilon of Gated-DeltaNet's q and k (reference.l2_normalize's default)
 _L2_EPS = tl.constexpr(1e-6)
 
 # 2*pi split for Cody-Waite range reduction in `_rope_kernel`: _TWO_PI_HI has 8 significant bits,
@@ -182,16 +182,16 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
 @triton.jit
 def _decode_attention_kernel(
     q_ptr,                    # [B, Hq, D] queries, model dtype
-    k_ptr, v_ptr,             # [B, L, Hkv, D] caches, model dtype
+    k_ptr, v_ptr,             # [B, L, Hkv, D] ring-buffer caches (position p at slot p % L), model dtype
     o_ptr,                    # [B, Hq, D] output, model dtype
-    pos_ptr,                  # [B] int positions: attend slots j <= pos (none when pos < 0)
+    pos_ptr,                  # [B] int positions: attend positions <= pos (none when pos < 0)
     stride_qb, stride_qh,     # q strides (batch, head)
     stride_kb, stride_kl, stride_kh,  # k cache strides (batch, slot, head)
     stride_vb, stride_vl, stride_vh,  # v cache strides
     stride_ob, stride_oh,     # output strides
     L, D,                     # cache slots, head size
     scale,                    # softmax scale of q·k
-    window,                   # sliding window (slots j > pos - window), 0 for full attention
+    window,                   # sliding window (positions > pos - window), 0 for full attention
     GROUP: tl.constexpr,      # query heads per kv head (GQA group size)
     BLOCK_G: tl.constexpr,    # power of two >= max(GROUP, 16) (tl.dot needs 16 rows)
     BLOCK_N: tl.constexpr,    # cache slots per iteration
@@ -205,19 +205,22 @@ def _decode_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     q_mask = (g < GROUP)[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    # attended positions [first, end): the window's, and at most the L the ring holds
     first = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
-    end = tl.minimum(pos + 1, L)
+    first = tl.maximum(first, pos - L + 1)
+    end = pos + 1
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a fully masked block gives exp(-inf) = 0, not NaN
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if DOT_FP32:
         q = q.to(tl.float32)
     for start in range(first // BLOCK_N * BLOCK_N, end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        kv_mask = (n < end)[:, None] & (d < D)[None, :]
-        k = tl.load(k_ptr + b * stride_kb + n[:, None] * stride_kl + kvh * stride_kh + d[None, :],
+        n = start + tl.arange(0, BLOCK_N)                    # positions of this block
+        slot = (n % L).to(tl.int64)                          # where the ring keeps them
+        kv_mask = ((n >= first) & (n < end))[:, None] & (d < D)[None, :]
+        k = tl.load(k_ptr + b * stride_kb + slot[:, None] * stride_kl + kvh * stride_kh + d[None, :],
                     mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + b * stride_vb + n[:, None] * stride_vl + kvh * stride_vh + d[None, :],
+        v = tl.load(v_ptr + b * stride_vb + slot[:, None] * stride_vl + kvh * stride_vh + d[None, :],
                     mask=kv_mask, other=0.0)
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
