@@ -28,16 +28,38 @@ def _cmd_dump(args: argparse.Namespace) -> int:
     from opweave.ir.graph import format_graph, to_json
     from opweave.passes.blocks import blocks_to_json, format_blocks
 
+    if (args.trace or args.gantt) and args.what != "plan":
+        raise OpWeaveError("--trace and --gantt go with --what plan (an artifact's schedule)")
     if args.what == "plan":
         return _dump_plan(args)
     if args.what == "ranks":
         return _dump_ranks(args)
+    if args.what == "memory":
+        return _dump_memory(args)
     fe = run_front_end(args.model, dtype=args.dtype)
     if args.what == "ir":
         out = to_json(fe.graph) if args.format == "json" else format_graph(fe.graph)
     else:
         out = blocks_to_json(fe.blocks) if args.format == "json" else format_blocks(fe.blocks)
     print(json.dumps(out, indent=1) if args.format == "json" else out)
+    return 0
+
+
+def _dump_memory(args: argparse.Namespace) -> int:
+    """Per rank of an artifact: planned bytes and the bytes its modules allocate (built on meta)."""
+    from opweave.runtime.memory import artifact_memory, format_memory
+
+    if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "plan.json")):
+        raise OpWeaveError(f"{args.model}: no plan.json (give an artifact folder written by opweave compile)")
+    try:
+        ranks = artifact_memory(args.model)
+    except OpWeaveError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        detail = (str(e).splitlines() or [""])[0]
+        raise OpWeaveError(f"{args.model}: not a readable artifact ({type(e).__name__}: {detail})") from None
+    print(json.dumps({"ranks": [r.to_json() for r in ranks]}, indent=1) if args.format == "json"
+          else format_memory(ranks))
     return 0
 
 
@@ -122,9 +144,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(plan_to_json(compiled.plan), indent=1))
     else:
-        print(format_plan(compiled.plan))
+        print(format_plan(compiled.plan, search_seconds=compiled.result.seconds))
         print(f"wrote {args.output}/ (plan.json, plan.txt, ir.txt, trace.json, gantt.png, "
-              f"{compiled.plan.gpus_used // max(compiled.plan.replica_sets, 1)} rank modules, manifest.json)")
+              f"{compiled.plan.gpus_used // max(compiled.plan.replica_sets, 1)} rank modules, manifest.json, "
+              "compile-info.json)")
     return 0
 
 
@@ -175,14 +198,29 @@ def _dump_ranks(args: argparse.Namespace) -> int:
 
 
 def _dump_plan(args: argparse.Namespace) -> int:
+    """Prints an artifact's plan; `--trace FILE` / `--gantt FILE` draw its schedule again from
+    plan.json alone (the same bytes as the artifact's trace.json and gantt.png)."""
     from opweave.ir.plan import format_plan, plan_from_json, plan_to_json
 
     path = os.path.join(args.model, "plan.json") if os.path.isdir(args.model) else args.model
     if not os.path.lexists(path):
         raise OpWeaveError(f"{args.model}: no plan.json (give an artifact folder written by opweave compile)")
+    draw = [(flag, value) for flag, value in (("--trace", args.trace), ("--gantt", args.gantt)) if value]
+    if draw:
+        from opweave.outputs import check_output_file
+        from opweave.passes.trace_export import write_schedule
+
+        for flag, value in draw:
+            check_output_file(value, flag, inputs=(args.model, path))
+        if args.trace and args.gantt and os.path.realpath(args.trace) == os.path.realpath(args.gantt):
+            raise OpWeaveError("--trace and --gantt name the same file")
+        plan = _render_artifact_file(path, "plan", plan_from_json)
+        write_schedule(plan, args.trace, args.gantt)
     render = ((lambda d: json.dumps(plan_to_json(plan_from_json(d)), indent=1)) if args.format == "json"
               else (lambda d: format_plan(plan_from_json(d))))
     print(_render_artifact_file(path, "plan", render))
+    if draw and args.format != "json":
+        print("wrote " + ", ".join(value for _, value in draw))
     return 0
 
 
@@ -322,13 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="opweave-demo", help="folder for the two artifacts (default ./opweave-demo)")
     demo.set_defaults(func=_cmd_demo)
 
-    dump = sub.add_parser("dump", help="print a model's operator IR or partition blocks, or an artifact's plan")
+    dump = sub.add_parser("dump", help="print a model's operator IR or partition blocks, or an artifact's plan, rank programs or memory")
     dump.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, model.py, "
-                                    "or (with --what plan|ranks) an artifact folder")
-    dump.add_argument("--what", choices=("ir", "blocks", "plan", "ranks"), default="ir")
+                                    "or (with --what plan|ranks|memory) an artifact folder")
+    dump.add_argument("--what", choices=("ir", "blocks", "plan", "ranks", "memory"), default="ir")
     dump.add_argument("--format", choices=("text", "json"), default="text")
     dump.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                       help="override the checkpoint's dtype for the cost facts")
+    dump.add_argument("--trace", metavar="FILE", default=None,
+                      help="with --what plan: simulate the plan's schedule again and write its Chrome trace to FILE")
+    dump.add_argument("--gantt", metavar="FILE", default=None,
+                      help="with --what plan: simulate the plan's schedule again and draw its Gantt chart (PNG) in FILE")
     dump.set_defaults(func=_cmd_dump)
 
     analyze = sub.add_parser("analyze", help="closed-form cost analysis of colocated vs disaggregated decode (§3)")

@@ -1,0 +1,250 @@
+"""The memory accounting: what one GPU of a plan holds, op by op, in four parts.
+
+    weights      its share of every weight of its ops (a weight two of its ops share, once)
+    state        slots x per-sequence state of each op / state shards
+    activations  the peak bytes one step of the rank's generated code keeps alive
+    buffers      the message buffers of its point-to-point transfers (replica leaders only; in
+                 host memory: the transport packs and receives messages on the CPU)
+
+Slots per rank = microbatches x the rows of a microbatch its replica serves (the runtime keeps a
+state slot for every row of every microbatch: `runtime/worker.py`), with rows the replica's share
+of the microbatch (`passes/lower.replica_rows`; the search uses the largest, ceil(m / r)).
+
+Activations. A step feeds `width` tokens per row (1 in decode, up to the prefill chunk in a
+prefill). The generated module frees each value after its last use in the step, so a step holds
+the residual stream and, at its peak, one op's inputs, outputs and the scratch it allocates inside
+its forward (`op_scratch_bytes`, for the key and token blocks of `opweave.models.activation`):
+rows x width x (stream + op.act_bytes_per_token / shards) + scratch, for the largest op.
+
+Buffers. A replica leader keeps one receive posted per upstream peer (a decode-sized message:
+`runtime/message.message_bytes`), and keeps the messages it sent alive for two rounds (this
+round's and the previous one's, until their sends complete); the last stage's token ids count
+as sends, the embedding owner's token-id receives as receives.
+
+`memory_per_gpu` (weights + state + activations: what lives on the GPU) is what the planner
+checks against a GPU's usable memory; `Footprint` is the
+same formula with its per-op sums precomputed, for the search's inner loop; `plan_rank_memory`
+is the planned breakdown of one rank of a compiled plan (what `opweave dump --what memory` shows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from opweave.cost.model import shards, state_shards
+from opweave.ir.graph import OpGraph, Op
+from opweave.ir.kinds import OpKind
+from opweave.models.activation import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK, PREFILL_CHUNK
+
+SCORE_BYTES = 12
+"""Scratch bytes per attention score of a key block (`models/activation.py`): the float32 scores,
+their exponentials and the mask."""
+
+ATTN_ACCUMULATORS = 5
+"""float32 copies of q-sized tensors the blocked attention keeps (running max, sum, output, q)."""
+
+UPCAST_FACTOR = 2
+"""Scratch of a norm, RoPE or activation op per byte of its activations: the float32 copies of
+its input it computes in (RMSNorm: x.float(), its square, the scaled copy)."""
+
+UPCAST_KINDS = (OpKind.NORM, OpKind.FINAL_NORM, OpKind.QK_NORM, OpKind.ROPE, OpKind.ACT, OpKind.MOE_ROUTER,
+                OpKind.SHARED_EXPERT)
+"""Ops that compute in float32 copies of their inputs (the others write their outputs directly)."""
+
+RECURRENT_TEMPORARIES = 6
+"""Gated-DeltaNet's per-token update holds this many state-sized float32 temporaries."""
+
+STREAM_COPIES = 3
+"""Values a step keeps besides the op at its peak (the residual, the stage's received values and
+the full values a TP group gathers to send), in units of the largest activations of one op
+(before the LM head)."""
+
+SEND_ROUNDS = 2
+"""Rounds of sent messages a leader keeps alive (this round's and the previous one's)."""
+
+INDEX_BYTES = 8
+"""An int64: positions per token in a message, a token id, a message's width header."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Bytes one GPU holds, by category."""
+
+    weights: float = 0.0
+    state: float = 0.0
+    activations: float = 0.0
+    buffers: float = 0.0
+
+    @property
+    def on_gpu(self) -> float:
+        """What lives in the GPU's memory (the buffers are host memory)."""
+        return self.weights + self.state + self.activations
+
+    @property
+    def total(self) -> float:
+        return self.on_gpu + self.buffers
+
+    def to_json(self) -> dict[str, float]:
+        return {"weights": self.weights, "state": self.state, "activations": self.activations,
+                "buffers": self.buffers, "on_gpu": self.on_gpu, "total": self.total}
+
+
+CATEGORIES = ("weights", "state", "activations", "buffers")
+
+
+def slots_per_rank(batch: int, microbatches: int, replicas: int) -> int:
+    """State slots the runtime allocates on a rank of the replica with the most rows."""
+    return microbatches * max_rows(batch, microbatches, replicas)
+
+
+def max_rows(batch: int, microbatches: int, replicas: int) -> int:
+    """Rows of a microbatch the largest replica serves (microbatches of batch // n rows)."""
+    return math.ceil((batch // microbatches) / replicas)
+
+
+def weight_bytes(ops, tp: int) -> float:
+    """One GPU's share of its ops' weights; a weight two ops share (tied) counted once."""
+    per_weight = {}
+    for op in ops:
+        for w in op.weights:
+            per_weight[w.name] = max(per_weight.get(w.name, 0.0), w.nbytes / shards(op, tp))
+    return sum(per_weight.values())
+
+
+def state_bytes_per_slot(ops, tp: int, context: int) -> float:
+    return sum(op.state_bytes(context) / state_shards(op, tp) for op in ops)
+
+
+def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int) -> float:
+    """Bytes an op allocates inside its forward beyond its inputs and outputs (freed on return),
+    for the block sizes of `opweave.models.activation`."""
+    n = shards(op, tp)
+    if op.kind in (OpKind.ATTN_FULL, OpKind.ATTN_SLIDING):
+        heads = op.tp_units / n                                   # query heads on this GPU
+        kv = op.state.bytes_per_token / state_shards(op, tp)      # k and v bytes per cached position
+        block = min(ATTN_KEY_BLOCK, max(op.state.tokens_at(context), width))
+        per_head = op.state.bytes_per_token / (2 * max(1, op.kv_heads or op.state.max_shards))  # head_dim x dtype
+        return rows * (heads * width * block * SCORE_BYTES + block * kv * 3
+                       + ATTN_ACCUMULATORS * width * heads * per_head * 2)
+    if op.kind == OpKind.MOE_EXPERTS:                             # the k experts' weights, a block of tokens
+        return min(rows * width, MOE_TOKEN_BLOCK) * op.active_weight_fraction * op.weight_bytes / n \
+            + rows * width * op.act_bytes_per_token / n
+    if op.kind == OpKind.ATTN_LINEAR:
+        return rows * (RECURRENT_TEMPORARIES * op.state_bytes(context) / state_shards(op, tp)
+                       + width * UPCAST_FACTOR * op.act_bytes_per_token / n)
+    if op.kind in UPCAST_KINDS:
+        return rows * width * UPCAST_FACTOR * op.act_bytes_per_token / n
+    return 0.0
+
+
+def activation_bytes(ops, tp: int, rows: int, width: int, context: int) -> float:
+    """Peak bytes of one step of `rows` rows and `width` tokens per row (module docstring): the
+    residual stream, and the op with the largest inputs + outputs + scratch."""
+    if rows <= 0 or not ops:
+        return 0.0
+    stream = STREAM_COPIES * max(op.act_bytes_per_token / shards(op, tp) for op in ops
+                                 if op.kind not in (OpKind.LM_HEAD, OpKind.SAMPLE))
+    return rows * width * stream + max(rows * width * op.act_bytes_per_token / shards(op, tp)
+                                       + op_scratch_bytes(op, tp, rows, width, context) for op in ops)
+
+
+def memory_per_gpu(ops, tp: int, slots: int, context: int, rows: int | None = None,
+                   width: int = PREFILL_CHUNK) -> float:
+    """Bytes one GPU of a TP group running `ops` holds with `slots` state slots and steps of
+    `rows` rows (default: all slots in one microbatch) of `width` tokens: weights + state +
+    activations (message buffers: `plan_rank_memory`)."""
+    return Footprint.of(ops, tp, context, width).bytes_at(slots, slots if rows is None else rows)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Footprint:
+    """The accounting of one op list on one TP degree, linear in slots and rows."""
+
+    weights: float
+    per_slot: float   # state
+    per_row: float    # activations of one row of a step
+
+    @classmethod
+    def of(cls, ops, tp: int, context: int, width: int = PREFILL_CHUNK) -> Footprint:
+        ops = list(ops)
+        return cls(weights=weight_bytes(ops, tp), per_slot=state_bytes_per_slot(ops, tp, context),
+                   per_row=activation_bytes(ops, tp, 1, width, context))
+
+    def bytes_at(self, slots: int, rows: int) -> float:
+        return self.weights + slots * self.per_slot + rows * self.per_row
+
+    def bytes(self, batch: int, microbatches: int, replicas: int) -> float:
+        """A rank of the largest replica of an owner with `replicas` replicas, resident batch
+        `batch` in `microbatches` microbatches."""
+        return self.bytes_at(slots_per_rank(batch, microbatches, replicas), max_rows(batch, microbatches, replicas))
+
+
+# ---------------------------------------------------------------- one rank of a plan
+
+
+def _overlaps(rows: tuple[int, int], other: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(peer replica, rows exchanged) for each replica of another owner whose rows overlap."""
+    out = []
+    for j, (lo, hi) in enumerate(other):
+        n = min(hi, rows[1]) - max(lo, rows[0])
+        if n > 0:
+            out.append((j, n))
+    return out
+
+
+def message_size(rows: int, width: int, per_token: int) -> int:
+    """Bytes of one message (the layout of `runtime/message.py`: width, positions, values)."""
+    return INDEX_BYTES + rows * width * (INDEX_BYTES + per_token)
+
+
+def buffer_bytes(plan, owner: int, replica: int, width: int) -> float:
+    """Message buffers of the leader of `replica` of `owner` (module docstring)."""
+    from opweave.passes.lower import replica_rows
+
+    mb = plan.batch // plan.microbatches
+    rows = {o.slot: replica_rows(mb, o.replicas) for o in plan.owners}
+    mine = rows[owner][replica]
+    stages = plan.stages
+    first, last = stages[0].owner, stages[-1].owner
+    posted: dict[tuple[int, int], int] = {}   # (owner, replica) -> largest receive posted from it
+    sent = 0
+    for i, st in enumerate(stages):
+        if st.owner != owner:
+            continue
+        if i > 0 and stages[i - 1].owner != owner:
+            prev = stages[i - 1].owner
+            for j, n in _overlaps(mine, rows[prev]):
+                size = message_size(n, 1, stages[i - 1].out_bytes_per_token)
+                posted[(prev, j)] = max(posted.get((prev, j), 0), size)
+        if i + 1 < len(stages) and stages[i + 1].owner != owner:
+            for _, n in _overlaps(mine, rows[stages[i + 1].owner]):
+                sent += message_size(n, width, st.out_bytes_per_token)
+                if width > 1:  # a prefill is announced by a decode-sized message
+                    sent += message_size(n, 1, st.out_bytes_per_token)
+        if i + 1 == len(stages):
+            sent += sum(n * INDEX_BYTES for j, n in _overlaps(mine, rows[first]) if (first, j) != (owner, replica))
+    if owner == first:
+        for j, n in _overlaps(mine, rows[last]):
+            if (last, j) != (owner, replica):
+                posted[(last, j)] = max(posted.get((last, j), 0), n * INDEX_BYTES)
+    return sum(posted.values()) + SEND_ROUNDS * plan.microbatches * sent
+
+
+def owner_ops(plan, graph: OpGraph, owner: int) -> list[Op]:
+    return [graph.ops[i] for st in plan.stages if st.owner == owner for i in range(st.first_op, st.last_op + 1)]
+
+
+def plan_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: int,
+                     width: int = PREFILL_CHUNK) -> MemoryBreakdown:
+    """The planned breakdown of the GPU at (owner, replica, TP rank) of a plan."""
+    from opweave.passes.lower import replica_rows
+
+    o = plan.owners[owner]
+    lo, hi = replica_rows(plan.batch // plan.microbatches, o.replicas)[replica]
+    ops = owner_ops(plan, graph, owner)
+    return MemoryBreakdown(
+        weights=weight_bytes(ops, o.tp),
+        state=plan.microbatches * (hi - lo) * state_bytes_per_slot(ops, o.tp, plan.context),
+        activations=activation_bytes(ops, o.tp, hi - lo, width, plan.context),
+        buffers=buffer_bytes(plan, owner, replica, width) if tp_rank == 0 else 0.0)

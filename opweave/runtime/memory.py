@@ -1,0 +1,359 @@
+"""What a rank really allocates, measured on the `meta` device (no weights, no GPU).
+
+For one rank program the modules are built exactly as `runtime/worker.py` builds them
+(`DecodeStep(build_model(cfg, "meta"))`, then `runtime/shard.materialize` with a reader that
+hands out meta tensors: the same TP shards, the same parameters), and then:
+
+    weights      bytes of the distinct storages of the modules' parameters and buffers
+    state        `allocate_state(num_microbatches x rows, context)` as the worker calls it
+    activations  the peak live bytes while the rank's generated module runs one round on meta
+                 tensors (every row feeding `width` tokens), tracked op by op by a dispatch mode
+                 that counts each new storage until its last tensor is gone
+    buffers      the receives the worker's transport posts (one per peer at a time) and the
+                 messages it keeps alive for two rounds (`runtime/message.message_bytes`); they
+                 live in host memory (messages are packed and received on the CPU)
+
+`artifact_memory(folder)` gives, per rank of an artifact, these figures next to the planned
+ones (`opweave.cost.memory.plan_rank_memory`): what `opweave dump ARTIFACT --what memory` prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from opweave.cost.memory import CATEGORIES, PREFILL_CHUNK, SEND_ROUNDS, MemoryBreakdown, plan_rank_memory
+from opweave.ir.program import RankProgram
+from opweave.runtime.message import message_bytes
+from opweave.runtime.state import RankState
+
+META = torch.device("meta")
+
+
+class MetaWeights:
+    """A weight reader that gives meta tensors of the checkpoint's shapes (wraps the random
+    reader `runtime/shard.py` builds, for its full shapes)."""
+
+    def __init__(self, shapes_reader):
+        self.inner = shapes_reader
+
+    def has(self, key: str) -> bool:
+        return True
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.inner.shape(key)
+
+    def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        return torch.empty(tuple(shape if shape is not None else self.inner.shape(key)), device=META)
+
+    def get_slice(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        shape = list(self.inner.shape(key))
+        shape[dim] = stop - start
+        return torch.empty(shape, device=META)
+
+
+def build_modules(cfg, op_names: list[str], program: RankProgram) -> dict:
+    """The rank's operator modules on meta, built the way the worker builds them."""
+    from opweave.models.model import DecodeStep, build_model
+    from opweave.runtime.shard import materialize
+
+    modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
+    return materialize({i: modules[op_names[i]] for i in program.ops}, MetaWeights, program.tp,
+                       program.tp_rank, META)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def weight_bytes(modules: dict) -> int:
+    """Bytes of the distinct storages of the modules' parameters and buffers."""
+    seen: dict[int, int] = {}
+    for m in modules.values():
+        for t in list(m.parameters()) + list(m.buffers()):
+            seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def allocate_state(modules: dict, program: RankProgram) -> int:
+    """Allocates every module's state as the worker does; returns its bytes."""
+    rows = program.rows[1] - program.rows[0]
+    total = 0
+    for m in modules.values():
+        m.allocate_state(program.num_microbatches * rows, program.context, META)
+        total += sum(getattr(m, a).untyped_storage().nbytes() for a in m.state_attrs)
+    return total
+
+
+def buffer_bytes(program: RankProgram, dtype: torch.dtype, width: int) -> int:
+    """The leader's message buffers, in host memory (the transport packs and receives on the
+    CPU): the receives its transport posts (the worker's own slot list; one posted per peer at a
+    time, so the largest of each peer's) and the sends of two rounds (a prefill's message and its
+    decode-sized notice; token ids back)."""
+    from opweave.runtime.transport import Transport
+
+    if program.tp_rank != 0:
+        return 0
+    transport = Transport.__new__(Transport)  # its sizing only: no inbox, no process group
+    transport.program, transport.dtype, transport.tokens_back = program, dtype, program.scheduler
+    posted: dict[int, int] = {}
+    for slot in transport.receive_slots():
+        posted[slot.peer] = max(posted.get(slot.peer, 0), slot.numel * torch.empty(0, dtype=slot.dtype).element_size())
+    sent = 0
+    for st in program.stages:
+        if st.send is not None:
+            per_token = transport.per_token_bytes(st.send)
+            for p in st.send.peers:
+                sent += message_bytes(p.hi - p.lo, width, per_token)
+                if width > 1:
+                    sent += message_bytes(p.hi - p.lo, 1, per_token)
+        sent += sum((p.hi - p.lo) * 8 for p in st.returns if p.rank != program.rank)
+    return sum(posted.values()) + SEND_ROUNDS * program.num_microbatches * sent
+
+
+# ---------------------------------------------------------------- activations
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks the bytes of storages created under it while a tensor of theirs is alive; `peak`
+    is the largest total. Storages that existed before (weights, state) are never counted."""
+
+    def __init__(self, known: set[int]):
+        super().__init__()
+        self.known = known
+        self.refs: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.live -= self.size.pop(key)
+            del self.refs[key]
+
+    def track(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key in self.known:
+            return
+        if key not in self.refs:
+            self.size[key] = t.untyped_storage().nbytes()
+            self.refs[key] = 0
+            self.live += self.size[key]
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+def _local_shape(shape: tuple[int, ...], layout, tp: int) -> tuple[int, ...]:
+    """Per-token shape of a transferred value on one TP rank: its typed layout's local size of the
+    first per-token dimension (`opweave.ir.tp`: replicated, or split with KV heads replicated
+    beyond their count)."""
+    if tp == 1 or not shape:
+        return tuple(shape)
+    return (layout.local_size(shape[0], tp), *shape[1:])
+
+
+class MetaRuntime:
+    """The façade the generated module calls, allocating on meta what the worker allocates on the
+    device: the step's ids and positions, received values (this rank's shard), the gathered full
+    values of a send; all-reduces in place; no communication."""
+
+    def __init__(self, program: RankProgram, ops: dict, dtype: torch.dtype, width: int):
+        self.program, self.ops, self.dtype, self.width = program, ops, dtype, width
+        self.rows = program.rows[1] - program.rows[0]
+        self._stage = {st.stage: st for st in program.stages}
+        self.state = RankState(ops, self.rows, program.num_microbatches)  # views of the state on meta
+
+    def state_views(self, op: int):
+        """The op's state, one view per microbatch (as the worker passes it)."""
+        return self.state.views(op)
+
+    def begin(self, mb: int):
+        shape = (self.rows, self.width)
+        return torch.zeros(shape, dtype=torch.long, device=META), torch.zeros(shape, dtype=torch.long, device=META)
+
+    def recv(self, stage: int, mb: int):
+        st = self._stage[stage]
+        positions = torch.zeros(self.rows, self.width, dtype=torch.long, device=META)
+        values = tuple(torch.zeros(self.rows, self.width, *_local_shape(s, layout, self.program.tp),
+                                   dtype=self.dtype, device=META) for s, layout in zip(st.recv.shapes, st.recv.layouts))
+        return positions, values
+
+    def send(self, stage: int, mb: int, positions, values) -> None:
+        st = self._stage[stage]
+        gathered = [torch.empty(self.rows, self.width, *s, dtype=self.dtype, device=META)
+                    for s, layout, v in zip(st.send.shapes, st.send.layouts, values)
+                    if _local_shape(s, layout, self.program.tp) != tuple(s)]
+        del gathered
+
+    def finish(self, mb: int, tokens) -> None:
+        return None
+
+    def allreduce(self, x):
+        return x
+
+    def tp_argmax(self, logits):
+        last = logits[:, -1, :].float()
+        best, idx = last.max(dim=-1)
+        return idx
+
+
+def activation_peak(modules: dict, program: RankProgram, program_class, dtype: torch.dtype, width: int) -> int:
+    """Peak live bytes of one round of the generated `Program` on meta (state already allocated)."""
+    known = set()
+    for m in modules.values():
+        for t in list(m.parameters()) + list(m.buffers()) + [getattr(m, a) for a in m.state_attrs]:
+            known.add(_storage_key(t))
+    rt = MetaRuntime(program, modules, dtype, width)
+    prog = program_class(rt)
+    tracker = LiveBytes(known)
+    with torch.no_grad(), tracker:
+        prog.round()
+        del prog
+    return tracker.peak
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RankMemory:
+    rank: int
+    owner: int
+    gpu: str
+    tp: int
+    planned: MemoryBreakdown
+    allocated: MemoryBreakdown
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "owner": self.owner, "gpu": self.gpu, "tp": self.tp,
+                "planned": self.planned.to_json(), "allocated": self.allocated.to_json()}
+
+
+def measure_rank(cfg, op_names: list[str], program: RankProgram, program_class=None,
+                 width: int = PREFILL_CHUNK, same_as: MemoryBreakdown | None = None) -> MemoryBreakdown:
+    """The allocated breakdown of one rank (activations 0 without the generated `Program` class).
+
+    `same_as`: the breakdown of a TP peer of this rank (same modules, state and step: only the
+    buffers, which leaders alone hold, are measured again)."""
+    from opweave.models.ops import torch_dtype
+
+    dtype = torch_dtype(cfg)
+    buffers = buffer_bytes(program, dtype, width)
+    if same_as is not None:
+        return dataclasses.replace(same_as, buffers=buffers)
+    modules = build_modules(cfg, op_names, program)
+    weights = weight_bytes(modules)
+    state = allocate_state(modules, program)
+    activations = activation_peak(modules, program, program_class, dtype, width) if program_class else 0
+    return MemoryBreakdown(weights=weights, state=state, activations=activations, buffers=buffers)
+
+
+def artifact_memory(folder: str, activations: bool = True) -> list[RankMemory]:
+    """Per rank of an artifact: planned and allocated bytes by category, for steps of the
+    program's prefill chunk (at most the context) tokens per row."""
+    from opweave.ir.plan import plan_from_json
+    from opweave.ir.program import program_from_json
+    from opweave.ir.trace import build_graph
+    from opweave.models.config import config_from_hf
+    from opweave.models.model import build_model
+    from opweave.runtime.manifest import load_artifact, load_program_source, rank_files
+
+    probe = load_artifact(folder, ["plan.json", "model_config.json", "ops.json"])
+    plan = plan_from_json(probe.json("plan.json"))
+    cfg = config_from_hf(probe.json("model_config.json"), plan.model)
+    op_names = probe.json("ops.json")
+    graph = build_graph(build_model(cfg, "meta"))
+    out, peers = [], {}
+    world = program_from_json(load_artifact(folder, rank_files(0)).json("rank_00.json")).world_size
+    for rank in range(world):
+        art = load_artifact(folder, rank_files(rank))
+        program = program_from_json(art.json(f"rank_{rank:02d}.json"))
+        width = min(program.prefill_chunk, program.context)
+        cls = load_program_source(art, f"rank_{rank:02d}.py").Program if activations else None
+        peer = peers.get((program.owner, program.replica))  # a TP peer measured already
+        allocated = measure_rank(cfg, op_names, program, cls, width, same_as=peer)
+        peers.setdefault((program.owner, program.replica), allocated)
+        out.append(RankMemory(rank=rank, owner=program.owner, gpu=plan.owners[program.owner].gpu, tp=program.tp,
+                              planned=plan_rank_memory(plan, graph, program.owner, program.replica,
+                                                       program.tp_rank, width),
+                              allocated=allocated))
+    return out
+
+
+def format_memory(ranks: list[RankMemory]) -> str:
+    """One table per rank: planned and allocated bytes per category and their ratio (on_gpu:
+    weights + state + activations; buffers are host memory)."""
+    lines = []
+    for r in ranks:
+        lines.append(f"rank {r.rank}: owner o{r.owner} {r.gpu} tp{r.tp}")
+        lines.append(f"  {'':12} {'planned':>12} {'allocated':>12} {'alloc/plan':>10}")
+        for c in CATEGORIES + ("on_gpu", "total"):
+            p, a = getattr(r.planned, c), getattr(r.allocated, c)
+            ratio = f"{a / p:.3f}" if p else ("-" if not a else "inf")
+            lines.append(f"  {c:12} {_gb(p):>12} {_gb(a):>12} {ratio:>10}")
+    return "\n".join(lines)
+
+
+def _gb(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    if n >= 1e6:
+        return f"{n / 1e6:.2f} MB"
+    if n >= 1e3:
+        return f"{n / 1e3:.1f} kB"
+    return f"{n:.0f} B"
+
+
+def unbounded_cluster(gpu: str = "h100", count: int = 8):
+    """A cluster of `count` GPUs of the catalog's type `gpu` with memory that never binds: plans
+    that would not fit a real GPU can still be lowered and measured (bench/memory.py, tests)."""
+    from opweave.hardware.catalog import load_catalog
+    from opweave.hardware.cluster import parse_cluster
+
+    catalog = load_catalog()
+    catalog = {**catalog, gpu: dataclasses.replace(catalog[gpu], memory_bytes=1e18)}
+    return parse_cluster(f"{gpu}x{count}", catalog)
+
+
+def pinned_memory(fe, template: str, owners: list[tuple[str, int, int]], batch: int, microbatches: int,
+                  context: int, activations: bool = True, ranks: list[int] | None = None) -> list[RankMemory]:
+    """Planned and allocated bytes of each rank of a pinned plan on an `unbounded_cluster`
+    (`ranks`: only these; activations measured by running the rendered rank module on meta)."""
+    import types
+
+    from opweave.codegen.render import render_rank
+    from opweave.compiler.pinned import pinned_plan
+    from opweave.passes.lower import lower
+
+    count = sum(tp * replicas for _, tp, replicas in owners)
+    plan = pinned_plan(fe, unbounded_cluster(owners[0][0], max(8, count)), template, owners, batch=batch,
+                       microbatches=microbatches, context=context).plan
+    programs = lower(plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, "")
+    names = [op.name for op in fe.graph.ops]
+    out = []
+    for program in programs:
+        if ranks is not None and program.rank not in ranks:
+            continue
+        cls = None
+        if activations:
+            module = types.ModuleType(f"rank_{program.rank:02d}")
+            exec(compile(render_rank(program, names, plan.template, plan.num_stages), module.__name__, "exec"),
+                 module.__dict__)
+            cls = module.Program
+        width = min(program.prefill_chunk, program.context)
+        out.append(RankMemory(rank=program.rank, owner=program.owner, gpu=plan.owners[program.owner].gpu,
+                              tp=program.tp,
+                              planned=plan_rank_memory(plan, fe.graph, program.owner, program.replica,
+                                                       program.tp_rank, width),
+                              allocated=measure_rank(fe.source.cfg, names, program, cls, width)))
+    return out
