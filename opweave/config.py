@@ -19,12 +19,12 @@ def _flag(name: str) -> bool:
 
 
 def verify_enabled() -> bool:
-    """OPWEAVE_VERIFY=1: run each IR's verifier between passes."""
+    """OPWEAVE_VERIFY=1: run each IR's verifier after its compile pipeline step (compiler/pipeline.py)."""
     return _flag("OPWEAVE_VERIFY")
 
 
 def debug_dir() -> str | None:
-    """OPWEAVE_DEBUG_DIR=path: each pass writes its output IR as `NN_<pass>.txt` there."""
+    """OPWEAVE_DEBUG_DIR=path: each compile pipeline step writes its IR there as `NN_<step>.txt`."""
     return os.environ.get("OPWEAVE_DEBUG_DIR") or None
 
 

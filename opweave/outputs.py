@@ -32,9 +32,9 @@ from opweave.signals import deferred
 
 ARTIFACT_FORMAT_PREFIX = "opweave-artifact"
 MANIFEST = "manifest.json"
-ARTIFACT_EXTRAS = ("manifest.json", "manifest.sig", "__pycache__")
-"""Names an artifact holds besides the files its manifest lists (older runtimes imported the rank
-modules, leaving __pycache__)."""
+ARTIFACT_EXTRAS = ("manifest.json", "manifest.sig", "compile-info.json", "__pycache__")
+"""Names an artifact holds besides the files its manifest lists (compile-info.json: the compile's
+time and host, outside the manifest; older runtimes imported the rank modules, leaving __pycache__)."""
 MAX_MANIFEST_BYTES = 16 << 20  # a real manifest is a few kB; anything bigger is not one
 SHOWN_NAMES = 3                # entries named in a refusal
 

@@ -21,13 +21,16 @@ def artifact(tmp_path_factory):
 def test_artifact_files(artifact):
     names = sorted(os.listdir(artifact))
     ranks = [n for n in names if n.startswith("rank_")]
-    assert sorted(set(names) - set(ranks)) == ["gantt.png", "ir.txt", "manifest.json", "model_config.json",
-                                               "ops.json", "plan.json", "plan.txt", "trace.json"]
+    assert sorted(set(names) - set(ranks)) == ["compile-info.json", "gantt.png", "ir.txt", "manifest.json",
+                                               "model_config.json", "ops.json", "plan.json", "plan.txt",
+                                               "trace.json"]
     plan = json.loads((artifact / "plan.json").read_text())
     world = sum(o["tp"] * o["replicas"] for o in plan["owners"])
     assert ranks == sorted([f"rank_{r:02d}.py" for r in range(world)] + [f"rank_{r:02d}.json" for r in range(world)])
     manifest = json.loads((artifact / "manifest.json").read_text())
-    assert set(manifest["files"]) == set(names) - {"manifest.json"} and manifest["plan_hash"]
+    # compile-info.json (time, host) is outside the manifest: the manifest stays the same between compiles
+    assert set(manifest["files"]) == set(names) - {"manifest.json", "compile-info.json"} and manifest["plan_hash"]
+    assert json.loads((artifact / "compile-info.json").read_text())["search_seconds"] >= 0
     assert (artifact / "gantt.png").read_bytes()[:4] == b"\x89PNG"
     trace = json.loads((artifact / "trace.json").read_text())
     assert trace["traceEvents"] and all("ph" in e for e in trace["traceEvents"])
@@ -53,7 +56,10 @@ def test_plan_json_contents(artifact):
     covered = [i for s in plan.stages for i in range(s.first_op, s.last_op + 1)]
     assert covered == sorted(covered) and covered[0] == 0
     assert set(data["counters"]) >= {"templates", "owner_configs", "frontier_configs", "candidates",
-                                     "simulator_calls", "seconds"}
+                                     "simulator_calls", "pruned_slo", "pruned_cost", "configs_over_memory"}
+    assert "seconds" not in data["counters"]  # wall-clock time would make identical compiles differ
+    c = data["counters"]
+    assert c["pruned_prefixes"] == c["pruned_root_slo"] + c["pruned_root_cost"] + c["pruned_slo"] + c["pruned_cost"]
 
 
 def test_dump_plan_of_an_artifact(artifact, capsys, tmp_path):
@@ -102,3 +108,67 @@ def test_bad_input(tmp_path, capsys, args, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "x").exists()
+
+
+def test_dump_redraws_the_schedule_from_plan_json_alone(artifact, tmp_path, capsys):
+    trace, gantt = tmp_path / "t.json", tmp_path / "g.png"
+    assert main(["dump", str(artifact), "--what", "plan", "--trace", str(trace), "--gantt", str(gantt)]) == 0
+    assert f"wrote {trace}, {gantt}" in capsys.readouterr().out
+    assert trace.read_bytes() == (artifact / "trace.json").read_bytes()
+    assert gantt.read_bytes() == (artifact / "gantt.png").read_bytes()
+    # the re-simulated schedule gives the plan's predicted figures
+    data = json.loads((artifact / "plan.json").read_text())
+    other = json.loads(trace.read_text())["otherData"]
+    assert other["tpot_s"] * 1e3 == pytest.approx(data["predicted"]["tpot_ms"], rel=1e-12)
+    # a plan from before the schedule figures, and flags without --what plan: one line each
+    old = {**data, "format": "opweave-plan/2", "return_s": None}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert main(["dump", str(tmp_path / "old.json"), "--what", "plan", "--trace", str(trace)]) == 2
+    assert main(["dump", "llama-3.1-8b", "--what", "ir", "--gantt", str(gantt)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "no schedule figures" in err[0] and "go with --what plan" in err[1]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from opweave.compiler.frontend import run_front_end
+
+    return run_front_end("llama-3.1-8b")
+
+
+@pytest.mark.parametrize("cluster,owners,batch,context,message", [
+    ("l40sx8", [("l40s", 1, 1)], 64, 131072, r"owner o0 \(1x l40s tp1\): needs \d+\.\d GB per GPU at batch 64, "
+                                             r"context 131072; a l40s has 43.2 GB usable"),
+    ("h100x16", [("h100", 16, 1)], 8, 8192, "TP 16 exceeds the h100 node size"),
+    ("h100x8", [("h100", 3, 1)], 8, 8192, "TP 3 does not divide"),
+    ("h100x4", [("h100", 2, 3)], 8, 8192, "needs 6 GPUs, the cluster has 4 h100"),
+    ("h100x4+l40sx4", [("h100", 4, 1), ("l40s", 1, 2)], 2, 8192, "2 replicas x 2 microbatches exceed batch 2"),
+    ("h100x4+l40sx4", [("h100", 4, 1), ("h100", 2, 1)], 8, 8192, "the owners need 6 h100 GPUs"),
+    ("h100x4", [("a100", 1, 1)], 8, 8192, "has no a100"),
+])
+def test_pinned_plans_are_checked_like_searched_ones(llama, cluster, owners, batch, context, message):
+    from opweave.compiler.pinned import pinned_plan
+    from opweave.errors import OpWeaveError
+    from opweave.hardware.catalog import load_catalog
+    from opweave.hardware.cluster import parse_cluster
+
+    template = "colocated" if len(owners) == 1 else "afd"
+    with pytest.raises(OpWeaveError, match=message) as e:
+        pinned_plan(llama, parse_cluster(cluster, load_catalog()), template, owners, batch=batch,
+                    microbatches=2, context=context)
+    assert "\n" not in str(e.value)
+
+
+def test_a_pinned_plan_that_fits_matches_the_search(llama):
+    """The search's best plan, pinned by hand, is the same plan (same owners' memory and figures)."""
+    from opweave.compiler.compile import compile_model
+    from opweave.compiler.pinned import pinned_plan
+    from opweave.hardware.catalog import load_catalog
+    from opweave.hardware.cluster import parse_cluster
+
+    cluster = parse_cluster("h100x4+l40sx4", load_catalog())
+    searched = compile_model("llama-3.1-8b", cluster, 0.03, 8192).plan
+    pinned = pinned_plan(llama, cluster, searched.template, [(o.gpu, o.tp, o.replicas) for o in searched.owners],
+                         batch=searched.batch, microbatches=searched.microbatches, context=8192, tpot_slo_s=0.03).plan
+    assert pinned.owners == searched.owners and pinned.stages == searched.stages
+    assert pinned.predicted == searched.predicted

@@ -3,20 +3,26 @@
 Used to check that any split runs and generates the reference tokens, and to reproduce a plan
 by hand: `pinned_plan(fe, cluster, "cad", [("h100", 2, 1), ("l40s", 1, 2)], batch=4,
 microbatches=2, context=64)`. The owners are (GPU type, TP degree, replicas) per slot.
+
+Each owner is built and checked by the search's own code (`passes/search.py owner_config`: node
+size, TP dividing every sharded op, GPUs in the pool, memory per GPU at this batch and context),
+the owners together must fit in the cluster, and the plan is placed and made by the pipeline's
+steps place and plan (`compiler/pipeline.py`); anything that does not fit is a one-line
+`OpWeaveError` naming it.
 """
 
 from __future__ import annotations
 
 import math
 
-from opweave.compiler.compile import Compiled, make_plan
+from opweave.compiler import pipeline
+from opweave.compiler.compile import Compiled
 from opweave.compiler.frontend import FrontEnd
-from opweave.cost.model import CostModel, memory_per_gpu
+from opweave.cost.model import CostModel
 from opweave.errors import OpWeaveError
 from opweave.hardware.cluster import Cluster
-from opweave.passes.owners import OwnerConfig, microbatch_share
-from opweave.passes.search import (Candidate, Counters, PlanSpace, SearchResult, _Evaluator, build_sim_problem,
-                                   slot_of)
+from opweave.passes.search import Candidate, Counters, PlanSpace, SearchResult, _Evaluator, build_sim_problem, \
+    owner_config
 from opweave.passes.simulate import simulate
 from opweave.passes.templates import build_stages, template_by_name
 
@@ -32,23 +38,21 @@ def pinned_plan(fe: FrontEnd, cluster: Cluster, template: str, owners: list[tupl
     if (k > 1 and plan.stages_per_block % k) or (k == 1 and len(plan.stages) > 1 and plan.stages_per_block > 1):
         raise OpWeaveError(f"template {template} has {plan.stages_per_block} stages per block: "
                            f"{k} owner(s) cannot take them round-robin")
-    configs = []
-    sigs = ev.sig_ids(plan)
-    for slot, (gpu_name, tp, replicas) in enumerate(owners):
-        pool_index = next((i for i, p in enumerate(cluster.pools) if p.gpu.name == gpu_name), None)
-        if pool_index is None:
-            raise OpWeaveError(f"the cluster has no {gpu_name}")
-        gpu = cluster.pools[pool_index].gpu
-        stages = [s for s in plan.stages if slot_of(s.index, plan.stages_per_block, k) == slot]
-        ops = [op for s in stages for op in fe.graph.ops[s.first:s.last + 1]]
-        share = microbatch_share(batch, microbatches, replicas)
-        configs.append(OwnerConfig(
-            slot=slot, gpu=gpu, tp=tp, replicas=replicas, share=share,
-            latencies=tuple(ev.latency(sigs[s.index], pool_index, tp, share)
-                            + ev.host_s(plan, k, s.index, pool_index, share) for s in stages),
-            memory_per_gpu=memory_per_gpu(ops, tp, math.ceil(batch / replicas), context)))
-    problem = build_sim_problem(ev, plan, batch, microbatches, tuple(configs))
-    cand = Candidate(stage_plan=plan, batch=batch, microbatches=microbatches, owners=tuple(configs),
+    if not 1 <= microbatches <= batch:
+        raise OpWeaveError(f"microbatches {microbatches} must be between 1 and the batch {batch}")
+    configs = tuple(owner_config(ev, plan, k, slot, gpu, tp, replicas, batch, microbatches)
+                    for slot, (gpu, tp, replicas) in enumerate(owners))
+    used: dict[str, int] = {}
+    for c in configs:
+        used[c.gpu.name] = used.get(c.gpu.name, 0) + c.num_gpus
+    for name, n in used.items():
+        if n > cluster.count(name):
+            raise OpWeaveError(f"the owners need {n} {name} GPUs, the cluster {cluster.spec} has {cluster.count(name)}")
+    problem = build_sim_problem(ev, plan, batch, microbatches, configs)
+    cand = Candidate(stage_plan=plan, batch=batch, microbatches=microbatches, owners=configs,
                      problem=problem, result=simulate(problem))
-    result = SearchResult(best=cand, closest=cand, counters=Counters())
-    return Compiled(front_end=fe, result=result, plan=make_plan(fe, cluster, context, tpot_slo_s, result))
+    st = pipeline.State(model=fe.source.path, source=fe.source, graph=fe.graph, blocks=fe.blocks, cluster=cluster,
+                        tpot_slo_s=tpot_slo_s, context=context, cost_model=cost_model, done=["trace", "blocks"],
+                        result=SearchResult(best=cand, closest=cand, counters=Counters()))
+    pipeline.after_step(st, "search")          # the pinned candidate stands in for the search
+    return pipeline.run(st, first="place", last="plan").compiled()

@@ -4,8 +4,11 @@ A plan names its template (the cut sites per block position), its stages (op ran
 token path, each with its owner slot), its owners (GPU type, TP degree, replicas, and the
 physical GPUs of every replica of replica set 0), how many replica sets fit on the cluster, the
 idle GPUs (as runs of global indices), the batching (resident batch of one replica set,
-microbatches) and the simulator's predicted figures. JSON round-trips through `plan_to_json` /
-`plan_from_json`.
+microbatches), the simulator's predicted figures, and the schedule's inputs: each stage's compute
+and send time, each owner's price, the token-id return (so the schedule can be simulated again
+from plan.json alone: `passes/trace_export.py problem_from_plan`). JSON round-trips through
+`plan_to_json` / `plan_from_json`. Nothing in a plan depends on the wall clock or the host: the
+same inputs give the same plan, byte for byte (the search's time goes to compile-info.json).
 
 Note: the plan stays small whatever the cluster's size. It lists the GPUs of replica set 0 only:
 that is what the runtime deploys (`--torchrun` commands; local runs use the first devices), and
@@ -19,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-PLAN_FORMAT = "opweave-plan/2"
+PLAN_FORMAT = "opweave-plan/3"
 _OLD_FORMAT = "opweave-plan/1"  # every replica set's GPUs, idle GPUs one by one
+_NO_SCHEDULE_FORMAT = "opweave-plan/2"  # as 3, without the schedule's inputs (they read as None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,6 +36,10 @@ class PlanStage:
     slot: int
     label: str
     out_bytes_per_token: int
+    compute_s: float | None = None   # one microbatch on one replica of the owner (TP collectives included)
+    send_s: float | None = None      # its output to the next stage's owner (0: same owner, or last stage)
+    send_bytes: float | None = None  # bytes per microbatch of that send (all replicas together)
+    send_inter_node: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +52,7 @@ class PlanOwner:
     occupancy: float
     bubble_ms: float
     gpus: tuple[tuple[int, ...], ...]  # [replica] -> global GPU indices, in replica set 0
+    price_per_hour: float | None = None  # USD per GPU-hour of its GPU type (the catalog's, when compiled)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,7 +86,10 @@ class Plan:
     replica_sets: int
     idle_gpus: tuple[tuple[int, int], ...]  # runs [lo, hi) of global GPU indices no replica set uses
     predicted: Predicted
-    counters: dict[str, float]
+    counters: dict[str, float]       # the search's (passes/search.py Counters): deterministic
+    return_s: float | None = None    # new token ids, last stage's owner -> stage 0's owner (0: same)
+    return_bytes: float | None = None
+    return_inter_node: bool | None = None
 
     @property
     def gpus_per_set(self) -> int:
@@ -134,6 +146,8 @@ def _from_old_format(data: dict[str, Any]) -> dict[str, Any]:
 def plan_from_json(data: dict[str, Any]) -> Plan:
     if isinstance(data, dict) and data.get("format") == _OLD_FORMAT:
         data = _from_old_format(data)
+    if isinstance(data, dict) and data.get("format") == _NO_SCHEDULE_FORMAT:
+        data = {**data, "format": PLAN_FORMAT}
     if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
         fmt = data.get("format") if isinstance(data, dict) else None
         raise ValueError(f"not an {PLAN_FORMAT} plan (format {fmt!r})")
@@ -146,11 +160,14 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         owners=tuple(PlanOwner(**{**o, "gpus": _tuples(o["gpus"])}) for o in data["owners"]),
         batch=data["batch"], microbatches=data["microbatches"], replica_sets=data["replica_sets"],
         idle_gpus=_tuples(data["idle_gpus"]), predicted=Predicted(**data["predicted"]), counters=dict(data["counters"]),
+        return_s=data.get("return_s"), return_bytes=data.get("return_bytes"),
+        return_inter_node=data.get("return_inter_node"),
     )
 
 
-def format_plan(plan: Plan) -> str:
-    """The summary `opweave compile` prints."""
+def format_plan(plan: Plan, search_seconds: float | None = None) -> str:
+    """The summary `opweave compile` prints (plan.txt: without the search's time, which is not
+    deterministic; the command line gives `search_seconds`)."""
     p = plan.predicted
     lines = [f"Plan for {plan.model} on {plan.cluster} at context {plan.context} (TPOT SLO {plan.tpot_slo_ms:g} ms)",
              f"  template {plan.template} ({plan.template_family}): {plan.num_stages} stages per token, "
@@ -170,5 +187,52 @@ def format_plan(plan: Plan) -> str:
     c = plan.counters
     lines.append(f"  search: {c.get('templates', 0):.0f} templates, {c.get('owner_configs', 0):.0f} owner configs "
                  f"({c.get('frontier_configs', 0):.0f} on frontiers), {c.get('candidates', 0):.0f} candidates, "
-                 f"{c.get('simulator_calls', 0):.0f} simulator calls, {c.get('seconds', 0):.2f} s")
+                 f"{c.get('simulator_calls', 0):.0f} simulator calls"
+                 + (f", {search_seconds:.2f} s" if search_seconds is not None else ""))
     return "\n".join(lines)
+
+
+def verify_plan(plan: Plan, num_ops: int | None = None) -> Plan:
+    """Checks a plan's invariants; returns it unchanged or raises `IRError`.
+
+    The stages cover ops 0 .. num_ops - 1 exactly once and in order (each starts right after the
+    previous one), their owners exist, every owner runs some stage and has `replicas` TP groups of
+    `tp` GPUs, and no GPU of replica set 0 belongs to two owners, two replicas, or the idle runs.
+    """
+    from opweave.ir.graph import IRError
+
+    if plan.num_stages != len(plan.stages) or not plan.stages:
+        raise IRError(f"plan lists {len(plan.stages)} stages, num_stages says {plan.num_stages}")
+    nxt = 0
+    for i, s in enumerate(plan.stages):
+        if s.index != i:
+            raise IRError(f"stage {i} has index {s.index}")
+        if s.first_op != nxt or s.last_op < s.first_op:
+            what = "leaves ops out" if s.first_op > nxt else "repeats or reorders ops"
+            raise IRError(f"stage {i} covers ops {s.first_op}..{s.last_op} after op {nxt - 1}: it {what}")
+        if not 0 <= s.owner < len(plan.owners):
+            raise IRError(f"stage {i} has owner o{s.owner}, the plan has {len(plan.owners)} owners")
+        nxt = s.last_op + 1
+    if num_ops is not None and nxt != num_ops:
+        raise IRError(f"the stages cover ops 0..{nxt - 1} of {num_ops}")
+    idle = {g for lo, hi in plan.idle_gpus for g in range(lo, hi)}
+    seen: dict[int, str] = {}
+    for k, o in enumerate(plan.owners):
+        if o.slot != k:
+            raise IRError(f"owner {k} has slot {o.slot}")
+        if not any(s.owner == k for s in plan.stages):
+            raise IRError(f"owner o{k} runs no stage")
+        if len(o.gpus) != o.replicas or any(len(r) != o.tp for r in o.gpus):
+            raise IRError(f"owner o{k} lists {[len(r) for r in o.gpus]} GPUs per replica, "
+                          f"expected {o.replicas} of {o.tp}")
+        for j, replica in enumerate(o.gpus):
+            for g in replica:
+                here = f"o{k} replica {j}"
+                if g in seen:
+                    raise IRError(f"GPU {g} belongs to {seen[g]} and to {here}")
+                if g in idle:
+                    raise IRError(f"GPU {g} of {here} is also listed idle")
+                seen[g] = here
+    if plan.batch < plan.microbatches or plan.microbatches < 1:
+        raise IRError(f"batch {plan.batch} in {plan.microbatches} microbatches")
+    return plan

@@ -219,3 +219,42 @@ def place(groups: tuple[Group, ...], cluster: Cluster) -> Placement:
     idle = [run for p in pools.values() for run in p.idle()]
     idle += [(layout.first_gpu, layout.first_gpu + layout.count) for name, layout in layouts.items() if name not in used]
     return Placement(groups=tuple(groups), layouts=layouts, placed=tuple(placed), jump=jump, idle=_merge(idle))
+
+
+def format_placement(where: Placement) -> str:
+    """Readable placement (`OPWEAVE_DEBUG_DIR` dump): replica sets, set 0's GPUs, the idle runs."""
+    lines = [f"placement: {where.num_sets:,} replica set(s) of {where.gpus_per_set} GPUs, {where.num_idle:,} idle"]
+    if where.jump is not None:
+        j = where.jump
+        lines.append(f"  sets {j.start}..{j.start + j.repeats * j.period - 1} repeat the {j.period} before them, "
+                     f"shifted by {dict(sorted(j.shift.items()))} nodes per period")
+    if where.num_sets:
+        for g, replicas in zip(where.groups, where.replica_set(0)):
+            lines.append(f"  {g.replicas}x {g.gpu} tp{g.tp}: " + " ".join(f"[{r[0]}..{r[-1]}]" for r in replicas))
+    lines.append("  idle: " + (" ".join(f"[{lo}..{hi - 1}]" for lo, hi in where.idle) or "none"))
+    return "\n".join(lines)
+
+
+def verify_placement(where: Placement, cluster) -> Placement:
+    """Checks a placement's invariants on `cluster`; returns it or raises `IRError`: in the first
+    and last replica sets every TP group sits inside one node of its GPU type, and no GPU is
+    taken twice or also listed idle."""
+    from opweave.ir.graph import IRError
+
+    idle = [(lo, hi) for lo, hi in where.idle]
+    taken: dict[int, str] = {}
+    for k in sorted({0, where.num_sets - 1} - {-1}):
+        for g, replicas in zip(where.groups, where.replica_set(k)):
+            for j, gpus in enumerate(replicas):
+                nodes = {cluster.locate(x).node_index for x in gpus}
+                kinds = {cluster.pools[cluster.locate(x).pool_index].gpu.name for x in gpus}
+                here = f"set {k} {g.gpu} tp{g.tp} replica {j}"
+                if len(nodes) != 1 or kinds != {g.gpu}:
+                    raise IRError(f"{here} spans nodes {sorted(nodes)} of types {sorted(kinds)}")
+                for x in gpus:
+                    if x in taken:
+                        raise IRError(f"GPU {x} is taken by {taken[x]} and by {here}")
+                    if any(lo <= x < hi for lo, hi in idle):
+                        raise IRError(f"GPU {x} of {here} is also listed idle")
+                    taken[x] = here
+    return where

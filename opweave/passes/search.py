@@ -26,10 +26,12 @@ import math
 import time
 from typing import Callable
 
-from opweave.cost.model import CostModel, boundary_s, memory_per_gpu, transfer_s
+from opweave.cost.memory import Footprint
+from opweave.cost.model import CostModel, boundary_s, transfer_s
+from opweave.errors import OpWeaveError
 from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import OpGraph
-from opweave.ir.kinds import TPRule
+from opweave.ir.tp import legal_tp
 from opweave.passes.blocks import BlockedGraph
 from opweave.passes.owners import OwnerConfig, microbatch_share, pareto_frontier
 from opweave.passes.simulate import SimOwner, SimProblem, SimResult, SimStage, simulate
@@ -68,14 +70,25 @@ class PlanSpace:
 
 @dataclasses.dataclass
 class Counters:
+    """What the search looked at and why it dropped the rest. Deterministic (no wall-clock time:
+    it goes in the plan, whose hash must not change between identical compiles)."""
+
     templates: int = 0
     stage_plans: int = 0           # (template, k, B, n) combinations looked at
     owner_configs: int = 0         # memory-feasible owner configurations built
     frontier_configs: int = 0      # of which survive the Pareto reduction
     candidates: int = 0            # complete plans reached
     simulator_calls: int = 0
-    pruned_prefixes: int = 0       # DFS prefixes cut by the bounds
-    seconds: float = 0.0
+    pruned_prefixes: int = 0       # cut by the bounds: pruned_root_* + pruned_slo + pruned_cost
+    pruned_root_slo: int = 0       # (template, B, n) skipped before building owners: TPOT bound > SLO
+    pruned_root_cost: int = 0      # ... cost bound >= the incumbent's cost
+    pruned_slo: int = 0            # DFS prefixes cut: optimistic TPOT > SLO (or >= the fastest so far)
+    pruned_cost: int = 0           # DFS prefixes cut: optimistic cost >= the incumbent's
+    over_capacity: int = 0         # prefixes needing more GPUs of a type than the cluster has
+    configs_over_node: int = 0     # (GPU type, TP) with TP above the node size or the pool
+    configs_tp_indivisible: int = 0  # (GPU type, TP) where TP does not divide a sharded op
+    configs_over_pool: int = 0     # replicas x TP above the pool, or more replicas than sequences
+    configs_over_memory: int = 0   # owner configurations over the GPU's usable memory
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,6 +115,7 @@ class SearchResult:
     closest: Candidate | None       # lowest TPOT among plans that fit (for "no plan meets the SLO")
     counters: Counters
     reason: str = ""                # why there is no plan, when `best` is None
+    seconds: float = 0.0            # wall-clock time of the search (not in the plan: compile-info.json)
 
 
 class _Evaluator:
@@ -171,16 +185,15 @@ class _Evaluator:
             self._slots[key] = (stages, tuple(ids[s.index] for s in stages), ops)
         return self._slots[key]
 
-    def footprint(self, key: tuple, ops, tp: int) -> tuple[float, float] | None:
-        """(weight bytes, bytes per resident sequence: state + buffers) per GPU of a TP group of
-        `tp` running `ops`; None when `tp` does not divide every sharded op."""
+    def footprint(self, key: tuple, ops, tp: int) -> Footprint | None:
+        """The memory accounting (`opweave.cost.memory`) of a GPU of a TP group of `tp` running
+        `ops`; None when `tp` does not divide every sharded op."""
         full = key + (tp,)
         if full not in self._footprint:
-            if not all(op.tp_rule == TPRule.REPLICATE or op.tp_units % tp == 0 for op in ops):
+            if not legal_tp(ops, tp):
                 self._footprint[full] = None
             else:
-                weights = memory_per_gpu(ops, tp, 0, self.space.context)
-                self._footprint[full] = (weights, memory_per_gpu(ops, tp, 1, self.space.context) - weights)
+                self._footprint[full] = Footprint.of(ops, tp, self.space.context)
         return self._footprint[full]
 
 
@@ -188,31 +201,98 @@ def slot_of(stage_index: int, stages_per_block: int, k: int) -> int:
     return (stage_index % stages_per_block) % k
 
 
+def _tp_misfit(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: int) -> str | None:
+    """Why no configuration of `slot` on pool `pool` can use TP `tp` (a `Counters` field), or None."""
+    p = ev.space.cluster.pools[pool]
+    if tp > p.gpu.gpus_per_node or tp > p.count:
+        return "configs_over_node"
+    if ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp) is None:
+        return "configs_tp_indivisible"
+    return None
+
+
+def _replica_misfit(ev: _Evaluator, pool: int, tp: int, replicas: int, batch: int, n: int,
+                    memory: float) -> str | None:
+    """Why `replicas` TP groups of `tp` holding `memory` bytes per GPU do not fit (a `Counters`
+    field), or None."""
+    p = ev.space.cluster.pools[pool]
+    if replicas * tp > p.count or replicas * n > batch:
+        return "configs_over_pool"
+    if memory > p.gpu.usable_memory_bytes:
+        return "configs_over_memory"
+    return None
+
+
+def _config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: int, replicas: int,
+            batch: int, n: int, memory: float) -> OwnerConfig:
+    stages, sigs, _ = ev.slot(plan, k, slot)
+    share = microbatch_share(batch, n, replicas)
+    by_sig = {sig: ev.latency(sig, pool, tp, share) for sig in set(sigs)}
+    latencies = tuple(by_sig[sig] + ev.host_s(plan, k, s.index, pool, share) for s, sig in zip(stages, sigs))
+    return OwnerConfig(slot=slot, gpu=ev.space.cluster.pools[pool].gpu, tp=tp, replicas=replicas, share=share,
+                       latencies=latencies, memory_per_gpu=memory)
+
+
+def _memory(ev: _Evaluator, plan: StagePlan, k: int, slot: int, tp: int, batch: int, n: int, replicas: int) -> float:
+    """Bytes per GPU of `slot` at TP `tp`: weights, the state of n x (its replica's rows) slots and
+    one step's activations (`opweave.cost.memory.Footprint`; TP must divide)."""
+    return ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp).bytes(batch, n, replicas)
+
+
 def _owner_configs(ev: _Evaluator, plan: StagePlan, k: int, slot: int, batch: int, n: int,
-                   options: SearchOptions) -> list[OwnerConfig]:
-    stages, sigs, ops = ev.slot(plan, k, slot)
-    distinct = sorted(set(sigs))
+                   options: SearchOptions, counters: Counters) -> list[OwnerConfig]:
+    """Every configuration of `slot` that fits (node, TP divisibility, pool, memory); the
+    misfits are counted in `counters` by reason."""
     out = []
-    for p, pool in enumerate(ev.space.cluster.pools):
-        gpu = pool.gpu
+    for p in range(len(ev.space.cluster.pools)):
         for tp in options.tp_degrees:
-            if tp > gpu.gpus_per_node or tp > pool.count:
-                continue
-            fp = ev.footprint((plan.template.name, k, slot), ops, tp)
-            if fp is None:
+            why = _tp_misfit(ev, plan, k, slot, p, tp)
+            if why is not None:
+                setattr(counters, why, getattr(counters, why) + 1)
                 continue
             for r in options.replicas:
-                if r * tp > pool.count or r * n > batch:
+                mem = _memory(ev, plan, k, slot, tp, batch, n, r)
+                why = _replica_misfit(ev, p, tp, r, batch, n, mem)
+                if why is not None:
+                    setattr(counters, why, getattr(counters, why) + 1)
                     continue
-                mem = fp[0] + math.ceil(batch / r) * fp[1]
-                if mem > gpu.usable_memory_bytes:
-                    continue
-                share = microbatch_share(batch, n, r)
-                by_sig = {sig: ev.latency(sig, p, tp, share) for sig in distinct}
-                latencies = tuple(by_sig[sig] + ev.host_s(plan, k, s.index, p, share) for s, sig in zip(stages, sigs))
-                out.append(OwnerConfig(slot=slot, gpu=gpu, tp=tp, replicas=r, share=share,
-                                       latencies=latencies, memory_per_gpu=mem))
+                out.append(_config(ev, plan, k, slot, p, tp, r, batch, n, mem))
     return out
+
+
+def owner_config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, gpu: str, tp: int, replicas: int,
+                 batch: int, n: int) -> OwnerConfig:
+    """The configuration (GPU type `gpu`, TP `tp`, `replicas`) of `slot`, built and checked as the
+    search does; a one-line `OpWeaveError` naming what does not fit (pinned plans)."""
+    pools = ev.space.cluster.pools
+    pool = next((i for i, p in enumerate(pools) if p.gpu.name == gpu), None)
+    what = f"owner o{slot} ({replicas}x {gpu} tp{tp})"
+    if pool is None:
+        raise OpWeaveError(f"{what}: the cluster {ev.space.cluster.spec} has no {gpu}")
+    if tp < 1 or replicas < 1:
+        raise OpWeaveError(f"{what}: TP and replicas must be at least 1")
+    p = pools[pool]
+    why = _tp_misfit(ev, plan, k, slot, pool, tp)
+    if why == "configs_over_node":
+        raise OpWeaveError(f"{what}: TP {tp} exceeds the {gpu} node size ({p.gpu.gpus_per_node} GPUs) "
+                           f"or the pool ({p.count} GPUs); a TP group stays inside one node")
+    if why == "configs_tp_indivisible":
+        _, _, ops = ev.slot(plan, k, slot)
+        bad = next((op for op in ops if not legal_tp([op], tp)), None)
+        detail = (f"{bad.name} ({bad.kind.value}, {bad.tp_units} shardable units"
+                  + (f", {bad.kv_heads} KV heads" if bad.kv_heads else "") + ")") if bad else "its sharded ops"
+        raise OpWeaveError(f"{what}: TP {tp} does not divide {detail}")
+    mem = _memory(ev, plan, k, slot, tp, batch, n, replicas)
+    why = _replica_misfit(ev, pool, tp, replicas, batch, n, mem)
+    if why == "configs_over_pool":
+        if replicas * n > batch:
+            raise OpWeaveError(f"{what}: {replicas} replicas x {n} microbatches exceed batch {batch} "
+                               "(a replica would get no sequence)")
+        raise OpWeaveError(f"{what}: needs {replicas * tp} GPUs, the cluster has {p.count} {gpu}")
+    if why == "configs_over_memory":
+        raise OpWeaveError(f"{what}: needs {mem / 1e9:.1f} GB per GPU at batch {batch}, context "
+                           f"{ev.space.context}; a {gpu} has {p.gpu.usable_memory_bytes / 1e9:.1f} GB usable")
+    return _config(ev, plan, k, slot, pool, tp, replicas, batch, n, mem)
 
 
 def build_sim_problem(ev: _Evaluator, plan: StagePlan, batch: int, n: int,
@@ -282,10 +362,14 @@ class _Search:
         cost_time = sum(c.cost_per_hour * n * c.busy_s for c in chosen) + sum(self._min_cost_time[len(chosen):])
         return tpot, max(rate * tpot, cost_time) / 3600.0 / batch * 1e6
 
-    def _prune(self, tpot_lb: float, cost_lb: float) -> bool:
+    def _prune(self, tpot_lb: float, cost_lb: float) -> str | None:
+        """Which bound cuts: "slo" (TPOT; when searching the fastest plan, no faster than the best
+        so far), "cost", or None."""
         if self.fastest:
-            return self.best is not None and tpot_lb >= self.best.tpot_s
-        return tpot_lb > self.space.tpot_slo_s or (self.best is not None and cost_lb >= self.best.cost)
+            return "slo" if self.best is not None and tpot_lb >= self.best.tpot_s else None
+        if tpot_lb > self.space.tpot_slo_s:
+            return "slo"
+        return "cost" if self.best is not None and cost_lb >= self.best.cost else None
 
     def _capacity_ok(self, chosen: list[OwnerConfig]) -> bool:
         used: dict[str, int] = {}
@@ -311,11 +395,17 @@ class _Search:
 
     def _dfs(self, plan, k, batch, n, frontiers, chosen):
         if not self._capacity_ok(chosen):
+            self.counters.over_capacity += 1
             return
         if self.options.bnb:
             tpot_lb, cost_lb = self._bound(plan, k, batch, n, chosen)
-            if self._prune(tpot_lb, cost_lb):
+            why = self._prune(tpot_lb, cost_lb)
+            if why:
                 self.counters.pruned_prefixes += 1
+                if why == "slo":
+                    self.counters.pruned_slo += 1
+                else:
+                    self.counters.pruned_cost += 1
                 if len(chosen) == k:
                     self.counters.candidates += 1
                 return
@@ -340,8 +430,13 @@ class _Search:
                         continue
                     if self.options.bnb:
                         tpot_lb, cost_lb = self._root_bound(plan, batch, n)
-                        if self._prune(tpot_lb, cost_lb):
+                        why = self._prune(tpot_lb, cost_lb)
+                        if why:
                             self.counters.pruned_prefixes += 1
+                            if why == "slo":
+                                self.counters.pruned_root_slo += 1
+                            else:
+                                self.counters.pruned_root_cost += 1
                             continue
                     for k in self._owner_counts(plan):
                         if k > 1 or n == 1:
@@ -350,9 +445,8 @@ class _Search:
                 best = f"${self.best.cost:.4g}/Mtok" if self.best else "none yet"
                 self.progress(f"templates {ti + 1}/{len(templates)}, simulator calls "
                               f"{self.counters.simulator_calls}, best {best}")
-        self.counters.seconds = time.perf_counter() - start
         return SearchResult(best=self.best, closest=self.closest, counters=self.counters,
-                            reason="" if self.best else self._reason())
+                            reason="" if self.best else self._reason(), seconds=time.perf_counter() - start)
 
     def _root_bound(self, plan: StagePlan, batch: int, n: int) -> tuple[float, float]:
         """Optimistic (TPOT, $/Mtok) of any plan with this stage plan, batch and microbatch count,
@@ -387,7 +481,7 @@ class _Search:
         self.counters.stage_plans += 1
         frontiers = []
         for slot in range(k):
-            configs = _owner_configs(self.ev, plan, k, slot, batch, n, self.options)
+            configs = _owner_configs(self.ev, plan, k, slot, batch, n, self.options, self.counters)
             self.counters.owner_configs += len(configs)
             if not configs:
                 return
@@ -435,3 +529,28 @@ def search(space: PlanSpace, options: SearchOptions = SearchOptions(),
         run.min_gpus_needed = fastest.min_gpus_needed
         result = dataclasses.replace(result, closest=fastest.best, reason=run._reason())
     return result
+
+
+def format_search(result: SearchResult) -> str:
+    """The search's summary (`OPWEAVE_DEBUG_DIR` dump): what it looked at, what it dropped and why,
+    and the plan it chose."""
+    c = result.counters
+    lines = [f"search: {c.templates} templates, {c.stage_plans} (template, owners, batch, microbatches) combinations",
+             f"  owner configurations: {c.owner_configs} fit, {c.frontier_configs} on Pareto frontiers; dropped: "
+             f"{c.configs_over_node} TP above node or pool, {c.configs_tp_indivisible} TP not dividing a sharded op, "
+             f"{c.configs_over_pool} replicas above pool or batch, {c.configs_over_memory} over memory",
+             f"  pruned: {c.pruned_root_slo} combinations by the TPOT bound and {c.pruned_root_cost} by the cost bound "
+             f"before building owners; {c.pruned_slo} prefixes by the TPOT bound, {c.pruned_cost} by the cost bound, "
+             f"{c.over_capacity} over the cluster's GPUs",
+             f"  {c.candidates} complete plans, {c.simulator_calls} simulator calls"]
+    for what, cand in (("best", result.best), ("closest", result.closest)):
+        if cand is None:
+            continue
+        owners = " + ".join(o.describe() for o in cand.owners)
+        lines.append(f"  {what}: {cand.stage_plan.template.name} batch {cand.batch} in {cand.microbatches} "
+                     f"microbatch(es) on {owners}: TPOT {cand.tpot_s * 1e3:.4g} ms, ${cand.cost:.4g}/Mtok")
+        if result.best is result.closest:
+            break
+    if result.reason:
+        lines.append(f"  no plan: {result.reason}")
+    return "\n".join(lines)

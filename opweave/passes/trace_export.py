@@ -3,6 +3,12 @@
 Chrome trace: pid = owner (process_name = the owner's name), tid 0 = its compute stream, tids
 1, 2, ... = the links leaving it ("send -> o2"), one complete event ("ph": "X", microseconds) per
 executed task. Open it at ui.perfetto.dev or chrome://tracing.
+
+Both come from the Plan alone: `problem_from_plan` rebuilds the simulator's problem from the
+figures plan.json keeps (each stage's compute and send time, each owner's price, the token-id
+return), so `opweave dump ARTIFACT --what plan --trace FILE --gantt FILE` redraws them from any
+artifact, and the compiler writes them the same way. Both are deterministic: the same plan gives
+the same bytes (the PNG carries no date).
 """
 
 from __future__ import annotations
@@ -10,11 +16,46 @@ from __future__ import annotations
 import os
 import tempfile
 
-from opweave.passes.simulate import KIND_COMPUTE, KIND_RETURN, SimProblem, SimResult
+from opweave.errors import OpWeaveError
+from opweave.ir.plan import Plan
+from opweave.passes.simulate import (KIND_COMPUTE, KIND_RETURN, SimOwner, SimProblem, SimResult, SimStage,
+                                     simulate)
 
 US_PER_S = 1e6
 COMPUTE_TID = 0
 GANTT_MAX_OUTLINED_STAGES = 16   # beyond this, bar outlines would hide the colors
+
+
+def problem_from_plan(plan: Plan) -> SimProblem:
+    """The simulator's problem of a plan's replica set, from the plan's own figures.
+
+    Raises OpWeaveError for a plan written before plans kept them (format opweave-plan/2)."""
+    if plan.return_s is None or any(s.compute_s is None or s.send_s is None for s in plan.stages) \
+            or any(o.price_per_hour is None for o in plan.owners):
+        raise OpWeaveError(f"the plan of {plan.model} has no schedule figures (an older plan format); "
+                           "recompile it to draw its trace or Gantt chart")
+    owners = tuple(SimOwner(name=f"o{o.slot} {o.replicas}x {o.gpu} tp{o.tp}", replicas=o.replicas,
+                            gpus_per_replica=o.tp, price_per_hour=o.price_per_hour,
+                            memory_per_gpu=o.memory_per_gpu_bytes) for o in plan.owners)
+    stages = tuple(SimStage(owner=s.owner, compute_s=s.compute_s, send_s=s.send_s, send_bytes=s.send_bytes or 0.0,
+                            inter_node=bool(s.send_inter_node), label=s.label) for s in plan.stages)
+    return SimProblem(owners=owners, stages=stages, return_s=plan.return_s, batch=plan.batch,
+                      num_microbatches=plan.microbatches, return_bytes=plan.return_bytes or 0.0,
+                      return_inter_node=bool(plan.return_inter_node))
+
+
+def write_schedule(plan: Plan, trace_path: str | None = None, gantt_path: str | None = None) -> SimResult:
+    """Simulates the plan's schedule again and writes its Chrome trace and / or Gantt chart."""
+    import json
+
+    problem = problem_from_plan(plan)
+    result = simulate(problem)
+    if trace_path is not None:
+        with open(trace_path, "w", encoding="utf-8") as f:
+            json.dump(chrome_trace(problem, result), f)
+    if gantt_path is not None:
+        gantt_png(problem, result, gantt_path)
+    return result
 
 
 def link_tids(result: SimResult) -> dict[tuple[int, int], int]:
@@ -103,7 +144,7 @@ def gantt_png(problem: SimProblem, result: SimResult, path: str, max_rounds: int
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".gantt.", suffix=".png")
     try:
         with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
+            fig.savefig(f, format="png", dpi=100, metadata={"Software": None})  # no version: same bytes
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

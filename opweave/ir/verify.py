@@ -1,0 +1,124 @@
+"""Verifiers of the IRs with no module of their own: partition blocks and rank programs.
+
+Each takes an IR and returns it unchanged or raises `IRError` (a bug in OpWeave, not in the
+user's input). The compile pipeline (`compiler/pipeline.py`) runs them between its steps when
+OPWEAVE_VERIFY=1; the operator graph's verifier is `ir/graph.py verify`, the plan's
+`ir/plan.py verify_plan`, the placement's `passes/placement.py verify_placement`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from opweave.ir.graph import IRError
+from opweave.ir.program import Peer, RankProgram
+
+
+def verify_blocks(bg: Any) -> Any:
+    """Partition blocks (`passes/blocks.py BlockedGraph`) tile the graph: prologue, blocks, tail
+    and epilogue are contiguous op ranges covering every op once, in order; each block holds
+    `period` whole layers in order, and every block has the same op kinds."""
+    graph = bg.graph
+    parts = [("prologue", bg.prologue)] + [(f"block {b}", r) for b, r in enumerate(bg.blocks)]
+    parts += ([("tail", bg.tail)] if bg.tail is not None else []) + [("epilogue", bg.epilogue)]
+    nxt = 0
+    for name, r in parts:
+        if r.first != nxt or r.last < r.first:
+            raise IRError(f"{name} covers ops {r.first}..{r.last} after op {nxt - 1}: the blocks do not tile the graph")
+        nxt = r.last + 1
+    if nxt != len(graph.ops):
+        raise IRError(f"the blocks cover ops 0..{nxt - 1} of {len(graph.ops)}")
+    if len(bg.blocks) != bg.num_blocks or bg.num_blocks * bg.period + bg.num_tail_layers != graph.num_layers:
+        raise IRError(f"{bg.num_blocks} blocks of {bg.period} layers + {bg.num_tail_layers} tail layers "
+                      f"!= {graph.num_layers} layers")
+    kinds = None
+    for b, r in enumerate(bg.blocks):
+        layers = [op.layer for op in graph.ops[r.first:r.last + 1]]
+        if layers != sorted(layers) or set(layers) != set(range(b * bg.period, (b + 1) * bg.period)):
+            raise IRError(f"block {b} holds layers {sorted(set(layers))}, expected "
+                          f"{b * bg.period}..{(b + 1) * bg.period - 1}")
+        these = [op.kind for op in graph.ops[r.first:r.last + 1]]
+        if kinds is not None and these != kinds:
+            raise IRError(f"block {b}'s op kinds differ from block 0's")
+        kinds = these
+    return bg
+
+
+def _messages(programs: Sequence[RankProgram]) -> tuple[dict, dict]:
+    """(sent, received): (src leader, dst leader) -> the messages in program order, each
+    (stage, cut, values, shapes, rows lo, rows hi); the token ids back count as cut -1."""
+    sent: dict[tuple[int, int], list[tuple]] = {}
+    received: dict[tuple[int, int], list[tuple]] = {}
+    for p in programs:
+        if p.rank != p.leader:  # leaders exchange, then fan out to their TP peers
+            continue
+        for s in p.stages:
+            if s.recv is not None:
+                for q in s.recv.peers:
+                    received.setdefault((q.rank, p.rank), []).append(
+                        (s.recv.cut, s.recv.values, s.recv.shapes, q.lo, q.hi))
+            if s.send is not None:
+                for q in s.send.peers:
+                    sent.setdefault((p.rank, q.rank), []).append(
+                        (s.send.cut, s.send.values, s.send.shapes, q.lo, q.hi))
+            for q in s.returns:
+                sent.setdefault((p.rank, q.rank), []).append((-1, ("token ids",), ((),), q.lo, q.hi))
+        for q in p.token_sources:
+            received.setdefault((q.rank, p.rank), []).append((-1, ("token ids",), ((),), q.lo, q.hi))
+    return sent, received
+
+
+def _describe(m: tuple) -> str:
+    cut, values, shapes, lo, hi = m
+    what = "token ids" if cut < 0 else f"cut after op {cut} {list(values)}"
+    return f"{what} rows {lo}..{hi - 1} ({(hi - lo) * sum(math.prod(s) for s in shapes)} elements)"
+
+
+def verify_programs(programs: Sequence[RankProgram]) -> Sequence[RankProgram]:
+    """Rank programs agree with each other: ranks are 0..world-1 with one world size; every TP
+    group's members agree on it; every send has its receive, in the same order, with the same
+    values, shapes and rows (so the same bytes), and every receive its send."""
+    world = len(programs)
+    for i, p in enumerate(programs):
+        if p.rank != i or p.world_size != world:
+            raise IRError(f"program {i} is rank {p.rank} of {p.world_size}, expected rank {i} of {world}")
+    leaders = {p.rank for p in programs if p.rank == p.leader}
+    for p in programs:
+        if p.rank not in p.tp_group or len(p.tp_group) != p.tp or programs[p.leader].tp_group != p.tp_group:
+            raise IRError(f"rank {p.rank}: TP group {list(p.tp_group)} is not its leader's or not of size {p.tp}")
+        for s in p.stages:
+            for t in (s.recv, s.send):
+                if t is not None and len(t.values) != len(t.shapes):
+                    raise IRError(f"rank {p.rank} stage {s.stage}: {len(t.values)} values, {len(t.shapes)} shapes")
+            peers: list[Peer] = list(s.returns) + [q for t in (s.recv, s.send) if t is not None for q in t.peers]
+            bad = [q.rank for q in peers if q.rank not in leaders or not 0 <= q.lo < q.hi]
+            if bad:
+                raise IRError(f"rank {p.rank} stage {s.stage}: peers {bad} are not replica leaders with rows")
+    sent, received = _messages(programs)
+    for src, dst in sorted(set(sent) | set(received)):
+        out, inn = sent.get((src, dst), []), received.get((src, dst), [])
+        for i in range(max(len(out), len(inn))):
+            a = out[i] if i < len(out) else None
+            b = inn[i] if i < len(inn) else None
+            if a is None:
+                raise IRError(f"rank {dst} receives {_describe(b)} from rank {src}, which sends no such message")
+            if b is None:
+                raise IRError(f"rank {src} sends {_describe(a)} to rank {dst}, which has no matching receive")
+            if a != b:
+                raise IRError(f"message {i} from rank {src} to rank {dst}: sent {_describe(a)}, "
+                              f"received {_describe(b)}")
+    return programs
+
+
+def verify_modules(modules: dict[str, str], programs: Sequence[RankProgram]) -> dict[str, str]:
+    """Rendered rank modules: one per program, named rank_XX.py, each valid Python."""
+    expected = [f"rank_{p.rank:02d}.py" for p in programs]
+    if sorted(modules) != sorted(expected):
+        raise IRError(f"rendered modules {sorted(modules)[:4]}... do not match the {len(expected)} rank programs")
+    for name, source in modules.items():
+        try:
+            compile(source, name, "exec")
+        except SyntaxError as e:
+            raise IRError(f"{name} is not valid Python: {e.msg} (line {e.lineno})") from None
+    return modules
