@@ -26,6 +26,8 @@ import re
 import jinja2
 
 from opweave import __version__
+from opweave.ir.graph import OP_CLASS
+from opweave.ir.kinds import OpClass, OpKind
 from opweave.ir.program import Launch, RankProgram, StageProgram
 
 _VALUE = re.compile(r"^(?P<name>[^\[]+)(\[(?P<index>[0-9]+)\])?$")
@@ -103,6 +105,12 @@ def _note(st: StageProgram, l: Launch, extra: str = "") -> tuple[str, ...]:
     return f"stage {st.stage}", f"block {block}", f"layer {layer}", f"{l.kind} ({l.name}){extra}"
 
 
+def stateful(launch: Launch) -> bool:
+    """Whether the op keeps per-sequence state (the ATTN class: KV cache, recurrent state); the
+    generated code passes it the microbatch's state view (`opweave.runtime.state`)."""
+    return OP_CLASS.get(OpKind(launch.kind)) == OpClass.ATTN
+
+
 def _peers(peers) -> str:
     return ", ".join(f"rank {p.rank} rows {p.lo}..{p.hi - 1}" for p in peers)
 
@@ -115,13 +123,19 @@ def _stage_lines(program: RankProgram, st: StageProgram, names: _Names) -> dict:
         received = ", ".join(names.var(v) for v in st.recv.values)
         head = _statement(f"positions, ({received},) = rt.recv({int(st.stage)}, mb)",
                           f"after op {st.recv.cut}, from {_peers(st.recv.peers)}")
+    last_use = {names.var(v): k for k, l in enumerate(st.launches) for v in l.inputs}
+    keep = {"ids", "positions"} | {names.var(v) for v in (st.send.values if st.send else ())}
+    if st.returns:
+        keep.add(names.var(st.launches[-1].output))
     lines = []
-    for l in st.launches:
+    for k, l in enumerate(st.launches):
         out = names.var(l.output)
         args = ", ".join(names.var(v) for v in l.inputs)
         if l.kind == "sample" and program.tp > 1:
             lines.append(_statement(f"{out} = rt.tp_argmax({args})", *_note(st, l, ": vocab-split argmax")))
         else:
+            if stateful(l):
+                args += f", state=self.state{int(l.op)}[mb]"
             lines.append(_statement(f"{out} = self.op{int(l.op)}({args})", *_note(st, l)))
         if l.allreduce:
             lines.append(_statement(f"{out} = rt.allreduce({out})",
@@ -129,6 +143,11 @@ def _stage_lines(program: RankProgram, st: StageProgram, names: _Names) -> dict:
         elements = sorted(int(v.rsplit("[", 1)[1][:-1]) for v in used if v.startswith(l.output + "["))
         for i in elements:
             lines.append(_statement(f"{out}_{i} = {out}[{i}]"))
+        # free what this step no longer needs (its inputs' last use; a tuple once its elements are taken)
+        dead = [v for v in dict.fromkeys([*(names.var(x) for x in l.inputs), out])
+                if last_use.get(v, -1) <= k and v not in keep]
+        if dead:
+            lines.append(_statement(f"del {', '.join(dead)}", f"stage {st.stage}", "values not used again this step"))
     tail = None
     if st.send is not None:
         sent = ", ".join(names.var(v) for v in st.send.values)
@@ -143,8 +162,9 @@ def _stage_lines(program: RankProgram, st: StageProgram, names: _Names) -> dict:
 def render_rank(program: RankProgram, op_names: list[str], template: str, num_stages: int) -> str:
     """The source of `rank_XX.py` for one rank (deterministic, plain ASCII)."""
     names = _Names({name: i for i, name in enumerate(op_names)})
-    binds = [{"op": int(l.op), "note": comment(l.name)} for st in program.stages for l in st.launches
-             if not (l.kind == "sample" and program.tp > 1)]
+    binds = [{"op": int(l.op), "note": comment(l.name), "state": stateful(l),
+              "state_note": comment(l.name, "its state, one view per microbatch")}
+             for st in program.stages for l in st.launches if not (l.kind == "sample" and program.tp > 1)]
     return _ENV.get_template("rank.py.j2").render(
         version=__version__, model=program.model, plan_hash=program.plan_hash, template=template,
         num_stages=num_stages, rank=program.rank, world_size=program.world_size, owner=program.owner,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from opweave.codegen.render import stateful
 from opweave.ir.program import RankProgram
 
 _VALUE = re.compile(r"^(?P<name>[^\[]+)(\[(?P<index>\d+)\])?$")
@@ -20,6 +21,7 @@ class InterpretedProgram:
     def __init__(self, rt, program: RankProgram):
         self.rt = rt
         self.program = program
+        self.state = {l.op: rt.state_views(l.op) for st in program.stages for l in st.launches if stateful(l)}
 
     @staticmethod
     def _get(env: dict, value: str):
@@ -43,6 +45,8 @@ class InterpretedProgram:
                     args = [self._get(env, v) for v in launch.inputs]
                     if launch.kind == "sample" and self.program.tp > 1:
                         out = rt.tp_argmax(*args)
+                    elif launch.op in self.state:  # a stateful op: its state for this microbatch
+                        out = rt.ops[launch.op](*args, state=self.state[launch.op][mb])
                     else:
                         out = rt.ops[launch.op](*args)
                     if launch.allreduce:

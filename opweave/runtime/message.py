@@ -25,6 +25,13 @@ def pack_message(width: int, positions: torch.Tensor, values: list[torch.Tensor]
     return torch.cat(parts)
 
 
+def width_message(message: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """The decode-sized message that goes before a wider one (a prefill of `width` tokens per
+    row): its width, then zeros up to the size of a width-1 message of the same values."""
+    per_token = (message.numel() - message_bytes(rows, width, 0)) // (rows * width)
+    return torch.cat([message[:8], message.new_zeros(message_bytes(rows, 1, per_token) - 8)])
+
+
 def message_width(message: torch.Tensor) -> int:
     return int(message[:8].view(torch.long))
 

@@ -17,10 +17,12 @@ import time
 import torch
 
 from opweave.ir.program import program_from_json
+from opweave.ir.tp import split_on
 from opweave.models.config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import torch_dtype
 from opweave.runtime.shard import materialize
+from opweave.runtime.state import RankState
 
 
 class _LoneRuntime:
@@ -33,8 +35,7 @@ class _LoneRuntime:
         self.ops = materialize({i: modules[names[i]] for i in program.ops}, "random", program.tp, program.tp_rank,
                                device)
         self.rows = program.rows[1] - program.rows[0]
-        for m in self.ops.values():
-            m.allocate_state(self.rows, program.context, device)
+        self.state = RankState.allocate(self.ops, self.rows, program.num_microbatches, program.context, device)
         self.program, self.width, self.dtype, self.device = program, width, torch_dtype(cfg), device
         self._stage = {st.stage: st for st in program.stages}
         self.positions = torch.zeros(self.rows, width, dtype=torch.long, device=device)  # static: graph-safe
@@ -42,6 +43,9 @@ class _LoneRuntime:
 
     def _positions(self):
         return self.positions
+
+    def state_views(self, op):
+        return self.state.views(op)
 
     def begin(self, mb):
         return self.ids, self.positions
@@ -51,9 +55,7 @@ class _LoneRuntime:
         tp = self.program.tp
         vals = []
         for shape, layout in zip(st.recv.shapes, st.recv.layouts):
-            shape = list(shape)
-            if tp > 1 and layout != "rep":
-                shape[0] //= tp
+            shape = split_on(0, shape, layout, tp) if shape else shape
             vals.append(torch.zeros(self.rows, self.width, *shape, dtype=self.dtype, device=self.device))
         return self._positions(), tuple(vals)
 

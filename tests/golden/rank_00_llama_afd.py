@@ -7,7 +7,7 @@ name in a comment is escaped to one line.
 
 OPWEAVE_VERSION = '0.1.0'
 MODEL = 'tiny_llama0'
-PLAN_HASH = 'b696ce7f2efbee56ea996e851db9df02d904d247f2ecce6004477798ed2aaf5b'  # sha256 of the artifact's plan.json
+PLAN_HASH = '3926bc50016634d7db1b34bc1e2782fcc2cd5c9e9ec490bcdcd8ac0adfde1c03'  # sha256 of the artifact's plan.json
 TEMPLATE = 'afd'
 NUM_STAGES = 6  # stages per token in the whole plan
 RANK = 0
@@ -25,7 +25,8 @@ OPS = (0, 1, 2, 3, 4, 5, 6, 12, 13, 14, 15, 16, 17, 23, 24, 25, 26, 27, 28)  # o
 
 
 class Program:
-    """Binds this rank's operators once; `round()` is one decode step of every microbatch."""
+    """Binds this rank's operators (and the state views of the stateful ones) once; `round()`
+    is one decode step of every microbatch."""
 
     def __init__(self, rt):
         self.rt = rt
@@ -34,18 +35,21 @@ class Program:
         self.op2 = rt.ops[2]  # model.layers.0.mixer.qkv
         self.op3 = rt.ops[3]  # model.layers.0.mixer.rope
         self.op4 = rt.ops[4]  # model.layers.0.mixer.attn
+        self.state4 = rt.state_views(4)  # model.layers.0.mixer.attn · its state, one view per microbatch
         self.op5 = rt.ops[5]  # model.layers.0.mixer.o_proj
         self.op6 = rt.ops[6]  # model.layers.0.mixer.residual
         self.op12 = rt.ops[12]  # model.layers.1.mixer.norm
         self.op13 = rt.ops[13]  # model.layers.1.mixer.qkv
         self.op14 = rt.ops[14]  # model.layers.1.mixer.rope
         self.op15 = rt.ops[15]  # model.layers.1.mixer.attn
+        self.state15 = rt.state_views(15)  # model.layers.1.mixer.attn · its state, one view per microbatch
         self.op16 = rt.ops[16]  # model.layers.1.mixer.o_proj
         self.op17 = rt.ops[17]  # model.layers.1.mixer.residual
         self.op23 = rt.ops[23]  # model.layers.2.mixer.norm
         self.op24 = rt.ops[24]  # model.layers.2.mixer.qkv
         self.op25 = rt.ops[25]  # model.layers.2.mixer.rope
         self.op26 = rt.ops[26]  # model.layers.2.mixer.attn
+        self.state26 = rt.state_views(26)  # model.layers.2.mixer.attn · its state, one view per microbatch
         self.op27 = rt.ops[27]  # model.layers.2.mixer.o_proj
         self.op28 = rt.ops[28]  # model.layers.2.mixer.residual
 
@@ -61,12 +65,17 @@ class Program:
             v2_0 = v2[0]
             v2_1 = v2[1]
             v2_2 = v2[2]
+            del v1, v2  # stage 0 · values not used again this step
             v3 = self.op3(v2_0, v2_1, positions)  # stage 0 · block 0 · layer 0 · rope (model.layers.0.mixer.rope)
             v3_0 = v3[0]
             v3_1 = v3[1]
-            v4 = self.op4(v3_0, v3_1, v2_2, positions)  # stage 0 · block 0 · layer 0 · attn_full (model.layers.0.mixer.attn)
+            del v2_0, v2_1, v3  # stage 0 · values not used again this step
+            v4 = self.op4(v3_0, v3_1, v2_2, positions, state=self.state4[mb])  # stage 0 · block 0 · layer 0 · attn_full (model.layers.0.mixer.attn)
+            del v3_0, v3_1, v2_2  # stage 0 · values not used again this step
             v5 = self.op5(v4)  # stage 0 · block 0 · layer 0 · o_proj (model.layers.0.mixer.o_proj)
+            del v4  # stage 0 · values not used again this step
             v6 = self.op6(v5, v0)  # stage 0 · block 0 · layer 0 · residual (model.layers.0.mixer.residual)
+            del v5, v0  # stage 0 · values not used again this step
             rt.send(0, mb, positions, (v6,))  # after op 6, to rank 1 rows 0..1
 
         # ---- stage 2: block 1, layers 1-1, ops 12..17
@@ -77,12 +86,17 @@ class Program:
             v13_0 = v13[0]
             v13_1 = v13[1]
             v13_2 = v13[2]
+            del v12, v13  # stage 2 · values not used again this step
             v14 = self.op14(v13_0, v13_1, positions)  # stage 2 · block 1 · layer 1 · rope (model.layers.1.mixer.rope)
             v14_0 = v14[0]
             v14_1 = v14[1]
-            v15 = self.op15(v14_0, v14_1, v13_2, positions)  # stage 2 · block 1 · layer 1 · attn_full (model.layers.1.mixer.attn)
+            del v13_0, v13_1, v14  # stage 2 · values not used again this step
+            v15 = self.op15(v14_0, v14_1, v13_2, positions, state=self.state15[mb])  # stage 2 · block 1 · layer 1 · attn_full (model.layers.1.mixer.attn)
+            del v14_0, v14_1, v13_2  # stage 2 · values not used again this step
             v16 = self.op16(v15)  # stage 2 · block 1 · layer 1 · o_proj (model.layers.1.mixer.o_proj)
+            del v15  # stage 2 · values not used again this step
             v17 = self.op17(v16, v11)  # stage 2 · block 1 · layer 1 · residual (model.layers.1.mixer.residual)
+            del v16, v11  # stage 2 · values not used again this step
             rt.send(2, mb, positions, (v17,))  # after op 17, to rank 1 rows 0..1
 
         # ---- stage 4: block 2, layers 2-2, ops 23..28
@@ -93,12 +107,17 @@ class Program:
             v24_0 = v24[0]
             v24_1 = v24[1]
             v24_2 = v24[2]
+            del v23, v24  # stage 4 · values not used again this step
             v25 = self.op25(v24_0, v24_1, positions)  # stage 4 · block 2 · layer 2 · rope (model.layers.2.mixer.rope)
             v25_0 = v25[0]
             v25_1 = v25[1]
-            v26 = self.op26(v25_0, v25_1, v24_2, positions)  # stage 4 · block 2 · layer 2 · attn_full (model.layers.2.mixer.attn)
+            del v24_0, v24_1, v25  # stage 4 · values not used again this step
+            v26 = self.op26(v25_0, v25_1, v24_2, positions, state=self.state26[mb])  # stage 4 · block 2 · layer 2 · attn_full (model.layers.2.mixer.attn)
+            del v25_0, v25_1, v24_2  # stage 4 · values not used again this step
             v27 = self.op27(v26)  # stage 4 · block 2 · layer 2 · o_proj (model.layers.2.mixer.o_proj)
+            del v26  # stage 4 · values not used again this step
             v28 = self.op28(v27, v22)  # stage 4 · block 2 · layer 2 · residual (model.layers.2.mixer.residual)
+            del v27, v22  # stage 4 · values not used again this step
             rt.send(4, mb, positions, (v28,))  # after op 28, to rank 1 rows 0..1
 
 

@@ -1,0 +1,96 @@
+"""One replica's tensor-parallel group, seen from one of its ranks: fan-out, shard and gather of
+values by their typed layout (`opweave.ir.tp`), the all-reduce of partial sums, and the greedy
+sample over a vocabulary split across the group.
+
+The replica's leader (the group's first rank) does the point-to-point transfers; what it
+receives it broadcasts to its peers (`fanout`), and every rank then keeps its own block of each
+value (`shard`). Before a send, the group reassembles each split value (`gather`), so the leader
+sends whole values. With a group of one, every call returns its input.
+
+The collectives go through `comm`, by default `torch.distributed` itself (its `broadcast`,
+`all_gather` and `all_reduce` with a `group=`); tests pass a stand-in to run one rank alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from opweave.codegen.kernels.reference import NON_FINITE_TOKEN
+from opweave.ir.tp import Layout, Split
+
+
+class TPGroup:
+    """The TP group `ranks` (global ranks, leader first) seen from rank `ranks[tp_rank]`."""
+
+    def __init__(self, ranks: tuple[int, ...], tp_rank: int, group=None, comm=dist):
+        self.ranks, self.tp_rank, self.tp = tuple(ranks), tp_rank, len(ranks)
+        self.group, self.comm = (group if self.tp > 1 else None), comm
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp_rank == 0
+
+    # ---------------------------------------------------------------- fan-out from the leader
+    def fanout(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The leader's `tensors` on every rank (the peers pass buffers of the same shapes)."""
+        if self.tp > 1:
+            for t in tensors:
+                self.comm.broadcast(t, src=self.ranks[0], group=self.group)
+        return tensors
+
+    def fanout_width(self, width: int) -> int:
+        """The leader's `width` (tokens per row this step) on every rank (peers pass anything)."""
+        if self.tp == 1:
+            return width
+        t = torch.tensor([width], dtype=torch.long)
+        self.comm.broadcast(t, src=self.ranks[0], group=self.group)
+        return int(t)
+
+    # ---------------------------------------------------------------- values by layout
+    def shard(self, full: torch.Tensor, layout: Layout, dim: int = 2) -> torch.Tensor:
+        """This rank's block of a whole value laid out `layout` on dimension `dim`."""
+        if self.tp == 1 or not isinstance(layout, Split):
+            return full
+        blocks = layout.blocks(self.tp, self.tp_rank)
+        return torch.cat([full.narrow(dim, start, length) for start, length in blocks], dim=dim).contiguous()
+
+    def gather(self, local: torch.Tensor, layout: Layout, dim: int = 2) -> torch.Tensor:
+        """The whole value from every rank's block (every rank takes part); a replicated unit (a
+        KV head several ranks hold) is taken from the first rank holding it."""
+        if self.tp == 1 or not isinstance(layout, Split):
+            return local
+        pieces = [torch.empty_like(local) for _ in range(self.tp)]
+        self.comm.all_gather(pieces, local.contiguous(), group=self.group)
+        out, offset = [], 0
+        for (_, length), ranks in zip(layout.blocks(self.tp, 0), layout.sources(self.tp)):
+            out += [pieces[r].narrow(dim, offset, length) for r in ranks]
+            offset += length
+        return torch.cat(out, dim=dim)
+
+    # ---------------------------------------------------------------- collectives of the ops
+    def allreduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Completes row-parallel partial sums in place."""
+        if self.tp > 1:
+            self.comm.all_reduce(x, group=self.group)
+        return x
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy sample over a vocabulary split across the group (lowest index wins ties): one
+        all-gather of each rank's (max logit, global index) per token. A rank whose slice of a
+        row is not all finite sends NaN as its maximum, and a row with a NaN maximum from any
+        rank gives NON_FINITE_TOKEN (like `ops.Sample`; decided on the device, no host sync)."""
+        last = logits[:, -1, :].float()
+        best, idx = last.max(dim=-1)
+        best = torch.where(torch.isfinite(last).all(dim=-1), best, float("nan"))
+        idx = idx + self.tp_rank * last.shape[-1]
+        mine = torch.stack([best.double(), idx.double()])  # vocabulary ids are exact in float64
+        gathered = [mine]
+        if self.tp > 1:
+            gathered = [torch.empty_like(mine) for _ in range(self.tp)]
+            self.comm.all_gather(gathered, mine, group=self.group)
+        values = torch.stack([g[0] for g in gathered])
+        indices = torch.stack([g[1] for g in gathered]).long()
+        winner = values.argmax(dim=0)  # first maximum = lowest vocabulary shard
+        ids = indices.gather(0, winner[None])[0]
+        return torch.where(values.isnan().any(dim=0), NON_FINITE_TOKEN, ids)

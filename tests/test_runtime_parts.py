@@ -1,0 +1,337 @@
+"""The runtime's parts without processes: per-microbatch state views (`runtime/state.py`), the TP
+group's fan-out / shard / gather / all-reduce / argmax on threads of one process
+(`runtime/tpgroup.py`), and message packing and assembly (`runtime/message.py`,
+`runtime/transport.py`). The end-to-end runs are in test_runtime.py and test_processes.py."""
+
+import os
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from opweave.codegen.kernels.reference import NON_FINITE_TOKEN
+from opweave.compiler.compile import write_artifact
+from opweave.compiler.frontend import run_front_end
+from opweave.compiler.pinned import pinned_plan
+from opweave.hardware.catalog import load_catalog
+from opweave.hardware.cluster import parse_cluster
+from opweave.ir.tp import REPLICATED, Split
+from opweave.models.config import config_from_hf
+from opweave.models.model import build_model
+from opweave.models.ops import OpModule, torch_dtype
+from opweave.runtime.message import message_bytes, message_width, pack_message, unpack_message, width_message
+from opweave.runtime.state import RankState
+from opweave.runtime.tpgroup import TPGroup
+from opweave.runtime.transport import assemble
+
+# ---------------------------------------------------------------- state views
+
+
+def _stateful_modules(folder: str) -> dict[int, OpModule]:
+    """The stateful op modules of a tiny model (attention and Gated-DeltaNet for Qwen3-Next)."""
+    import json
+
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = config_from_hf(json.load(f), "tiny")
+    model = build_model(cfg, "cpu")
+    return {i: m for i, m in enumerate(model.modules()) if isinstance(m, OpModule) and m.state_attrs}
+
+
+def test_state_views_are_disjoint_rows_of_one_allocation(tiny_checkpoint):
+    modules = _stateful_modules(tiny_checkpoint("qwen3_next", num_hidden_layers=4))
+    kinds = {m.kind.value for m in modules.values()}
+    assert {"attn_linear", "attn_full"} <= kinds
+    rows, mbs = 3, 4
+    state = RankState.allocate(modules, rows, mbs, context=16, device="cpu")
+    assert set(state.ops) == set(modules)
+    for i, m in modules.items():
+        views = state.views(i)
+        assert len(views) == mbs
+        for a, full in zip(m.state_attrs, (getattr(m, a) for a in m.state_attrs)):
+            assert full.shape[0] == rows * mbs  # one allocation for every microbatch
+        for mb, view in enumerate(views):
+            assert len(view) == len(m.state_attrs)
+            for t, a in zip(view, m.state_attrs):
+                full = getattr(m, a)
+                assert t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+                t.fill_(mb + 1)  # write through the view: exactly its rows of the full tensor change
+        for a in m.state_attrs:
+            full = getattr(m, a)
+            for mb in range(mbs):
+                assert bool((full[mb * rows:(mb + 1) * rows] == mb + 1).all())
+        assert state.view(i, 2) is views[2]  # made once, not per call
+    with pytest.raises(KeyError, match="no per-sequence state"):
+        state.views(-1)
+
+
+def test_state_refuses_an_allocation_of_another_size(tiny_checkpoint):
+    modules = _stateful_modules(tiny_checkpoint("llama", num_hidden_layers=2))
+    for m in modules.values():
+        m.allocate_state(5, 8, "cpu")
+    with pytest.raises(ValueError, match="not 2 x 3 rows"):
+        RankState(modules, rows=3, num_microbatches=2)
+
+
+def test_stateful_ops_use_the_state_passed_not_their_own(tiny_checkpoint):
+    """An op given a state view writes it, and leaves its own attributes' state untouched."""
+    modules = _stateful_modules(tiny_checkpoint("qwen3_next", num_hidden_layers=4))
+    attn = next(m for m in modules.values() if m.kind.value == "attn_full")
+    c = attn.cfg
+    attn.allocate_state(2, 8, "cpu")
+    own = (attn.k_cache.clone(), attn.v_cache.clone())
+    passed = (torch.zeros_like(attn.k_cache), torch.zeros_like(attn.v_cache))
+    q = torch.randn(2, 1, c.num_heads, c.head_dim, dtype=attn.k_cache.dtype)
+    k = torch.randn(2, 1, c.num_kv_heads, c.head_dim, dtype=attn.k_cache.dtype)
+    v = torch.randn_like(k)
+    positions = torch.tensor([[0], [3]])
+    out = attn(q, k, v, positions, state=passed)
+    assert torch.equal(attn.k_cache, own[0]) and torch.equal(attn.v_cache, own[1])
+    assert torch.equal(passed[0][0, 0], k[0, 0]) and torch.equal(passed[1][1, 3], v[1, 0])
+    assert torch.allclose(out, attn(q, k, v, positions))  # default: its own caches, same math
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kernel_ops_pass_the_state_on(tiny_checkpoint, backend):
+    """The kernel wrapper (`runtime/kernel_ops.py`) computes with the state passed, for decode
+    attention and Gated-DeltaNet, exactly as the module computes with the same state as its own."""
+    from opweave.codegen.kernels import get_backend
+    from opweave.runtime.kernel_ops import KernelOp
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    modules = _stateful_modules(tiny_checkpoint("qwen3_next", num_hidden_layers=4))
+    attn = next(m for m in modules.values() if m.kind.value == "attn_full")
+    gdn = next(m for m in modules.values() if m.kind.value == "attn_linear")
+    for m in (attn, gdn):
+        for p in m.parameters():
+            p.data.normal_(0, 0.5)
+    c, la, rows = attn.cfg, attn.cfg.linear_attn, 2
+    positions = torch.tensor([[0], [5]])
+    dtype = torch_dtype(c)
+
+    def randn(*shape):
+        return torch.randn(*shape).to(dtype)
+
+    attn_args = (randn(rows, 1, c.num_heads, c.head_dim), randn(rows, 1, c.num_kv_heads, c.head_dim),
+                 randn(rows, 1, c.num_kv_heads, c.head_dim), positions)
+    hv = la.num_value_heads
+    gdn_args = (randn(rows, 1, gdn.conv_dim), randn(rows, 1, hv, la.value_head_dim), randn(rows, 1, hv),
+                randn(rows, 1, hv), positions)
+    for m, args in ((attn, attn_args), (gdn, gdn_args)):
+        m.allocate_state(rows, 8, "cpu")
+        for a in m.state_attrs:
+            getattr(m, a).normal_()
+        passed = tuple(getattr(m, a).clone() for a in m.state_attrs)
+        wrapped = KernelOp(m, get_backend(backend))
+        got = wrapped(*args, state=passed)
+        want = m(*args) if backend == "torch" or m is attn else m(*args, kernels=get_backend(backend))
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), m.kind
+        for t, a in zip(passed, m.state_attrs):  # the passed state advanced as the module's own did
+            assert torch.allclose(t.float(), getattr(m, a).float(), atol=2e-2, rtol=2e-2), (m.kind, a)
+
+
+def _compile(folder: str, out: str, template: str, owners) -> None:
+    fe = run_front_end(folder)
+    cluster = parse_cluster("h100x8+l40sx8", load_catalog())
+    write_artifact(out, pinned_plan(fe, cluster, template, owners, batch=4, microbatches=2, context=32))
+
+
+def test_a_round_sets_no_module_attribute(tiny_checkpoint, tmp_path, monkeypatch):
+    """The generated module passes each microbatch's state view: during a round nothing is set on
+    any operator module, and every microbatch's rows of the state are written."""
+    from opweave.runtime.standalone import load_alone
+
+    out = str(tmp_path / "art")
+    _compile(tiny_checkpoint("qwen3_next", num_hidden_layers=4), out, "colocated", [("h100", 1, 1)])
+    with open(os.path.join(out, "rank_00.py")) as f:
+        assert "state=self.state" in f.read()
+    rt, prog = load_alone(os.path.join(out, "rank_00.py"), torch.device("cpu"))
+    assert rt.program.num_microbatches == 2 and rt.state.ops
+    before = {(i, name): id(value) for i, m in rt.ops.items() for name, value in vars(m).items()}
+    state_before = {(i, a): id(getattr(m, a)) for i, m in rt.ops.items() for a in m.state_attrs}
+    set_during_round = []
+    original = nn.Module.__setattr__
+
+    def spy(self, name, value):
+        if isinstance(self, OpModule):
+            set_during_round.append((type(self).__name__, name))
+        original(self, name, value)
+
+    monkeypatch.setattr(nn.Module, "__setattr__", spy)
+    with torch.no_grad():
+        prog.round()
+    monkeypatch.setattr(nn.Module, "__setattr__", original)
+    assert set_during_round == []
+    assert {(i, name): id(value) for i, m in rt.ops.items() for name, value in vars(m).items()} == before
+    assert {(i, a): id(getattr(m, a)) for i, m in rt.ops.items() for a in m.state_attrs} == state_before
+    for i in rt.state.ops:  # position 0 of every row, in both microbatches, was written
+        m = rt.ops[i]
+        first = getattr(m, m.state_attrs[0])
+        written = first[:, 0] if m.kind.value in ("attn_full", "attn_sliding") else first
+        assert bool(written.flatten(1).ne(0).any(dim=1).all()), m.kind
+
+
+# ---------------------------------------------------------------- the TP group on threads
+
+
+class ThreadComm:
+    """`torch.distributed`'s broadcast / all_gather / all_reduce for the ranks of one group run
+    as threads of this process (one thread per rank, each naming its rank in `local.rank`)."""
+
+    def __init__(self, ranks: tuple[int, ...]):
+        self.ranks = ranks
+        self.local = threading.local()
+        self._barrier = threading.Barrier(len(ranks))
+        self._slots: list = [None] * len(ranks)
+        self.calls: list[str] = []
+
+    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        self._slots[self.local.rank] = t.clone()
+        self._barrier.wait()
+        got = list(self._slots)
+        self._barrier.wait()
+        return got
+
+    def broadcast(self, t, src, group):
+        t.copy_(self._exchange(t)[self.ranks.index(src)])
+        self.calls.append("broadcast")
+
+    def all_gather(self, outs, t, group):
+        for o, g in zip(outs, self._exchange(t)):
+            o.copy_(g)
+        self.calls.append("all_gather")
+
+    def all_reduce(self, t, group):
+        t.copy_(torch.stack(self._exchange(t)).sum(dim=0))
+        self.calls.append("all_reduce")
+
+
+def on_group(ranks: tuple[int, ...], fn):
+    """fn(TPGroup) on every rank of the group, each on its own thread: the results by TP rank."""
+    comm = ThreadComm(ranks)
+    results, errors = [None] * len(ranks), []
+
+    def body(r):
+        comm.local.rank = r
+        try:
+            results[r] = fn(TPGroup(ranks, r, group="g", comm=comm))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+            comm._barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+LAYOUTS = [
+    ("replicated", REPLICATED, 24, 2),
+    ("plain split", Split(sizes=(24,), units=(4,)), 24, 2),
+    ("q | k | v packed", Split(sizes=(16, 8, 8), units=(4, 2, 2)), 32, 2),
+    ("KV heads replicated", Split(sizes=(16, 4, 4), units=(4, 1, 1)), 24, 2),
+    ("KV heads replicated, TP 4", Split(sizes=(32, 8, 8), units=(8, 2, 2)), 48, 4),
+]
+
+
+@pytest.mark.parametrize("name,layout,dim,tp", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_shard_then_gather_gives_back_the_value(name, layout, dim, tp):
+    ranks = tuple(range(10, 10 + tp))
+    full = torch.randn(3, 2, dim)
+
+    def step(g: TPGroup):
+        local = g.shard(full, layout)
+        return local, g.gather(local, layout)
+
+    results = on_group(ranks, step)
+    for r, (local, whole) in enumerate(results):
+        assert torch.equal(whole, full)
+        expected = full if layout is REPLICATED else torch.cat(
+            [full.narrow(2, s, n) for s, n in layout.blocks(tp, r)], dim=2)
+        assert torch.equal(local, expected)
+        assert local.shape[2] == layout.local_size(dim, tp)
+
+
+def test_gather_takes_a_replicated_kv_head_from_the_first_rank_holding_it():
+    layout = Split(sizes=(8, 2, 2), units=(4, 1, 1))  # 4 q heads, 1 kv head over TP 2
+    full = torch.arange(12.0).view(1, 1, 12)
+
+    def step(g: TPGroup):
+        local = g.shard(full, layout)
+        if g.tp_rank == 1:  # rank 1's copy of the shared KV head is not read
+            local[..., 4:] = -1.0
+        return g.gather(local, layout)
+
+    for whole in on_group((0, 1), step):
+        assert torch.equal(whole, full)
+
+
+def test_fanout_allreduce_and_a_group_of_one():
+    def step(g: TPGroup):
+        width = g.fanout_width(5 if g.is_leader else 0)
+        t = torch.full((2, width), 7 if g.is_leader else 0)
+        g.fanout([t])
+        return width, t, g.allreduce(torch.full((3,), float(g.tp_rank + 1)))
+
+    for width, t, summed in on_group((4, 6, 9), step):
+        assert width == 5 and bool((t == 7).all()) and torch.equal(summed, torch.full((3,), 6.0))
+    alone = TPGroup((3,), 0, comm=None)  # a group of one never calls a collective
+    x = torch.randn(2, 1, 6)
+    assert alone.fanout_width(4) == 4 and alone.allreduce(x) is x and alone.gather(x, Split((6,), (2,))) is x
+    assert torch.equal(alone.argmax(x), x[:, -1].argmax(-1))
+
+
+def test_vocab_split_argmax_matches_the_whole_vocabulary():
+    vocab, tp = 12, 3
+    logits = torch.randn(5, 2, vocab)
+    logits[1, -1, 2] = logits[1, -1, 9] = 50.0   # a tie across shards: the lowest index wins
+    logits[2, -1, 7] = float("nan")               # not finite in one shard only
+    logits[3, -1, 0] = float("inf")
+    expected = torch.argmax(logits[:, -1], dim=-1)
+    expected[2] = expected[3] = NON_FINITE_TOKEN
+    per = vocab // tp
+    results = on_group((0, 1, 2), lambda g: g.argmax(logits[..., g.tp_rank * per:(g.tp_rank + 1) * per]))
+    for ids in results:
+        assert ids.tolist() == expected.tolist()
+    assert results[0][1] == 2
+
+
+# ---------------------------------------------------------------- messages
+
+
+def test_message_round_trip_and_prefill_width_header():
+    rows, width, shapes = 3, 4, ((2, 5), (6,))
+    positions = torch.arange(rows * width).view(rows, width)
+    values = [torch.randn(rows, width, *s, dtype=torch.bfloat16) for s in shapes]
+    message = pack_message(width, positions, values)
+    per_token = (2 * 5 + 6) * 2
+    assert message.numel() == message_bytes(rows, width, per_token) and message.dtype == torch.uint8
+    assert message_width(message) == width
+    pos, payload = unpack_message(message, rows, width, torch.bfloat16)
+    assert torch.equal(pos, positions)
+    assert torch.equal(payload, torch.cat([v.reshape(-1) for v in values]))
+    header = width_message(message, rows, width)  # what a receiver posted for a decode step
+    assert header.numel() == message_bytes(rows, 1, per_token) and message_width(header) == width
+
+
+def test_assemble_left_pads_narrower_peers():
+    shapes = ((2,),)
+    wide = (torch.tensor([[3, 4, 5]]), torch.arange(6.0))                       # row 0: a 3-token prefill
+    narrow = (torch.tensor([[9], [11]]), torch.tensor([1.0, 2.0, 3.0, 4.0]))    # rows 1-2: decode
+    positions, (v,) = assemble([(0, 1, 3, *wide), (1, 3, 1, *narrow)], rows=3, shapes=shapes, dtype=torch.float32)
+    assert positions.tolist() == [[3, 4, 5], [-1, -1, 9], [-1, -1, 11]]
+    assert v[0].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert v[1].tolist() == [[0.0, 0.0], [0.0, 0.0], [1.0, 2.0]]
+    assert v[2, 2].tolist() == [3.0, 4.0]
+    # packing then unpacking then assembling gives the sender's values back
+    vals = torch.randn(2, 1, 2)
+    msg = pack_message(1, torch.tensor([[7], [8]]), [vals])
+    pos, payload = unpack_message(msg, 2, 1, torch.float32)
+    positions, (v,) = assemble([(0, 2, 1, pos, payload)], rows=2, shapes=shapes, dtype=torch.float32)
+    assert torch.equal(v, vals) and positions.tolist() == [[7], [8]]
