@@ -16,6 +16,7 @@ import sys
 from opweave import __version__, config
 from opweave.errors import Interrupted, OpWeaveError
 from opweave.signals import raising_on_signals
+from opweave.models.activation import PREFILL_CHUNK
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,6 +112,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         sign_key = read_key(args.sign_key, "--sign-key")
     slo = parse_duration(args.tpot_slo)
     context = parse_tokens(args.context)
+    prefill_chunk = PREFILL_CHUNK if args.prefill_chunk is None else parse_tokens(args.prefill_chunk, "--prefill-chunk")
     catalog = load_catalog(args.catalog)
     table = None
     if args.profile:
@@ -137,7 +139,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     compiled = compile_model(args.model, cluster, slo, context, options, cost_model=CostModel(profile=table),
                              progress=progress, allow_long_context=args.allow_long_context,
-                             warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr))
+                             warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr),
+                             prefill_chunk=prefill_chunk)
     write_artifact(args.output, compiled, force=args.force, sign_key=sign_key)
     if table is not None:
         print(f"opweave: {table.usage_summary()}", file=sys.stderr)
@@ -388,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--cluster", required=True, help="e.g. h100x8+l40sx8, a100x16, a YAML/JSON file, or local")
     comp.add_argument("--tpot-slo", required=True, help="time per output token target, e.g. 50ms")
     comp.add_argument("--context", required=True, help="context length to plan for, e.g. 32k")
+    comp.add_argument("--prefill-chunk", default=None, metavar="TOKENS",
+                      help="prompt tokens per sequence per step at run time (default 128); sizes the "
+                           "planned activation memory")
     comp.add_argument("-o", "--output", required=True,
                       help="artifact folder to write: a new or empty folder, or a previous artifact (replaced)")
     comp.add_argument("--sign-key", metavar="KEY_FILE",

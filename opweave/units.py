@@ -13,18 +13,18 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|ms|us)\s*$")
 MAX_TOKENS = 1 << 31  # far above any model's positions; keeps sizes derived from it finite
 
 
-def parse_tokens(text: str) -> int:
-    """`4096`, `4k` (= 4096), `1m` (= 1048576) -> a positive token count."""
+def parse_tokens(text: str, what: str = "context length") -> int:
+    """`4096`, `4k` (= 4096), `1m` (= 1048576) -> a positive token count (`what` names it in errors)."""
     m = _TOKENS.match(text)
     if not m:
-        raise OpWeaveError(f"bad context length '{text}' (expected e.g. 4096, 32k, 1m)")
+        raise OpWeaveError(f"bad {what} '{text}' (expected e.g. 4096, 32k, 1m)")
     if len(m.group(1)) > 30:
-        raise OpWeaveError(f"bad context length '{text[:40]}...' (at most {MAX_TOKENS} tokens)")
+        raise OpWeaveError(f"bad {what} '{text[:40]}...' (at most {MAX_TOKENS} tokens)")
     value = Fraction(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]  # exact
     if value.denominator != 1 or value <= 0:
-        raise OpWeaveError(f"bad context length '{text}' (must be a positive whole number of tokens)")
+        raise OpWeaveError(f"bad {what} '{text}' (must be a positive whole number of tokens)")
     if value > MAX_TOKENS:
-        raise OpWeaveError(f"bad context length '{text}' (at most {MAX_TOKENS} tokens)")
+        raise OpWeaveError(f"bad {what} '{text}' (at most {MAX_TOKENS} tokens)")
     return int(value)
 
 

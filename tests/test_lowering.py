@@ -93,7 +93,7 @@ def test_codegen_is_deterministic(artifacts, tiny_checkpoint, tmp_path):
     again = str(tmp_path / "again")
     compile_pinned(tiny_checkpoint("llama", num_hidden_layers=3), "afd", again)
     for name in os.listdir(artifacts["afd"]):
-        if name.endswith((".py", ".json")):
+        if name.endswith((".py", ".json")) and name != "compile-info.json":  # the wall clock, by design
             assert open(os.path.join(again, name)).read() == open(os.path.join(artifacts["afd"], name)).read(), name
 
 

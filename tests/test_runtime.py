@@ -116,3 +116,27 @@ def test_several_replica_sets_share_the_requests(tiny_checkpoint, tmp_path, caps
     assert main(["run", out, "--weights", folder, "--prompt-ids", "1,2", "--replica-sets", "99"]) == 2
     assert "the plan places" in capsys.readouterr().err
     assert main(["run", out, "--weights", folder, "--prompt-ids", "1,2", "--replica-sets", "two"]) == 2
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
+def test_chunked_prefill_across_ranks_generates_reference_tokens(tiny_checkpoint, tmp_path, family):
+    """The plan's prefill chunk reaches every rank: prompts longer than the chunk (and than Gemma's
+    sliding window) are fed over several steps through a CAD split with TP 2 and still give
+    transformers' tokens."""
+    import dataclasses
+
+    folder = tiny_checkpoint(family, num_hidden_layers=LAYERS[family])
+    fe = run_front_end(folder)
+    cluster = parse_cluster("h100x8+l40sx8", load_catalog())
+    compiled = pinned_plan(fe, cluster, "cad", PLANS["cad"], batch=4, microbatches=2, context=CONTEXT)
+    compiled = dataclasses.replace(compiled, plan=dataclasses.replace(compiled.plan, prefill_chunk=3))
+    out = str(tmp_path / "art")
+    write_artifact(out, compiled)
+    import json
+
+    programs = [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out)) if f.startswith("rank_")
+                and f.endswith(".json")]
+    assert programs and all(p["prefill_chunk"] == 3 for p in programs)
+    outputs = run(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests(), timeout_s=300))
+    assert all(r.error is None for r in outputs)
+    assert [tuple(r.output) for r in outputs] == list(reference(folder))

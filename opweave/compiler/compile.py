@@ -29,6 +29,7 @@ from opweave.passes.lower import lower
 from opweave.passes.placement import Placement
 from opweave.passes.search import Candidate, SearchOptions, SearchResult, slot_of
 from opweave.passes.trace_export import write_schedule
+from opweave.models.activation import PREFILL_CHUNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,7 @@ def place(cand: Candidate, cluster: Cluster) -> Placement:
 
 
 def make_plan(fe: FrontEnd, cluster: Cluster, context: int, tpot_slo_s: float, result: SearchResult,
-              where: Placement | None = None) -> Plan:
+              where: Placement | None = None, prefill_chunk: int = PREFILL_CHUNK) -> Plan:
     """The Plan of `result.best` placed on `cluster` (`where`, or placed here), with the schedule's
     inputs (stage compute and send times, prices, the return) so it can be simulated again alone."""
     cand = result.best
@@ -90,7 +91,8 @@ def make_plan(fe: FrontEnd, cluster: Cluster, context: int, tpot_slo_s: float, r
                 stages_per_block=cand.stage_plan.stages_per_block, stages=stages, owners=owners,
                 batch=cand.batch, microbatches=cand.microbatches, replica_sets=sets, idle_gpus=where.idle,
                 predicted=predicted, counters=dataclasses.asdict(result.counters), return_s=problem.return_s,
-                return_bytes=problem.return_bytes, return_inter_node=problem.return_inter_node)
+                return_bytes=problem.return_bytes, return_inter_node=problem.return_inter_node,
+                prefill_chunk=prefill_chunk)
 
 
 def check_context(fe: FrontEnd, context: int, allow_long_context: bool,
@@ -117,12 +119,14 @@ def check_context(fe: FrontEnd, context: int, allow_long_context: bool,
 def compile_model(model: str, cluster: Cluster, tpot_slo_s: float, context: int,
                   options: SearchOptions = SearchOptions(), cost_model: CostModel = CostModel(),
                   progress: Callable[[str], None] | None = None, allow_long_context: bool = False,
-                  warn: Callable[[str], None] | None = None) -> Compiled:
-    """Runs the pipeline's steps trace .. plan (`compiler/pipeline.py`)."""
+                  warn: Callable[[str], None] | None = None, prefill_chunk: int = PREFILL_CHUNK) -> Compiled:
+    """Runs the pipeline's steps trace .. plan (`compiler/pipeline.py`). `prefill_chunk`: prompt
+    tokens per row per step at run time, which sizes the planned activations."""
     from opweave.compiler import pipeline
 
     state = pipeline.State(model=model, cluster=cluster, tpot_slo_s=tpot_slo_s, context=context, options=options,
-                           cost_model=cost_model, progress=progress, allow_long_context=allow_long_context, warn=warn)
+                           cost_model=cost_model, progress=progress, allow_long_context=allow_long_context, warn=warn,
+                           prefill_chunk=prefill_chunk)
     pipeline.run(state, last="plan")
     return state.compiled()
 

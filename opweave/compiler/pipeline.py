@@ -37,6 +37,7 @@ from opweave.models.registry import ModelSource
 from opweave.passes.blocks import BlockedGraph, format_blocks
 from opweave.passes.placement import Placement, format_placement, verify_placement
 from opweave.passes.search import PlanSpace, SearchOptions, SearchResult, format_search
+from opweave.models.activation import PREFILL_CHUNK
 
 
 @dataclasses.dataclass
@@ -48,6 +49,7 @@ class State:
     cluster: Cluster | None = None
     tpot_slo_s: float = math.inf
     context: int = 0
+    prefill_chunk: int = PREFILL_CHUNK
     options: SearchOptions = SearchOptions()
     cost_model: CostModel = CostModel()
     progress: Callable[[str], None] | None = None
@@ -110,7 +112,7 @@ def _search(st: State) -> None:
 
     check_context(st.front_end(), st.context, st.allow_long_context, st.warn)  # within the trained positions
     space = PlanSpace(graph=st.graph, blocks=st.blocks, cluster=st.cluster, context=st.context,
-                      tpot_slo_s=st.tpot_slo_s, cost_model=st.cost_model)
+                      tpot_slo_s=st.tpot_slo_s, cost_model=st.cost_model, prefill_chunk=st.prefill_chunk)
     st.result = search(space, st.options, st.progress)             # templates x owners x batching
     if st.result.best is None:
         raise OpWeaveError(f"no plan: {st.result.reason}")
@@ -140,7 +142,8 @@ def _place(st: State) -> None:
 def _plan(st: State) -> None:
     from opweave.compiler.compile import make_plan
 
-    st.plan = make_plan(st.front_end(), st.cluster, st.context, st.tpot_slo_s, st.result, st.placement)
+    st.plan = make_plan(st.front_end(), st.cluster, st.context, st.tpot_slo_s, st.result, st.placement,
+                        prefill_chunk=st.prefill_chunk)
 
 
 def _lower(st: State) -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from opweave.models.activation import PREFILL_CHUNK
+
 PLAN_FORMAT = "opweave-plan/3"
 _OLD_FORMAT = "opweave-plan/1"  # every replica set's GPUs, idle GPUs one by one
 _NO_SCHEDULE_FORMAT = "opweave-plan/2"  # as 3, without the schedule's inputs (they read as None)
@@ -90,6 +92,7 @@ class Plan:
     return_s: float | None = None    # new token ids, last stage's owner -> stage 0's owner (0: same)
     return_bytes: float | None = None
     return_inter_node: bool | None = None
+    prefill_chunk: int = PREFILL_CHUNK  # at most this many prompt tokens per row per step (planned activations)
 
     @property
     def gpus_per_set(self) -> int:
@@ -161,7 +164,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         batch=data["batch"], microbatches=data["microbatches"], replica_sets=data["replica_sets"],
         idle_gpus=_tuples(data["idle_gpus"]), predicted=Predicted(**data["predicted"]), counters=dict(data["counters"]),
         return_s=data.get("return_s"), return_bytes=data.get("return_bytes"),
-        return_inter_node=data.get("return_inter_node"),
+        return_inter_node=data.get("return_inter_node"), prefill_chunk=data.get("prefill_chunk", PREFILL_CHUNK),
     )
 
 

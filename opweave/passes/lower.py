@@ -104,5 +104,6 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
             microbatch_size=mb, num_microbatches=plan.microbatches, scheduler=scheduler,
             scheduler_leaders=tuple(leaders[(first_owner, jj)] for jj in range(plan.owners[first_owner].replicas)),
             token_sources=_overlaps(plan, leaders, last_owner, rows, mb) if scheduler else (),
-            stages=tuple(stages), model=plan.model, plan_hash=plan_hash, context=plan.context))
+            stages=tuple(stages), model=plan.model, plan_hash=plan_hash, context=plan.context,
+            prefill_chunk=plan.prefill_chunk))
     return tuple(programs)

@@ -27,6 +27,7 @@ import time
 from typing import Callable
 
 from opweave.cost.memory import Footprint
+from opweave.models.activation import PREFILL_CHUNK
 from opweave.cost.model import CostModel, boundary_s, transfer_s
 from opweave.errors import OpWeaveError
 from opweave.hardware.cluster import Cluster
@@ -66,6 +67,7 @@ class PlanSpace:
     context: int
     tpot_slo_s: float
     cost_model: CostModel = CostModel()
+    prefill_chunk: int = PREFILL_CHUNK  # tokens per row per prefill step: sizes the activations
 
 
 @dataclasses.dataclass
@@ -193,7 +195,7 @@ class _Evaluator:
             if not legal_tp(ops, tp):
                 self._footprint[full] = None
             else:
-                self._footprint[full] = Footprint.of(ops, tp, self.space.context)
+                self._footprint[full] = Footprint.of(ops, tp, self.space.context, self.space.prefill_chunk)
         return self._footprint[full]
 
 

@@ -7,7 +7,7 @@ name in a comment is escaped to one line.
 
 OPWEAVE_VERSION = '0.1.0'
 MODEL = 'tiny_llama0'
-PLAN_HASH = '3926bc50016634d7db1b34bc1e2782fcc2cd5c9e9ec490bcdcd8ac0adfde1c03'  # sha256 of the artifact's plan.json
+PLAN_HASH = 'e1692add08fb23544f5b32290072587a53cfdecf2717b0e2ff2d6f6a79bd9139'  # sha256 of the artifact's plan.json
 TEMPLATE = 'afd'
 NUM_STAGES = 6  # stages per token in the whole plan
 RANK = 0
