@@ -38,6 +38,15 @@ def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
+def load_into(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copies a tensor read from a checkpoint (on the host) into `param` in place: the parameter
+    keeps its device and dtype (a CUDA module gets its weights on the GPU, not a host tensor)."""
+    if tuple(value.shape) != tuple(param.shape):
+        raise AssertionError(f"loading a {tuple(value.shape)} tensor into a {tuple(param.shape)} parameter")
+    with torch.no_grad():
+        param.copy_(value)
+
+
 class OpModule(nn.Module):
     """Base of all operator modules.
 
@@ -67,10 +76,11 @@ class OpModule(nn.Module):
         return sum(p.numel() for name, p in self.named_parameters() if name not in self.tied)
 
     def load_weights(self, reader) -> None:
-        """Copies this op's tensors from a `CheckpointReader` (reads only these keys)."""
+        """Copies this op's tensors from a `CheckpointReader` (reads only these keys) into its
+        parameters, where they already are (the run device): never replaces them."""
         for attr, key in self.weight_keys.items():
             param = getattr(self, attr)
-            param.data = reader.get(key, tuple(param.shape)).to(param.dtype)
+            load_into(param, reader.get(key, tuple(param.shape)))
 
     def allocate_state(self, batch: int, max_len: int, device) -> None:
         """Allocates per-sequence state for `batch` slots and `max_len` positions (default: none)."""
@@ -396,14 +406,11 @@ class MoEExperts(OpModule):
         if reader.has(self.weight_keys["gate_up"]):
             return super().load_weights(reader)
         m, p = self.cfg.moe, self.prefix
-        gate_up, down = [], []
-        for e in range(m.num_experts):
-            gate = reader.get(f"{p}{e}.gate_proj.weight", (m.intermediate_size, self.cfg.hidden_size))
-            up = reader.get(f"{p}{e}.up_proj.weight", (m.intermediate_size, self.cfg.hidden_size))
-            gate_up.append(torch.cat((gate, up), dim=0))
-            down.append(reader.get(f"{p}{e}.down_proj.weight", (self.cfg.hidden_size, m.intermediate_size)))
-        self.gate_up.data = torch.stack(gate_up).to(self.gate_up.dtype)
-        self.down.data = torch.stack(down).to(self.down.dtype)
+        i, h = m.intermediate_size, self.cfg.hidden_size
+        for e in range(m.num_experts):  # each expert straight into its rows (gate rows first)
+            load_into(self.gate_up[e, :i], reader.get(f"{p}{e}.gate_proj.weight", (i, h)))
+            load_into(self.gate_up[e, i:], reader.get(f"{p}{e}.up_proj.weight", (i, h)))
+            load_into(self.down[e], reader.get(f"{p}{e}.down_proj.weight", (h, i)))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return K.moe_experts(x, weights, ids, self.gate_up, self.down)
@@ -450,7 +457,7 @@ class LMHead(OpModule):
 
     def load_weights(self, reader) -> None:
         key = self.tied.get("weight") or self.weight_keys["weight"]
-        self.weight.data = reader.get(key, tuple(self.weight.shape)).to(self.weight.dtype)
+        load_into(self.weight, reader.get(key, tuple(self.weight.shape)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

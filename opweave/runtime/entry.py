@@ -20,12 +20,10 @@ def main() -> int:
     watches the ranks here: a peer waiting longer for a stalled rank fails, and torchrun stops
     the others). The rendezvous and gloo/NCCL sockets use the network between the nodes, which
     must be trusted; `--iface` (or GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) names the interface."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
-    from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, read_requests
+    from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, join_process_group, read_requests
     from opweave.runtime.checks import check_inputs
     from opweave.runtime.manifest import load_artifact, read_key
     from opweave.runtime.worker import run_rank
@@ -53,10 +51,8 @@ def main() -> int:
         check_inputs(cfg)
         if args.iface:
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = args.iface
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=args.stall_timeout))
+        join_process_group(device, args.stall_timeout,
+                           int(os.environ.get("LOCAL_RANK", 0)) if device == "cuda" else None)
         out = run_rank(artifact, rank, args.weights, device, list(requests))
         if rank == 0:
             print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output} for r in out[0]]}))

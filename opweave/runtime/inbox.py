@@ -29,7 +29,8 @@ class Slot:
 class Inbox:
     """One round's receives in program order; at most one posted per peer at a time."""
 
-    def __init__(self, slots: list[Slot]):
+    def __init__(self, slots: list[Slot], device: torch.device | str = "cpu"):
+        self.device = torch.device(device)  # where the receive buffers live (the run device)
         self._by_peer: dict[int, list[Slot]] = {}
         for s in slots:
             self._by_peer.setdefault(s.peer, []).append(s)
@@ -51,7 +52,7 @@ class Inbox:
             i += 1
         if i < len(slots):
             s = slots[i]
-            buffer = torch.empty(s.numel, dtype=s.dtype)
+            buffer = torch.empty(s.numel, dtype=s.dtype, device=self.device)
             self._posted[s.key] = (dist.irecv(buffer, src=peer), buffer)
             i += 1
         self._cursor[peer] = i
@@ -61,7 +62,7 @@ class Inbox:
         posted = self._posted.pop(key, None)
         if posted is None:
             s = self._slot[key]
-            buffer = torch.empty(s.numel, dtype=s.dtype)
+            buffer = torch.empty(s.numel, dtype=s.dtype, device=self.device)
             dist.recv(buffer, src=s.peer)
             return buffer
         posted[0].wait()

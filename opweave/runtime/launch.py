@@ -1,9 +1,12 @@
 """`opweave run`: starts one process per rank of the artifact and collects the generated tokens.
 
-Processes are forked on this machine and joined with torch.distributed (gloo on CPU, NCCL on
-CUDA) over loopback. The launcher watches them: if a rank fails, dies or makes no progress for
-the stall timeout, the others are killed at once and the error names the rank. For clusters of
-several nodes it prints the `torchrun` command for each node instead.
+Processes are started on this machine and joined with torch.distributed (gloo on CPU, NCCL on
+CUDA) over loopback. CPU runs fork them (fast); CUDA runs spawn them (`start_method`), and the
+launcher counts CUDA devices without initialising CUDA (NVML, `cuda_device_count`): a process
+forked after CUDA was initialised cannot use CUDA at all. The launcher watches the ranks: if a
+rank fails, dies or makes no progress for the stall timeout, the others are killed at once and
+the error names the rank. For clusters of several nodes it prints the `torchrun` command for each
+node instead.
 
 Note: nothing of a run outlives the launcher or waits on it. Each rank asks the kernel to kill
 it when the launcher dies (Linux `PR_SET_PDEATHSIG`; elsewhere a thread watching the parent pid),
@@ -154,8 +157,8 @@ class _RunFolder:
 
 def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, folder: _RunFolder, beats: Heartbeat,
             launcher_pid: int, replica_set: int = 0) -> None:
-    """One rank, forked by the launcher: `artifact` holds the files the launcher read and checked
-    (the rank never re-opens them)."""
+    """One rank, started by the launcher (`start_method`): `artifact` holds the files the launcher
+    read and checked (the rank never re-opens them)."""
     _become_rank(launcher_pid)
     heartbeat.install(beats, replica_set * world + rank)
     heartbeat.report(Phase.STARTED)
@@ -166,13 +169,11 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
 
     try:
         torch.set_num_threads(1)
-        backend = "nccl" if cfg.device == "cuda" else "gloo"
-        if cfg.device == "cuda":
-            torch.cuda.set_device((replica_set * world + rank) % torch.cuda.device_count())
+        gpu = (replica_set * world + rank) % torch.cuda.device_count() if cfg.device == "cuda" else None
         use_loopback_interface()
         timeout_s = cfg.stall_timeout_s + PG_TIMEOUT_MARGIN_S
-        dist.init_process_group(backend, store=folder.store(replica_set, world, timeout_s), rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        join_process_group(cfg.device, timeout_s, gpu, store=folder.store(replica_set, world, timeout_s),
+                           rank=rank, world=world)
         heartbeat.report(Phase.JOINED)
         out = run_rank(artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret,
                        cfg.trace)
@@ -191,7 +192,7 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
 
 
 def _become_rank(launcher_pid: int) -> None:
-    """In a freshly forked rank: die with the launcher, and leave terminal signals to it.
+    """In a freshly started rank: die with the launcher, and leave terminal signals to it.
 
     SIGINT (Ctrl-C) and SIGHUP (a closed terminal) reach the whole process group; the ranks ignore
     them and the launcher, which gets them too, stops the ranks. SIGTERM gets its default action
@@ -224,6 +225,27 @@ def _watch_parent(launcher_pid: int) -> None:
     while os.getppid() == launcher_pid:
         time.sleep(PARENT_POLL_S)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def join_process_group(device: str, timeout_s: float, gpu: int | None, store=None, rank: int | None = None,
+                       world: int | None = None) -> None:
+    """Joins the run's process group: gloo on CPU; on CUDA, NCCL with this rank's GPU selected
+    (`gpu`) and bound to the group (`device_id`, where this torch has it), so the communicator is
+    created now, at start-up, on every rank together, not lazily by the first collective.
+    Without `store`, the group meets through torchrun's environment (`runtime/entry.py`)."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if store is not None:
+        kwargs.update(store=store, rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(gpu)
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            kwargs["device_id"] = torch.device("cuda", gpu)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", **kwargs)
 
 
 def use_loopback_interface() -> None:
@@ -262,16 +284,14 @@ def run_detailed(cfg: RunConfig) -> tuple[list[Request], dict]:
     if cfg.replica_sets > planned:
         raise OpWeaveError(f"--replica-sets {cfg.replica_sets}: the plan places {planned} replica set(s)")
     if cfg.device == "cuda":
-        import torch
-
         need = world * cfg.replica_sets
-        if not torch.cuda.is_available() or torch.cuda.device_count() < need:
-            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        have = cuda_device_count()
+        if have < need:
             what = (f"the plan has {world} ranks" if cfg.replica_sets == 1 else
                     f"{cfg.replica_sets} replica sets of {world} ranks need {need} CUDA devices")
             raise OpWeaveError(f"{what} but this machine has {have} CUDA device(s); use --device cpu for a tiny "
                                "model, or run the torchrun commands per node")
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method(cfg.device))
     sets = _deal(cfg.requests, cfg.replica_sets)
     beats = Heartbeat(len(sets) * world, ctx)
     folder = _RunFolder()
@@ -294,6 +314,26 @@ def run_detailed(cfg: RunConfig) -> tuple[list[Request], dict]:
     if len(sets) > 1:
         stats["replica_sets"] = [done[k][1] for k in range(len(sets))]
     return sorted(outputs, key=lambda r: r.index), stats
+
+
+def start_method(device: str) -> str:
+    """How the launcher starts rank processes: `fork` for CPU runs (a rank is ready in a fraction
+    of a second), `spawn` for CUDA runs (a fresh interpreter: CUDA cannot be used in a process
+    forked from one that initialised it, and nothing guarantees the launcher's imports did not)."""
+    return "spawn" if device == "cuda" else "fork"
+
+
+def cuda_device_count() -> int:
+    """CUDA devices visible to this process, counted without initialising CUDA here: torch counts
+    them through NVML while CUDA is uninitialised (`torch.cuda.device_count`, which honours
+    CUDA_VISIBLE_DEVICES); `torch.cuda.is_available()` would initialise the driver instead.
+    0 on a build without CUDA."""
+    import torch
+
+    try:
+        return int(torch.cuda.device_count())
+    except (RuntimeError, OSError):  # a broken driver install: no usable device
+        return 0
 
 
 def planned_replica_sets(artifact: str) -> int:

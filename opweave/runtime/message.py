@@ -18,10 +18,12 @@ def message_bytes(rows: int, width: int, per_token: int) -> int:
 
 
 def pack_message(width: int, positions: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
-    """One transfer to one peer as bytes: the width, positions [rows, width], then each value."""
-    parts = [torch.tensor([width], dtype=torch.long).view(torch.uint8),
-             positions.contiguous().cpu().view(torch.uint8).reshape(-1)]
-    parts += [v.contiguous().cpu().view(torch.uint8).reshape(-1) for v in values]
+    """One transfer to one peer as bytes: the width, positions [rows, width], then each value;
+    on the positions' device (a rank's run device: NCCL sends only device tensors)."""
+    device = positions.device
+    parts = [torch.tensor([width], dtype=torch.long, device=device).view(torch.uint8),
+             positions.contiguous().view(torch.uint8).reshape(-1)]
+    parts += [v.to(device).contiguous().view(torch.uint8).reshape(-1) for v in values]
     return torch.cat(parts)
 
 

@@ -5,6 +5,11 @@ With TP degree t an operator the TP table (`opweave.ir.tp`) shards is rebuilt fo
 configuration (its share of the heads, of the intermediate size, of the vocabulary) and loads the
 table's blocks of its checkpoint tensors (`runtime/tp.py`); the runtime all-reduces the partial
 sums the table names. Replicated operators (the embedding, norms, the router) load whole.
+
+Weights are copied into the tensors the module already holds on the run device
+(`opweave.models.ops.load_into`), and `check_placement` then asserts that every parameter, buffer
+and state tensor of the rank is on that device: a host tensor left on a CUDA rank is a one-line
+error naming the op and the tensor, not a device-mismatch failure deep inside the first round.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import zlib
 
 import torch
 
+from opweave.errors import OpWeaveError
 from opweave.ir.kinds import OpKind
 from opweave.models.ops import OpModule
 from opweave.runtime.heartbeat import Phase, report
@@ -65,14 +71,20 @@ def _reader(weights: str, cfg, modules: dict[int, OpModule]):
 
 
 def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: int,
-                device: torch.device) -> dict[int, OpModule]:
+                device: torch.device, load: bool | None = None, names: list[str] | None = None,
+                who: str = "") -> dict[int, OpModule]:
     """The rank's operators on `device` with their (sharded) weights loaded: the TP table
     (`opweave.ir.tp`) says which are sharded and how. A tied LM head on the rank that also holds
     the embedding views its block of the embedding's weight (held once, as the planner counts).
-    On the meta device nothing is read: the modules show what the rank would allocate."""
+    On the meta device nothing is read unless `load` says so (by default, `load` is whether the
+    device is a real one): the modules show what the rank would allocate. Every tensor of the
+    result is checked to be on `device` (`check_placement`: `names` names the ops, `who` the rank)."""
     if not modules:
         return {}
-    reader = None if device.type == "meta" else _reader(weights, next(iter(modules.values())).cfg, modules)
+    device = torch.device(device)
+    if load is None:
+        load = device.type != "meta"
+    reader = _reader(weights, next(iter(modules.values())).cfg, modules) if load else None
     out = {}
     for index, module in modules.items():
         if tp > 1 and needs_shard(module):
@@ -85,7 +97,43 @@ def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: in
         out[index] = module.eval()
         report(Phase.LOADING)  # a long load is progress, not a stall
     _tie(out, tp, tp_rank)
+    check_placement(out, device, names, who)
     return out
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether `t` lives on `device` (a device without an index, "cuda", means any of its kind)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def module_tensors(module: torch.nn.Module):
+    """(what, name, tensor) for every tensor a module holds: parameters ("weight"), buffers
+    ("buffer") and tensors set as attributes, such as per-sequence state ("state")."""
+    for name, p in module.named_parameters(recurse=False):
+        yield "weight", name, p
+    for name, b in module.named_buffers(recurse=False):
+        if b is not None:
+            yield "buffer", name, b
+    for name, v in vars(module).items():
+        if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+            yield "state", name, v
+
+
+def check_placement(modules: dict[int, torch.nn.Module], device, names: list[str] | None = None,
+                    who: str = "") -> None:
+    """Raises a one-line `OpWeaveError` naming the first op and tensor not on `device`
+    (`names`: the ops' names by index, else the index; `who`: e.g. "rank 2")."""
+    device = torch.device(device)
+    for index, module in modules.items():
+        for sub_name, sub in module.named_modules():
+            for what, name, t in module_tensors(sub):
+                if not on_device(t, device):
+                    op = names[index] if names is not None else str(index)
+                    if sub_name:
+                        name = f"{sub_name}.{name}"
+                    prefix = f"{who}: " if who else ""
+                    raise OpWeaveError(f"{prefix}op {op} {what} '{name}' is on {t.device}, "
+                                       f"the run device is {device}")
 
 
 def _tie(modules: dict[int, OpModule], tp: int, tp_rank: int) -> None:

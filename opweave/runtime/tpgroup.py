@@ -23,9 +23,11 @@ from opweave.ir.tp import Layout, Split
 class TPGroup:
     """The TP group `ranks` (global ranks, leader first) seen from rank `ranks[tp_rank]`."""
 
-    def __init__(self, ranks: tuple[int, ...], tp_rank: int, group=None, comm=dist):
+    def __init__(self, ranks: tuple[int, ...], tp_rank: int, group=None, comm=dist,
+                 device: torch.device | str = "cpu"):
         self.ranks, self.tp_rank, self.tp = tuple(ranks), tp_rank, len(ranks)
         self.group, self.comm = (group if self.tp > 1 else None), comm
+        self.device = torch.device(device)  # collectives take tensors on the run device (NCCL: CUDA only)
 
     @property
     def is_leader(self) -> bool:
@@ -43,7 +45,7 @@ class TPGroup:
         """The leader's `width` (tokens per row this step) on every rank (peers pass anything)."""
         if self.tp == 1:
             return width
-        t = torch.tensor([width], dtype=torch.long)
+        t = torch.tensor([width], dtype=torch.long, device=self.device)
         self.comm.broadcast(t, src=self.ranks[0], group=self.group)
         return int(t)
 

@@ -6,6 +6,10 @@ the new token ids from the last stage back to the embedding owner's leaders. Sen
 non-blocking and completed one round later; receives are posted ahead by the `Inbox`, in the
 plan's global order (round, stage, microbatch), so nothing waits on a coordinator.
 
+Every buffer sent or received lives on the rank's run device (messages are packed there, the
+receives are posted into device buffers, the round's flag is a device tensor): NCCL moves only
+device tensors, and gloo the CPU ones of a CPU run.
+
 A round ends (`complete_round`) by completing the previous round's sends and all-reducing,
 asynchronously, whether any scheduler still has work: the answer is read one round later, so
 ranks never wait for each other between rounds (a round of idle steps follows the last real one).
@@ -32,10 +36,12 @@ def assemble(parts, rows: int, shapes: tuple[tuple[int, ...], ...], dtype: torch
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One stage's inputs from its peers' unpacked messages: `parts` holds (first row, end row,
     width, positions [n, width], values' elements in packing order) per peer. The result is as
-    wide as the widest part; narrower rows are left-padded (position -1, values 0)."""
+    wide as the widest part; narrower rows are left-padded (position -1, values 0). The result is
+    on the parts' device."""
     width = max(w for _, _, w, _, _ in parts)
-    positions = torch.full((rows, width), -1, dtype=torch.long)
-    values = [torch.zeros(rows, width, *shape, dtype=dtype) for shape in shapes]
+    device = parts[0][3].device
+    positions = torch.full((rows, width), -1, dtype=torch.long, device=device)
+    values = [torch.zeros(rows, width, *shape, dtype=dtype, device=device) for shape in shapes]
     for a, b, w, pos, payload in parts:
         positions[a:b, width - w:] = pos
         offset = 0
@@ -50,17 +56,19 @@ class Transport:
     """The point-to-point side of one rank: its receives (leaders only), sends and round flag.
 
     `tokens_back`: whether this rank's scheduler gets the new token ids from other ranks (its
-    replica leads a scheduler)."""
+    replica leads a scheduler); `device`: the run device, where every buffer lives."""
 
-    def __init__(self, program: RankProgram, dtype: torch.dtype, tokens_back: bool):
+    def __init__(self, program: RankProgram, dtype: torch.dtype, tokens_back: bool,
+                 device: torch.device | str = "cpu"):
         self.program, self.dtype, self.tokens_back = program, dtype, tokens_back
+        self.device = torch.device(device)
         self.rows = program.rows[1] - program.rows[0]
         self.is_leader = program.tp_rank == 0
         self._pending: list = []   # this round's sends (work, buffer kept alive)
         self._previous: list = []  # the previous round's
         self._flag = None          # the in-flight "any work left?" all-reduce of the last round
         self._local_tokens: dict[int, torch.Tensor] = {}  # colocated: the last stage returns to itself
-        self.inbox = Inbox(self.receive_slots() if self.is_leader else [])
+        self.inbox = Inbox(self.receive_slots() if self.is_leader else [], self.device)
         self.inbox.start_round(0)
 
     def per_token_bytes(self, transfer: Transfer) -> int:
@@ -94,7 +102,8 @@ class Transport:
             n = p.hi - p.lo
             first = self.inbox.take(("act", st.stage, mb, p.rank))
             w = message_width(first)
-            body = first if w == 1 else torch.empty(message_bytes(n, w, per_token), dtype=torch.uint8)
+            body = first if w == 1 else torch.empty(message_bytes(n, w, per_token), dtype=torch.uint8,
+                                                    device=self.device)
             if w != 1:  # a prefill: the first message held only the width
                 dist.recv(body, src=p.rank)
             self.inbox.next_from(p.rank)
@@ -119,7 +128,7 @@ class Transport:
         """The last stage's new token ids to the embedding owners' leaders (their rows)."""
         lo = self.program.rows[0]
         for p in st.returns:
-            part = tokens[p.lo - lo:p.hi - lo].contiguous().cpu()
+            part = tokens[p.lo - lo:p.hi - lo].to(self.device).contiguous()
             if p.rank == self.program.rank:
                 self._local_tokens[mb] = part
             else:
@@ -127,7 +136,7 @@ class Transport:
 
     def recv_tokens(self, mb: int) -> torch.Tensor:
         """The previous step's new token ids of microbatch `mb`'s rows (from every last stage)."""
-        out = torch.zeros(self.rows, dtype=torch.long)
+        out = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         lo = self.program.rows[0]
         for p in self.program.token_sources:
             if p.rank == self.program.rank:
@@ -151,7 +160,7 @@ class Transport:
         for work, _ in self._previous:
             work.wait()
         self._previous, self._pending = self._pending, []
-        flag = torch.tensor([1 if active else 0], dtype=torch.long)
+        flag = torch.tensor([1 if active else 0], dtype=torch.long, device=self.device)
         previous, self._flag = self._flag, (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
         if previous is not None:
             previous[0].wait()

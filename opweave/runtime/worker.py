@@ -34,7 +34,7 @@ from opweave.runtime.heartbeat import Phase, report
 from opweave.runtime.kernel_ops import with_kernels
 from opweave.runtime.manifest import VerifiedArtifact, load_artifact, load_program_source, rank_files
 from opweave.runtime.scheduler import Request, Scheduler
-from opweave.runtime.shard import materialize
+from opweave.runtime.shard import check_placement, materialize
 from opweave.runtime.state import RankState, StateView
 from opweave.runtime.timeline import Timeline
 from opweave.runtime.tpgroup import TPGroup
@@ -57,16 +57,19 @@ class Runtime:
         modules = dict(step.named_modules())
         op_names = artifact.json("ops.json")
         self.modules: dict[int, OpModule] = materialize(
-            {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device)
+            {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device,
+            names=op_names, who=f"rank {program.rank}")
         self.ops = with_kernels(self.modules, self.device)  # what the generated code calls
         self.rows = program.rows[1] - program.rows[0]
         self.state = RankState.allocate(self.modules, self.rows, program.num_microbatches, program.context,
                                         self.device)
+        check_placement(self.modules, self.device, op_names, f"rank {program.rank}")  # weights and state
         self.scheduler = (Scheduler(requests, program.num_microbatches, self.rows, program.context,
                                     cfg.eos_token_ids, program.prefill_chunk)
                           if program.scheduler and program.tp_rank == 0 else None)
-        self.tp = TPGroup(program.tp_group, program.tp_rank, groups[program.tp_group] if program.tp > 1 else None)
-        self.transport = Transport(program, self.dtype, tokens_back=self.scheduler is not None)
+        self.tp = TPGroup(program.tp_group, program.tp_rank, groups[program.tp_group] if program.tp > 1 else None,
+                          device=self.device)
+        self.transport = Transport(program, self.dtype, tokens_back=self.scheduler is not None, device=self.device)
         self._stage = {st.stage: st for st in program.stages}  # stage index -> its program
         self.round_index = 0
 
@@ -89,11 +92,12 @@ class Runtime:
             if self.round_index > 0:
                 self.scheduler.take_tokens(mb, self.transport.recv_tokens(mb))
             ids, positions = self.scheduler.step_inputs(mb)
+            ids, positions = ids.to(self.device), positions.to(self.device)
             width = self.tp.fanout_width(ids.shape[1])
         else:
             width = self.tp.fanout_width(0)
-            ids = torch.zeros(self.rows, width, dtype=torch.long)
-            positions = torch.zeros(self.rows, width, dtype=torch.long)
+            ids = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
+            positions = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
         ids, positions = self.tp.fanout([ids, positions])
         self._mark("wait", self.program.stages[0].stage, mb)
         return ids.to(self.device), positions.to(self.device)
@@ -106,8 +110,9 @@ class Runtime:
             self.tp.fanout_width(positions.shape[1])
         else:
             width = self.tp.fanout_width(0)
-            positions = torch.zeros(self.rows, width, dtype=torch.long)
-            values = [torch.zeros(self.rows, width, *shape, dtype=self.dtype) for shape in st.recv.shapes]
+            positions = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
+            values = [torch.zeros(self.rows, width, *shape, dtype=self.dtype, device=self.device)
+                      for shape in st.recv.shapes]
         self.tp.fanout([positions, *values])
         values = [self.tp.shard(v, layout) for v, layout in zip(values, st.recv.layouts)]
         self._mark("wait", stage, mb)
