@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from opweave import config
+from opweave.codegen.kernels import targets
 from opweave.codegen.kernels.reference import NON_FINITE_TOKEN
 
 # l2-normalisation epsilon of Gated-DeltaNet's q and k (reference.l2_normalize's default)
@@ -35,7 +36,9 @@ _TWO_PI_LO = tl.constexpr(1.0253131677018246e-11)
 _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 
 _MAX_BLOCK = 1024  # elements per program along a streamed dimension (vocab, intermediate, hidden)
-ATTN_BLOCK_N = 64  # cache slots per decode-attention iteration (power of two >= 16; tests lower it)
+MOE_WARPS = 8  # the MoE mat-vec tiles spill registers at 4 warps in float32 (docs/kernels.md, ahead-of-time checks)
+ATTN_BLOCK_N = 64  # most cache slots per decode-attention iteration (power of two >= 16; tests lower it);
+                  # on a GPU `targets.attention_launch` may pick fewer (shared memory, registers)
 
 
 def _interpreting() -> bool:
@@ -256,18 +259,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert hq % hkv == 0, f"{hq} query heads not a multiple of {hkv} kv heads"
     assert positions.shape == (b,), f"positions {tuple(positions.shape)} != ({b},)"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and caches must share a dtype"
-    block_n = ATTN_BLOCK_N
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, "ATTN_BLOCK_N: power of two >= 16"
+    assert ATTN_BLOCK_N >= 16 and ATTN_BLOCK_N & (ATTN_BLOCK_N - 1) == 0, "ATTN_BLOCK_N: power of two >= 16"
     _check_last_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
     o = torch.empty_like(q)
     group = hq // hkv
+    block_d = _pow2(d, 16)
+    dot_fp32 = _dot_fp32(q.dtype)
+    # block size and pipeline depth within the device's shared memory per block (targets.py)
+    launch = targets.attention_launch(block_d, 4 if dot_fp32 else q.element_size(),
+                                      targets.launch_smem_limit(q.device), ATTN_BLOCK_N)
     if b:
         _decode_attention_kernel[(b, hkv)](
             q, k_cache, v_cache, o, positions.contiguous(),
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), o.stride(1),
             k_cache.shape[1], d, float(scale), int(window or 0),
-            GROUP=group, BLOCK_G=_pow2(group, 16), BLOCK_N=block_n, BLOCK_D=_pow2(d, 16),
-            DOT_FP32=_dot_fp32(q.dtype))
+            GROUP=group, BLOCK_G=_pow2(group, 16), BLOCK_N=launch.block_n, BLOCK_D=block_d,
+            DOT_FP32=dot_fp32, num_stages=launch.num_stages)
     return o
 
 
@@ -530,11 +537,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
         block_i, block_h = min(_pow2(i), 64), min(_pow2(h), 128)
         _moe_gate_up_act_kernel[(n * k, triton.cdiv(i, block_i))](
             x2, ids2, gate_up, act, x2.stride(0), ids2.stride(0), gate_up.stride(0), gate_up.stride(1),
-            h, i, K=k, BLOCK_I=block_i, BLOCK_H=block_h)
+            h, i, K=k, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=MOE_WARPS)
         block_h, block_i = min(_pow2(h), 64), min(_pow2(i), 128)
         _moe_down_kernel[(n, triton.cdiv(h, block_h))](
             act, w2, ids2, down, y, w2.stride(0), ids2.stride(0), down.stride(0), down.stride(1),
-            h, i, K=k, BLOCK_H=block_h, BLOCK_I=block_i)
+            h, i, K=k, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=MOE_WARPS)
     return y.view(x.shape)
 
 
