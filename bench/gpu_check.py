@@ -179,6 +179,7 @@ def _kernel_cases(dtype, device, smoke: bool) -> list[tuple[str, str, list]]:
     x = rnd(rows, hidden)
     cases.append(("rms_norm", "offset", [x, rnd(hidden, scale=0.1), 1e-6, True]))
     cases.append(("rms_norm", "plain", [x, rnd(hidden), 1e-6, False]))
+    cases.append(("add_rms_norm", "offset", [x, rnd(rows, hidden), rnd(hidden, scale=0.1), 1e-6, True]))
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)).to(device)
     pos = ints(ctx, b)
     cases.append(("rope", "full", [rnd(b, hq, d), rnd(b, hkv, d), pos, inv_freq, d]))

@@ -16,6 +16,7 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from opweave.codegen.kernels import KERNEL_NAMES, get_backend
 from opweave.errors import OpWeaveError
@@ -198,7 +199,7 @@ def _gdn_decode_with_kernels(backend, m: ops_linear.GatedDeltaNet, mixed, z, b, 
     beta = torch.sigmoid(b[:, 0]).float()
     g = -m.A_log.float().exp() * F.softplus(a[:, 0].float() + m.dt_bias.float())
     o, state = backend.gdn_step(q.reshape(bsz, m.hk, m.dk), k.reshape(bsz, m.hk, m.dk), v.reshape(bsz, m.hv, m.dv),
-                                g, beta, m.recurrent_state, pos)
+                                g, beta, m.recurrent_state.clone(), pos)  # Triton's updates it in place
     h = ref.gated_rms_norm(o, m.norm_weight, z[:, 0], m.cfg.rms_norm_eps)
     return h.reshape(bsz, 1, m.hv * m.dv), state
 
@@ -287,13 +288,161 @@ def test_gdn_step_triton(tri, dtype, hk, hv, dk, dv):
     g, beta = -torch.rand(b, hv) * 2, torch.rand(b, hv)
     state = torch.randn(b, hv, dk, dv)
     for positions in (None, torch.tensor([4, 0, -1])):
-        _close(tri.gdn_step(q, k, v, g, beta, state, positions), ref.gdn_step(q, k, v, g, beta, state, positions), dtype)
+        _close(tri.gdn_step(q, k, v, g, beta, state.clone(), positions),  # in place: a copy
+               ref.gdn_step(q, k, v, g, beta, state, positions), dtype)
 
 
 def test_gdn_step_triton_in_the_module_pipeline(tri):
     m, (mixed, z, b, a), positions = _gdn_module("float16")
     got = _gdn_decode_with_kernels(tri, m, mixed, z, b, a, positions)
     _close(got, _gdn_decode_with_kernels(ref, m, mixed, z, b, a, positions), torch.float16)
+
+
+# ------------------------------------------------------------------------------ split-KV attention, in-place GDN
+
+@pytest.fixture
+def tri_split(tri, monkeypatch):
+    """The Triton backend splitting even test-sized caches: 16-position splits (blocks of 16 slots)."""
+    monkeypatch.setattr(tri, "ATTN_MIN_SPLIT", 16)
+    return tri
+
+
+def _attention_inputs(b, hkv, group, d, slots, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hkv * group, d, generator=gen).to(dtype)
+    # strided views of larger caches, as a microbatch's rows are
+    k_cache = torch.randn(b + 1, slots, hkv, d, generator=gen).to(dtype)[1:]
+    v_cache = torch.randn(b + 1, slots, hkv, d, generator=gen).to(dtype)[1:]
+    return q, k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (8, 256)])
+@pytest.mark.parametrize("window", [None, 24])
+def test_split_kv_decode_attention_triton(tri_split, dtype, group, d, window):
+    b, hkv, slots = 5, 2, 64
+    q, k_cache, v_cache = _attention_inputs(b, hkv, group, d, slots, dtype)
+    # first slot; mid-ring (window boundary inside a split); last slot; padding; a wrapped ring
+    # whose attended span starts off the split grid (position 139)
+    positions = torch.tensor([0, 37, slots - 1, -1, 3 * slots + 10])
+    _, split = tri_split.attention_plan(q, k_cache, window)
+    assert (split.splits, split.split_len) == ((4, 16) if window is None else (2, 16))
+    _close(tri_split.decode_attention(q, k_cache, v_cache, positions, d ** -0.5, window),
+           ref.decode_attention(q, k_cache, v_cache, positions, d ** -0.5, window), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_kv_decode_attention_with_mostly_empty_splits(tri_split, dtype):
+    """A long ring with short sequences: 16 splits, of which at most two hold attended positions;
+    the empty ones merge as nothing (no NaN) and padding gives exact zeros."""
+    b, hkv, group, d, slots = 3, 1, 4, 32, 256
+    q, k_cache, v_cache = _attention_inputs(b, hkv, group, d, slots, dtype, seed=1)
+    positions = torch.tensor([2, 20, -1])
+    assert tri_split.attention_plan(q, k_cache, None)[1].splits == 16
+    got = tri_split.decode_attention(q, k_cache, v_cache, positions, d ** -0.5, None)
+    assert torch.isfinite(got).all() and torch.equal(got[2], torch.zeros_like(got[2]))
+    _close(got, ref.decode_attention(q, k_cache, v_cache, positions, d ** -0.5, None), dtype)
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on any read of a tensor value by the host (`.item()`, `int()`, `bool()`, `.tolist()`
+    reach `aten._local_scalar_dense`) and on any copy to the CPU from another device; records the
+    sizes of new allocations."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocated: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:
+            raise AssertionError("the host read a tensor value")
+        if func is aten._to_copy.default and str(kwargs.get("device", args[0].device)) == "cpu":
+            assert args[0].device.type == "cpu", f"copy to the cpu from {args[0].device}"
+        if func is aten.copy_.default:
+            dst, src = args[0].device, args[1].device
+            assert dst.type != "cpu" or src.type == "cpu", f"copy to the cpu from {src}"
+        out = func(*args, **kwargs)
+        if func.overloadpacket in (aten.empty, aten.empty_like, aten.empty_strided, aten.zeros, aten.new_empty):
+            self.allocated.append(out.numel())
+        return out
+
+
+def test_no_host_reads_mode_has_teeth():
+    with pytest.raises(AssertionError, match="host read"), _NoHostReads():
+        int(torch.tensor([3]).sum())
+    with pytest.raises(AssertionError, match="copy to the cpu from meta"), _NoHostReads():
+        torch.empty(2, device="meta").cpu()
+
+
+def test_split_kv_decode_attention_launch_reads_nothing_on_the_host(tri, monkeypatch):
+    """Batch 1 at 128K on an H200-sized GPU (132 SMs), meta tensors: the launch reads no tensor
+    value on the host (so it can be captured in a CUDA graph), and splits the cache so that the
+    8 KV heads fill the GPU instead of running as 8 programs."""
+    from opweave.codegen.kernels import targets
+
+    grids = {}
+
+    class Launches:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            grids[self.name] = grid
+            return lambda *args, **kwargs: None
+
+    for name in ("_decode_attention_kernel", "_decode_attention_merge_kernel"):
+        monkeypatch.setattr(tri, name, Launches(name))
+    monkeypatch.setattr(targets, "launch_sm_count", lambda device: 132)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, cache = torch.empty(1, 32, 128, **meta), torch.empty(1, 131072, 8, 128, **meta)
+    positions = torch.empty(1, dtype=torch.int64, device="meta")
+    with _NoHostReads():
+        out = tri.decode_attention(q, cache, cache, positions, 128 ** -0.5, None)
+    assert out.shape == q.shape
+    b, hkv, splits = grids["_decode_attention_kernel"]
+    assert (b, hkv) == (1, 8) and b * hkv * splits >= targets.ATTN_PROGRAMS_PER_SM * 132
+    assert grids["_decode_attention_merge_kernel"] == (1, 32)
+
+
+def test_triton_attention_and_gdn_step_run_without_host_reads(tri_split):
+    """The interpreted kernels themselves under the mode: same results as outside it."""
+    q, k_cache, v_cache = _attention_inputs(3, 2, 4, 32, 64, torch.float32, seed=2)
+    positions = torch.tensor([40, -1, 130])
+    with _NoHostReads():
+        got = tri_split.decode_attention(q, k_cache, v_cache, positions, 0.2, 24)
+    _close(got, ref.decode_attention(q, k_cache, v_cache, positions, 0.2, 24), torch.float32)
+    args = _gdn_inputs(torch.float32)
+    state = args[5].clone()
+    with _NoHostReads() as mode:
+        o, _ = tri_split.gdn_step(*args[:5], state, args[6])
+    assert max(mode.allocated) < state.numel()  # the output only: no second state buffer
+    _close((o, state), ref.gdn_step(*args), torch.float32)
+
+
+def _gdn_inputs(dtype, b=4, hk=2, hv=4, dk=16, dv=32):
+    gen = torch.Generator().manual_seed(7)
+    q, k = torch.randn(b, hk, dk, generator=gen).to(dtype), torch.randn(b, hk, dk, generator=gen).to(dtype)
+    v = torch.randn(b, hv, dv, generator=gen).to(dtype)
+    g, beta = -torch.rand(b, hv, generator=gen) * 2, torch.rand(b, hv, generator=gen)
+    state = torch.randn(b + 1, hv, dk, dv, generator=gen)[1:]  # a microbatch's rows of the state slots
+    return q, k, v, g, beta, state, torch.tensor([4, 0, -1, 9])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gdn_step_triton_updates_the_state_in_place(tri, dtype):
+    q, k, v, g, beta, state, positions = _gdn_inputs(dtype)
+    before = state.clone()
+    o, new_state = tri.gdn_step(q, k, v, g, beta, state, positions)
+    assert new_state is state
+    want_o, want_state = ref.gdn_step(q, k, v, g, beta, before, positions)
+    _close((o, state), (want_o, want_state), dtype)
+    assert torch.equal(state[2], before[2])  # padding: untouched, bit for bit
+    assert not torch.equal(state[0], before[0]) and torch.equal(want_state[2], before[2])
+    # a second step continues from the updated state, as the module's token loop does
+    o2, _ = tri.gdn_step(q, k, v, g, beta, state, positions + 1)
+    _close(o2, ref.gdn_step(q, k, v, g, beta, want_state, positions + 1)[0], dtype)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy sigmoid(-large): 0

@@ -56,11 +56,13 @@ def compiled(tmp_path_factory) -> list[aot.Result]:
 
 def test_every_kernel_compiles_for_every_target(compiled):
     kernels = set(aot.kernel_names())
-    assert len(kernels) == 9
+    assert {"_decode_attention_kernel", "_decode_attention_merge_kernel", "_gdn_step_kernel", "_rms_norm_kernel",
+            "_rope_kernel", "_argmax_kernel"} <= kernels
     for sm in aot.ARCHS:
         assert {r.kernel for r in compiled if r.sm == sm} == kernels, f"sm_{sm}"
         for d in aot.HEAD_DIMS:
             for kernel, case in (("_decode_attention_kernel", f"D {d}, GQA 4"), ("_rope_kernel", f"D {d}"),
+                                 ("_decode_attention_merge_kernel", f"D {d}, GQA 4"),
                                  ("_rms_norm_kernel", f"qk-norm D {d}")):
                 assert any(r.kernel == kernel and r.case.startswith(case) and r.sm == sm for r in compiled), \
                     (kernel, d, sm)
@@ -166,3 +168,25 @@ def test_bad_arguments_are_one_line_errors(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("aot: error:") for line in err)
     assert "sm_80" in err[0] and "bf16" in err[2] and "_nope_kernel" in err[3]
+
+
+@pytest.mark.parametrize("batch,kv_heads,span", [(1, 8, 131072), (8, 8, 32768), (64, 8, 32768), (1, 1, 100),
+                                                 (3, 2, 4096), (256, 8, 4096), (0, 8, 4096)])
+@pytest.mark.parametrize("sm_count", [16, 58, 132, 142])
+def test_attention_split_covers_the_span_and_fills_the_gpu(batch, kv_heads, span, sm_count):
+    """Split-KV cuts from static facts: the splits cover the span in whole blocks, none is shorter
+    than the minimum unless the span is, and batch x KV heads x splits reaches the programs wanted
+    per SM whenever the span is long enough to allow it."""
+    block_n, min_split = 64, 256
+    split = targets.attention_split(batch, kv_heads, span, block_n, sm_count, min_split)
+    assert split.split_len % block_n == 0 and split.splits >= 1
+    assert split.splits * split.split_len >= span > (split.splits - 1) * split.split_len  # none left empty
+    assert split.split_len >= min(min_split, span)
+    wanted = targets.ATTN_PROGRAMS_PER_SM * sm_count
+    if batch:  # rounding the length up to whole blocks (<= 64 of >= 256 positions) costs <= 20% of the splits
+        programs = batch * kv_heads * split.splits
+        assert programs >= 0.8 * min(wanted, batch * kv_heads * max(span // min_split, 1))
+    if batch * kv_heads >= wanted:
+        assert split.splits == 1
+    if (batch, kv_heads, span, sm_count) == (1, 8, 131072, 132):
+        assert (split.splits, split.split_len) == (64, 2048)  # the H200 figure of docs/kernels.md

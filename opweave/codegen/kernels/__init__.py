@@ -18,8 +18,8 @@ from opweave.errors import OpWeaveError
 BACKENDS = ("torch", "triton")
 
 # the functions every backend defines, with identical signatures
-KERNEL_NAMES = ("rms_norm", "rope", "decode_attention", "gdn_step", "gated_act", "moe_route",
-                "moe_experts", "argmax")
+KERNEL_NAMES = ("rms_norm", "add_rms_norm", "rope", "decode_attention", "gdn_step", "gated_act",
+                "moe_route", "moe_experts", "argmax")
 
 _MODULES = {"torch": "opweave.codegen.kernels.reference", "triton": "opweave.codegen.kernels.triton_kernels"}
 

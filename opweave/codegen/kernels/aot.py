@@ -203,7 +203,7 @@ def _meta(*shape, dtype) -> torch.Tensor:
 
 def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callable[[], object]]]:
     """(label, call) per launcher use at model-sized shapes: batch 8, hidden 4096, 32 query and
-    8 kv heads, a 4096-slot cache, Qwen3-Next's Gated-DeltaNet and MoE (512 experts, top 10),
+    8 kv heads, a 4096-slot cache (and batch 1 at 131072 slots), Qwen3-Next's Gated-DeltaNet and MoE (512 experts, top 10),
     vocabulary 151936."""
     from opweave.codegen.kernels import triton_kernels as tk
 
@@ -211,11 +211,16 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
     pos = m(8, dt=torch.int64)
     f32 = torch.float32
     yield "hidden 4096", lambda: tk.rms_norm(m(8, 4096), m(4096), 1e-6, True)
+    yield "add + norm hidden 4096", lambda: tk.add_rms_norm(m(8, 4096), m(8, 4096), m(4096), 1e-6, True)
     for d in head_dims:
         yield f"qk-norm D {d}", lambda d=d: tk.rms_norm(m(8, 32, d), m(d), 1e-6, False)
         yield f"D {d}", lambda d=d: tk.rope(m(8, 32, d), m(8, 8, d), pos, m(d // 2, dt=f32), d)
         yield f"D {d}, GQA 4, L 4096", lambda d=d: tk.decode_attention(
             m(8, 32, d), m(8, 4096, 8, d), m(8, 4096, 8, d), pos, d ** -0.5, None)
+        # batch 1 at 128K: several KV splits per head (the batch-8 case may take one), so the merge
+        # kernel is also compiled for a split count known only at launch
+        yield f"D {d}, GQA 4, L 131072, batch 1", lambda d=d: tk.decode_attention(
+            m(1, 32, d), m(1, 131072, 8, d), m(1, 131072, 8, d), pos[:1], d ** -0.5, None)
     yield "partial rotary D 256 / 64", lambda: tk.rope(m(8, 16, 256), m(8, 2, 256), pos, m(32, dt=f32), 64)
     yield "Dk 128, Dv 128", lambda: tk.gdn_step(m(8, 16, 128), m(8, 16, 128), m(8, 32, 128), m(8, 32, dt=f32),
                                                 m(8, 32, dt=f32), m(8, 32, 128, 128, dt=f32), pos)

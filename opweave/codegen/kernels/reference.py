@@ -57,6 +57,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) ->
     return weight * h.to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add, then RMSNorm of the sum: the pre-norm of a layer's next sub-block.
+
+    Args:
+        x: [..., H] a sub-block's output; residual: [..., H] the residual stream (same dtype).
+        weight, eps, offset: as in `rms_norm`.
+    Returns:
+        (normed, summed): summed = x + residual rounded to the model dtype (the new residual
+        stream), normed = rms_norm(summed, weight, eps, offset).
+    """
+    summed = x + residual
+    return rms_norm(summed, weight, eps, offset), summed
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (Gated-DeltaNet's q and k)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -265,7 +280,8 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         v: [B, Hv, Dv]; its dtype is the output dtype.
         g: [B, Hv] log decay (<= 0), float32.
         beta: [B, Hv] write strength, float32.
-        state: [B, Hv, Dk, Dv] float32 (not modified).
+        state: [B, Hv, Dk, Dv] float32 (not modified here; the Triton backend updates it in place
+            and returns it: callers use the returned state).
         positions: optional [B] int.
     Returns:
         (o [B, Hv, Dv] in v's dtype, new_state [B, Hv, Dk, Dv] float32).

@@ -114,3 +114,50 @@ def attention_launch(block_d: int, elem_bytes: int, limit: int | None, max_block
                 and attention_smem_estimate(block_n, stages, block_d, elem_bytes) <= limit):
             return AttentionLaunch(block_n, stages)
     return AttentionLaunch(min(16, max_block_n), 1)
+
+
+# ---------------------------------------------------------------------------------------------- split-KV
+
+# streaming multiprocessors assumed where the device has none to ask (the CPU interpreter, meta
+# tensors of the ahead-of-time checks): small, so interpreted grids stay small
+DEFAULT_SM_COUNT = 16
+# decode-attention programs wanted per SM: several blocks in flight per SM hide HBM latency
+ATTN_PROGRAMS_PER_SM = 4
+
+
+def launch_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (CUDA: from its properties, read once per device and
+    cached, no tensor read); `DEFAULT_SM_COUNT` anywhere else."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSplit:
+    """How split-KV decode attention cuts a sequence's attended span: `splits` programs per (sequence,
+    KV head), each over `split_len` consecutive positions (a multiple of the block size)."""
+
+    splits: int
+    split_len: int
+
+
+def attention_split(batch: int, kv_heads: int, span: int, block_n: int, sm_count: int,
+                    min_split: int) -> AttentionSplit:
+    """Splits of a decode-attention launch, from static facts only (never from positions, so a
+    launch reads no tensor on the host and can be captured in a CUDA graph).
+
+    `span`: the most positions one sequence attends (cache slots, or the window if smaller). Enough
+    splits for `ATTN_PROGRAMS_PER_SM` programs per SM over batch x KV heads, but no split shorter
+    than `min_split` positions (each split writes a partial result the merge reads back); the split
+    length is rounded up to a multiple of `block_n`, and the splits cover the span."""
+    assert span > 0 and block_n > 0 and min_split > 0, (span, block_n, min_split)
+    wanted = -(-ATTN_PROGRAMS_PER_SM * sm_count // max(batch * kv_heads, 1))
+    splits = max(1, min(wanted, -(-span // min_split)))
+    split_len = -(-(-(-span // splits)) // block_n) * block_n
+    return AttentionSplit(-(-span // split_len), split_len)

@@ -36,7 +36,7 @@ _TWO_PI_LO = tl.constexpr(1.0253131677018246e-11)
 _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 
 _MAX_BLOCK = 1024  # elements per program along a streamed dimension (vocab, intermediate, hidden)
-MOE_WARPS = 8  # the MoE mat-vec tiles spill registers at 4 warps in float32 (docs/kernels.md, ahead-of-time checks)
+MOE_WARPS = 8  # float32 MoE tl.dot tiles spill registers at 4 warps (docs/kernels.md, ahead-of-time checks)
 ATTN_BLOCK_N = 64  # most cache slots per decode-attention iteration (power of two >= 16; tests lower it);
                   # on a GPU `targets.attention_launch` may pick fewer (shared memory, registers)
 
@@ -182,17 +182,22 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
 
 # ---------------------------------------------------------------------------------------------- attention
 
+ATTN_MIN_SPLIT = 256  # fewest positions per split-KV program (tests lower it to split short caches)
+ATTN_MERGE_BLOCK_S = 16  # splits the merge kernel combines per iteration
+
+
 @triton.jit
 def _decode_attention_kernel(
     q_ptr,                    # [B, Hq, D] queries, model dtype
     k_ptr, v_ptr,             # [B, L, Hkv, D] ring-buffer caches (position p at slot p % L), model dtype
-    o_ptr,                    # [B, Hq, D] output, model dtype
+    acc_ptr,                  # [B, Hq, S, D] float32 out: this split's unnormalised p·v
+    ml_ptr,                   # [B, Hq, 2, S] float32 out: this split's running max, then its sum of exp
     pos_ptr,                  # [B] int positions: attend positions <= pos (none when pos < 0)
     stride_qb, stride_qh,     # q strides (batch, head)
     stride_kb, stride_kl, stride_kh,  # k cache strides (batch, slot, head)
     stride_vb, stride_vl, stride_vh,  # v cache strides
-    stride_ob, stride_oh,     # output strides
     L, D,                     # cache slots, head size
+    SPLIT_LEN,                # positions per split (a multiple of BLOCK_N)
     scale,                    # softmax scale of q·k
     window,                   # sliding window (positions > pos - window), 0 for full attention
     GROUP: tl.constexpr,      # query heads per kv head (GQA group size)
@@ -203,24 +208,30 @@ def _decode_attention_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     pos = tl.load(pos_ptr + b).to(tl.int32)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     q_mask = (g < GROUP)[:, None] & (d < D)[None, :]
-    q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-    # attended positions [first, end): the window's, and at most the L the ring holds
+    heads = kvh * GROUP + g                              # the GQA group's query heads
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    # attended positions [first, end): the window's, and at most the L the ring holds; this split
+    # takes [lo, hi), SPLIT_LEN of them counted from `first` (none: an empty split)
     first = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
     first = tl.maximum(first, pos - L + 1)
     end = pos + 1
+    lo = first + split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, end)
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a fully masked block gives exp(-inf) = 0, not NaN
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if DOT_FP32:
         q = q.to(tl.float32)
-    for start in range(first // BLOCK_N * BLOCK_N, end, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)                    # positions of this block
         slot = (n % L).to(tl.int64)                          # where the ring keeps them
-        kv_mask = ((n >= first) & (n < end))[:, None] & (d < D)[None, :]
+        kv_mask = (n < hi)[:, None] & (d < D)[None, :]
         k = tl.load(k_ptr + b * stride_kb + slot[:, None] * stride_kl + kvh * stride_kh + d[None, :],
                     mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + b * stride_vb + slot[:, None] * stride_vl + kvh * stride_vh + d[None, :],
@@ -229,7 +240,7 @@ def _decode_attention_kernel(
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(((n >= first) & (n < end))[None, :], s * scale, float("-inf"))
+        s = tl.where((n < hi)[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -240,23 +251,81 @@ def _decode_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)  # probabilities in the model dtype, like the reference
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no slot attended (padding): zeros
-    tl.store(o_ptr + b * stride_ob + (kvh * GROUP + g)[:, None] * stride_oh + d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=q_mask)
+    row = (b * (tl.num_programs(1) * GROUP) + heads).to(tl.int64)  # [BLOCK_G] rows of [B * Hq]
+    tl.store(acc_ptr + ((row * num_splits + split) * D)[:, None] + d[None, :], acc, mask=q_mask)
+    ml = ml_ptr + row * (2 * num_splits) + split
+    tl.store(ml, m_i, mask=g < GROUP)
+    tl.store(ml + num_splits, l_i, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_attention_merge_kernel(
+    acc_ptr,                  # [B, Hq, S, D] float32 partial p·v of each split
+    ml_ptr,                   # [B, Hq, 2, S] float32 max and sum of exp of each split
+    o_ptr,                    # [B, Hq, D] output, model dtype
+    stride_ob, stride_oh,     # output strides
+    S, D,                     # splits, head size
+    BLOCK_S: tl.constexpr,    # splits per iteration
+    BLOCK_D: tl.constexpr,    # power of two >= D
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    row = b * tl.num_programs(1) + h
+    d = tl.arange(0, BLOCK_D)
+    lanes = tl.arange(0, BLOCK_S)
+    # log-sum-exp merge: each split's max m_s, sum l_s and p·v acc_s rescaled to the common max.
+    # An empty split has m_s = -1e30, l_s = 0, acc_s = 0: its weight is 0 beside any attended split,
+    # and a row with no attended split (padding) ends with l = 0 and gives zeros.
+    m_run = tl.max(tl.full([BLOCK_S], -1.0e30, tl.float32), axis=0)
+    l_run = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + lanes
+        m = tl.load(ml_ptr + row * 2 * S + s, mask=s < S, other=-1.0e30)
+        l = tl.load(ml_ptr + row * 2 * S + S + s, mask=s < S, other=0.0)
+        a = tl.load(acc_ptr + ((row * S + s) * D)[:, None] + d[None, :], mask=(s < S)[:, None] & (d < D)[None, :],
+                    other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        alpha = tl.exp(m_run - m_new)
+        w = tl.exp(m - m_new)
+        l_run = l_run * alpha + tl.sum(w * l, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * a, axis=0)
+        m_run = m_new
+    o = acc / tl.where(l_run > 0, l_run, 1.0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + d, o.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
 def _dot_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreting())
 
 
+def attention_plan(q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> tuple[targets.AttentionLaunch,
+                                                                                       targets.AttentionSplit]:
+    """The block/stages and the split-KV cut `decode_attention` launches with, from shapes, dtype,
+    window and device only (`targets.py`)."""
+    b, hkv, slots = q.shape[0], k_cache.shape[2], k_cache.shape[1]
+    dot_fp32 = _dot_fp32(q.dtype)
+    launch = targets.attention_launch(_pow2(q.shape[-1], 16), 4 if dot_fp32 else q.element_size(),
+                                      targets.launch_smem_limit(q.device), ATTN_BLOCK_N)
+    span = min(slots, window) if window and window > 0 else slots
+    split = targets.attention_split(b, hkv, max(span, 1), launch.block_n, targets.launch_sm_count(q.device),
+                                    max(ATTN_MIN_SPLIT, launch.block_n))
+    return launch, split
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                      scale: float, window: int | None) -> torch.Tensor:
-    """See `reference.decode_attention`."""
+    """See `reference.decode_attention`. Split-KV: grid (B, Hkv, splits), each program attends one
+    split of the span for the whole GQA group (K/V read once per group) and writes its partial
+    (max, sum of exp, p·v) to a float32 scratch; a second kernel, grid (B, Hq), merges the splits
+    with log-sum-exp. The split count depends on shapes and the device only, never on positions:
+    no host synchronisation (CUDA-graph capturable)."""
     b, hq, d = q.shape
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
     assert k_cache.shape[0] == b and k_cache.shape[3] == d, f"cache {tuple(k_cache.shape)} vs q {tuple(q.shape)}"
-    hkv = k_cache.shape[2]
+    hkv, slots = k_cache.shape[2], k_cache.shape[1]
     assert hq % hkv == 0, f"{hq} query heads not a multiple of {hkv} kv heads"
+    assert slots > 0, "empty cache"
     assert positions.shape == (b,), f"positions {tuple(positions.shape)} != ({b},)"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and caches must share a dtype"
     assert ATTN_BLOCK_N >= 16 and ATTN_BLOCK_N & (ATTN_BLOCK_N - 1) == 0, "ATTN_BLOCK_N: power of two >= 16"
@@ -264,17 +333,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     o = torch.empty_like(q)
     group = hq // hkv
     block_d = _pow2(d, 16)
-    dot_fp32 = _dot_fp32(q.dtype)
-    # block size and pipeline depth within the device's shared memory per block (targets.py)
-    launch = targets.attention_launch(block_d, 4 if dot_fp32 else q.element_size(),
-                                      targets.launch_smem_limit(q.device), ATTN_BLOCK_N)
+    # block size and pipeline depth within the device's shared memory per block, splits from the SMs
+    launch, split = attention_plan(q, k_cache, window)
     if b:
-        _decode_attention_kernel[(b, hkv)](
-            q, k_cache, v_cache, o, positions.contiguous(),
-            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), o.stride(1),
-            k_cache.shape[1], d, float(scale), int(window or 0),
+        acc = torch.empty(b, hq, split.splits, d, dtype=torch.float32, device=q.device)
+        ml = torch.empty(b, hq, 2, split.splits, dtype=torch.float32, device=q.device)
+        _decode_attention_kernel[(b, hkv, split.splits)](
+            q, k_cache, v_cache, acc, ml, positions.contiguous(),
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            slots, d, split.split_len, float(scale), int(window or 0),
             GROUP=group, BLOCK_G=_pow2(group, 16), BLOCK_N=launch.block_n, BLOCK_D=block_d,
-            DOT_FP32=dot_fp32, num_stages=launch.num_stages)
+            DOT_FP32=_dot_fp32(q.dtype), num_stages=launch.num_stages)
+        _decode_attention_merge_kernel[(b, hq)](
+            acc, ml, o, o.stride(0), o.stride(1), split.splits, d,
+            BLOCK_S=ATTN_MERGE_BLOCK_S, BLOCK_D=block_d)
     return o
 
 
@@ -285,9 +357,8 @@ def _gdn_step_kernel(
     q_ptr, k_ptr,             # [B, Hk, Dk] conv outputs (before l2norm), any float dtype
     v_ptr,                    # [B, Hv, Dv] values, model dtype
     g_ptr, beta_ptr,          # [B, Hv] log decay and write strength, float32
-    s_ptr,                    # [B, Hv, Dk, Dv] state in, float32
+    s_ptr,                    # [B, Hv, Dk, Dv] state, float32: read, then overwritten with the new state
     o_ptr,                    # [B, Hv, Dv] output, model dtype
-    ns_ptr,                   # [B, Hv, Dk, Dv] state out, float32, contiguous
     pos_ptr,                  # [B] int positions (read only when HAS_POS)
     stride_qb, stride_qh, stride_kb, stride_kh,   # q, k strides (batch, head)
     stride_vb, stride_vh, stride_gb, stride_betab,  # v strides; g, beta batch strides
@@ -300,6 +371,8 @@ def _gdn_step_kernel(
     BLOCK_DK: tl.constexpr,   # power of two >= Dk: the whole key dim in one program
     BLOCK_DV: tl.constexpr,   # value dims per program
 ):
+    # Each program owns one (sequence, value head, block of Dv) tile of the state: it reads the
+    # whole tile before writing it, and no other program touches it, so the update is in place.
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // HV, bh % HV
     kh = h // R
@@ -314,24 +387,25 @@ def _gdn_step_kernel(
     g = tl.load(g_ptr + b * stride_gb + h).to(tl.float32)
     beta = tl.load(beta_ptr + b * stride_betab + h).to(tl.float32)
     m2 = mk[:, None] & mv[None, :]
-    s_in = tl.load(s_ptr + b * stride_sb + h * stride_sh + dk[:, None] * stride_sk + dv[None, :], mask=m2, other=0.0)
-    s = s_in
+    tile = s_ptr + b * stride_sb + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    s = tl.load(tile, mask=m2, other=0.0)
     if HAS_POS:
-        pos = tl.load(pos_ptr + b)
-        s = tl.where(pos == 0, 0.0, s)
+        pos = tl.load(pos_ptr + b + 0 * dv)             # per lane: the interpreter rejects a mask from a scalar
+        s = tl.where((pos == 0)[None, :], 0.0, s)
+        m2 = m2 & (pos >= 0)[None, :]                   # padding: the state stays as it is
     s = s * tl.exp(g)                                   # decay
     predicted = tl.sum(s * k[:, None], axis=0)          # S^T k
     s = s + k[:, None] * ((v - predicted) * beta)[None, :]  # delta rule
     o = tl.sum(s * q[:, None], axis=0)                  # S^T q
-    if HAS_POS:
-        s = tl.where(pos >= 0, s, s_in)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
-    tl.store(ns_ptr + ((b * HV + h) * DK + dk[:, None]) * DV + dv[None, :], s, mask=m2)
+    tl.store(tile, s, mask=m2)
 
 
 def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              state: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `reference.gdn_step`."""
+    """See `reference.gdn_step`; same results, but `state` is updated in place and returned as the
+    new state (no second state buffer: the caller's state slots are the kernel's output, as a
+    CUDA-graph replay needs). Callers use the returned state, as with the reference."""
     b, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     assert k.shape == q.shape, f"k {tuple(k.shape)} != q {tuple(q.shape)}"
@@ -342,17 +416,16 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     _check_last_contiguous(q=q, k=k, v=v, state=state)
     assert g.stride(1) == 1 and beta.stride(1) == 1, "g, beta: head dim must be contiguous"
     o = torch.empty(b, hv, dv, dtype=v.dtype, device=v.device)
-    new_state = torch.empty_like(state, memory_format=torch.contiguous_format)
     block_dv = min(_pow2(dv), 64)
     pos = positions.contiguous() if positions is not None else state  # dummy pointer when unused
     if b:
         _gdn_step_kernel[(b * hv, triton.cdiv(dv, block_dv))](
-            q, k, v, g, beta, state, o, new_state, pos,
+            q, k, v, g, beta, state, o, pos,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
             beta.stride(0), state.stride(0), state.stride(1), state.stride(2), o.stride(0), o.stride(1),
             hv, dk, dv, hv // hk, dk ** -0.5,
             HAS_POS=positions is not None, BLOCK_DK=_pow2(dk), BLOCK_DV=block_dv)
-    return o, new_state
+    return o, state
 
 
 # ---------------------------------------------------------------------------------------------- gated MLP
@@ -447,78 +520,142 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
     return weights.view(*lead, top_k), ids.view(*lead, top_k)
 
 
+MOE_BLOCK_M = 16  # (token, expert) pairs per grouped block: the rows of each `tl.dot` (>= 16)
+
+
+def moe_block_table(ids: torch.Tensor, num_experts: int,
+                    block_m: int = MOE_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped MoE schedule of a routing, computed on the device with static shapes.
+
+    The N*k (token, expert) pairs (pair p = token * k + j) are sorted by expert (stable, so the
+    pairs of an expert stay in token order) and cut into blocks of at most `block_m` pairs of one
+    expert. The number of blocks is data dependent, so the table has a static upper bound of rows,
+    min(N*k, N*k // block_m + min(E, N*k)) (each expert with pairs adds at most one partial block);
+    the rows past the real blocks are empty (start == stop) and their programs do no work.
+
+    Args:
+        ids: [N, k] int64 expert ids, each in [0, num_experts).
+    Returns:
+        (order [N*k] int64: pair indices sorted by expert, table [G, 3] int64: per block its
+        expert, and the range [start, stop) of `order` it covers).
+    """
+    flat = ids.reshape(-1)
+    pairs = flat.shape[0]
+    grid = min(pairs, pairs // block_m + min(num_experts, pairs))
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    first = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=ids.device))  # [E+1]
+    blocks = (first[1:] - first[:-1] + block_m - 1) // block_m                                # [E]
+    block_end = torch.cumsum(blocks, 0)
+    b = torch.arange(grid, device=ids.device)
+    expert = torch.searchsorted(block_end, b, right=True).clamp(max=num_experts - 1)
+    start = first[expert] + (b - (block_end[expert] - blocks[expert])) * block_m
+    stop = torch.minimum(start + block_m, first[expert + 1])
+    stop = torch.where(b < block_end[-1], stop, start)  # rows past the last real block: empty
+    return order, torch.stack((expert, start, stop), dim=1)
+
+
 @triton.jit
 def _moe_gate_up_act_kernel(
     x_ptr,                    # [N, H] tokens, model dtype
-    ids_ptr,                  # [N, K] int64 expert ids
+    order_ptr,                # [N*K] int64 pair indices (token * K + j) sorted by expert
+    table_ptr,                # [G, 3] int64 per block: expert, start, stop (a range of order)
     gu_ptr,                   # [E, 2I, H] gate rows then up rows, model dtype
-    act_ptr,                  # [N, K, I] silu(gate) * up out, model dtype, contiguous
+    act_ptr,                  # [N*K, I] silu(gate) * up out per pair, model dtype, contiguous
     stride_x,                 # elements between rows of x
-    stride_ids,               # elements between rows of ids
     stride_ge, stride_gi,     # gate_up strides (expert, row)
     H, I,                     # hidden size, expert intermediate size
     K: tl.constexpr,          # experts per token
+    BLOCK_M: tl.constexpr,    # pairs per block (rows of the tl.dot)
     BLOCK_I: tl.constexpr,    # intermediate rows per program
     BLOCK_H: tl.constexpr,    # hidden columns per iteration
+    DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
 ):
-    nk = tl.program_id(0).to(tl.int64)
-    n, j = nk // K, nk % K
-    expert = tl.load(ids_ptr + n * stride_ids + j).to(tl.int64)
+    blk = tl.program_id(0).to(tl.int64)
+    expert = tl.load(table_ptr + blk * 3)
+    start = tl.load(table_ptr + blk * 3 + 1)
+    stop = tl.load(table_ptr + blk * 3 + 2)
+    m = start + tl.arange(0, BLOCK_M)
+    m_mask = m < stop
+    pair = tl.load(order_ptr + m, mask=m_mask, other=0)
+    token = pair // K
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    acc_g = tl.zeros([BLOCK_I], tl.float32)
-    acc_u = tl.zeros([BLOCK_I], tl.float32)
     w_base = gu_ptr + expert * stride_ge + rows[:, None] * stride_gi
-    for h0 in range(0, H, BLOCK_H):
+    acc_g = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
+    h_end = tl.where(stop > start, H, 0)  # an empty block reads nothing
+    for h0 in range(0, h_end, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(x_ptr + n * stride_x + cols, mask=cols < H, other=0.0).to(tl.float32)
-        m = (rows < I)[:, None] & (cols < H)[None, :]
-        wg = tl.load(w_base + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        wu = tl.load(w_base + I * stride_gi + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        acc_g += tl.sum(wg * x[None, :], axis=1)
-        acc_u += tl.sum(wu * x[None, :], axis=1)
+        x = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=m_mask[:, None] & (cols < H)[None, :],
+                    other=0.0)
+        w_mask = (rows < I)[:, None] & (cols < H)[None, :]
+        wg = tl.load(w_base + cols[None, :], mask=w_mask, other=0.0)  # the expert's weights: once per block
+        wu = tl.load(w_base + I * stride_gi + cols[None, :], mask=w_mask, other=0.0)
+        if DOT_FP32:
+            x = x.to(tl.float32)
+            acc_g += tl.dot(x, tl.trans(wg.to(tl.float32)), input_precision="ieee")
+            acc_u += tl.dot(x, tl.trans(wu.to(tl.float32)), input_precision="ieee")
+        else:
+            acc_g += tl.dot(x, tl.trans(wg))
+            acc_u += tl.dot(x, tl.trans(wu))
     dtype = act_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)   # the reference rounds each step to the model dtype
     up = acc_u.to(dtype).to(tl.float32)
     a = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(act_ptr + (n * K + j) * I + rows, (a * up).to(dtype), mask=rows < I)
+    tl.store(act_ptr + pair[:, None] * I + rows[None, :], (a * up).to(dtype),
+             mask=m_mask[:, None] & (rows < I)[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr,                  # [N, K, I] expert activations, model dtype, contiguous
+    act_ptr,                  # [N*K, I] expert activations per pair, model dtype, contiguous
     w_ptr,                    # [N, K] routing weights, model dtype
-    ids_ptr,                  # [N, K] int64 expert ids
+    order_ptr,                # [N*K] int64 pair indices sorted by expert
+    table_ptr,                # [G, 3] int64 per block: expert, start, stop
     down_ptr,                 # [E, H, I] down projections, model dtype
-    y_ptr,                    # [N, H] output, model dtype, contiguous
-    stride_w, stride_ids,     # elements between rows of weights / ids
+    out_ptr,                  # [N*K, H] weighted expert outputs per pair, model dtype, contiguous
+    stride_w,                 # elements between rows of weights
     stride_de, stride_dh,     # down strides (expert, row)
     H, I,                     # hidden size, expert intermediate size
     K: tl.constexpr,          # experts per token
+    BLOCK_M: tl.constexpr,    # pairs per block
     BLOCK_H: tl.constexpr,    # output columns per program
     BLOCK_I: tl.constexpr,    # intermediate columns per iteration
+    DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
 ):
-    n = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(0).to(tl.int64)
+    expert = tl.load(table_ptr + blk * 3)
+    start = tl.load(table_ptr + blk * 3 + 1)
+    stop = tl.load(table_ptr + blk * 3 + 2)
+    m = start + tl.arange(0, BLOCK_M)
+    m_mask = m < stop
+    pair = tl.load(order_ptr + m, mask=m_mask, other=0)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dtype = y_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_H], tl.float32)
-    for j in tl.static_range(K):
-        expert = tl.load(ids_ptr + n * stride_ids + j).to(tl.int64)
-        weight = tl.load(w_ptr + n * stride_w + j).to(tl.float32)
-        acc = tl.zeros([BLOCK_H], tl.float32)
-        for i0 in range(0, I, BLOCK_I):
-            cols = i0 + tl.arange(0, BLOCK_I)
-            a = tl.load(act_ptr + (n * K + j) * I + cols, mask=cols < I, other=0.0).to(tl.float32)
-            m = (hs < H)[:, None] & (cols < I)[None, :]
-            w = tl.load(down_ptr + expert * stride_de + hs[:, None] * stride_dh + cols[None, :], mask=m, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        total += (acc.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
-    tl.store(y_ptr + n * H + hs, total.to(dtype), mask=hs < H)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    i_end = tl.where(stop > start, I, 0)  # an empty block reads nothing
+    for i0 in range(0, i_end, BLOCK_I):
+        cols = i0 + tl.arange(0, BLOCK_I)
+        a = tl.load(act_ptr + pair[:, None] * I + cols[None, :], mask=m_mask[:, None] & (cols < I)[None, :],
+                    other=0.0)
+        w = tl.load(down_ptr + expert * stride_de + hs[:, None] * stride_dh + cols[None, :],
+                    mask=(hs < H)[:, None] & (cols < I)[None, :], other=0.0)  # once per block
+        if DOT_FP32:
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w))
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(w_ptr + (pair // K) * stride_w + pair % K, mask=m_mask, other=0.0).to(tl.float32)
+    out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)  # rounded like the reference
+    tl.store(out_ptr + pair[:, None] * H + hs[None, :], out, mask=m_mask[:, None] & (hs < H)[None, :])
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
-    """See `reference.moe_experts`. Two launches: gate_up + activation per (token, expert), then
-    down projection + weighted sum per token."""
+    """See `reference.moe_experts`. Grouped: the (token, expert) pairs sorted by expert in blocks
+    of `MOE_BLOCK_M` (`moe_block_table`, on the device), gate_up + activation then down + routing
+    weight per block with `tl.dot`, so each expert's weights are read once per block of tokens;
+    the k weighted outputs of a token are summed in float32 in a fixed order (no atomics). No host
+    synchronisation: the grid is sized from the shapes. Ids must be in [0, E)."""
     h = x.shape[-1]
     e, two_i, h2 = gate_up.shape
     i = two_i // 2
@@ -531,17 +668,22 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     assert x.dtype == weights.dtype == gate_up.dtype == down.dtype, "x, weights and expert weights must share a dtype"
     assert ids.dtype == torch.int64, f"ids dtype {ids.dtype}"
     _check_last_contiguous(x=x2, weights=w2, ids=ids2, gate_up=gate_up, down=down)
-    act = torch.empty(n, k, i, dtype=x.dtype, device=x.device)
-    y = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    if n:
-        block_i, block_h = min(_pow2(i), 64), min(_pow2(h), 128)
-        _moe_gate_up_act_kernel[(n * k, triton.cdiv(i, block_i))](
-            x2, ids2, gate_up, act, x2.stride(0), ids2.stride(0), gate_up.stride(0), gate_up.stride(1),
-            h, i, K=k, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=MOE_WARPS)
-        block_h, block_i = min(_pow2(h), 64), min(_pow2(i), 128)
-        _moe_down_kernel[(n, triton.cdiv(h, block_h))](
-            act, w2, ids2, down, y, w2.stride(0), ids2.stride(0), down.stride(0), down.stride(1),
-            h, i, K=k, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=MOE_WARPS)
+    if not n * k:
+        return torch.zeros_like(x)
+    order, table = moe_block_table(ids2, e)
+    act = torch.empty(n * k, i, dtype=x.dtype, device=x.device)
+    out = torch.empty(n * k, h, dtype=x.dtype, device=x.device)
+    dot_fp32 = _dot_fp32(x.dtype)
+    # float32 tl.dot runs on FMA units: its tiles spill registers at 4 warps (ahead-of-time checks)
+    warps = MOE_WARPS if x.dtype == torch.float32 else 4
+    block_i, block_h = min(_pow2(i, 16), 64), min(_pow2(h, 16), 64)  # weight tiles of both kernels
+    _moe_gate_up_act_kernel[(table.shape[0], triton.cdiv(i, block_i))](
+        x2, order, table, gate_up, act, x2.stride(0), gate_up.stride(0), gate_up.stride(1), h, i,
+        K=k, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32, num_warps=warps)
+    _moe_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](
+        act, w2, order, table, down, out, w2.stride(0), down.stride(0), down.stride(1), h, i,
+        K=k, BLOCK_M=MOE_BLOCK_M, BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32, num_warps=warps)
+    y = torch.sum(out.view(n, k, h), dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
     return y.view(x.shape)
 
 
@@ -585,3 +727,53 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         _argmax_kernel[(b,)](logits, ids, logits.stride(0), v, BLOCK_V=min(_pow2(v), _MAX_BLOCK),
                              NON_FINITE=NON_FINITE_TOKEN)
     return ids
+
+
+# ---------------------------------------------------------------------------------------------- fused add + RMSNorm
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, r_ptr,             # [N, H] a sub-block's output and the residual stream, model dtype
+    w_ptr,                    # [H] norm weight, model dtype
+    y_ptr, s_ptr,             # [N, H] outputs: normed sum, sum, model dtype
+    stride_x, stride_r,       # elements between rows of the inputs
+    stride_y, stride_s,       # elements between rows of the outputs
+    H,                        # row length
+    eps,                      # added to the mean square
+    OFFSET: tl.constexpr,     # True: scale by (1 + w) in float32; False: round norm(x) to dtype, then * w
+    BLOCK_H: tl.constexpr,    # power of two >= H: one program holds a whole row
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    dtype = s_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(dtype)  # the new residual stream, in the model dtype like the reference's add
+    tl.store(s_ptr + row * stride_s + cols, s, mask=mask)
+    s = s.to(tl.float32)
+    h = s * tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if OFFSET:
+        y = h * (1.0 + w)
+    else:
+        y = h.to(dtype).to(tl.float32) * w
+    tl.store(y_ptr + row * stride_y + cols, y.to(dtype), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `reference.add_rms_norm`: one pass over the rows reads x and the residual once and
+    writes the sum and its norm."""
+    h = x.shape[-1]
+    assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
+    assert weight.shape == (h,), f"weight {tuple(weight.shape)} != ({h},)"
+    assert x.dtype == residual.dtype == weight.dtype, "x, residual and weight must share a dtype"
+    rows, res = x.reshape(-1, h), residual.reshape(-1, h)
+    _check_last_contiguous(x=rows, residual=res, weight=weight)
+    y, s = torch.empty_like(rows), torch.empty_like(rows)
+    if rows.shape[0]:
+        _add_rms_norm_kernel[(rows.shape[0],)](rows, res, weight, y, s, rows.stride(0), res.stride(0),
+                                               y.stride(0), s.stride(0), h, eps, OFFSET=bool(offset),
+                                               BLOCK_H=_pow2(h))
+    return y.view(x.shape), s.view(x.shape)
