@@ -33,6 +33,18 @@ def debug_enabled() -> bool:
     return _flag("OPWEAVE_DEBUG")
 
 
+def check_sync() -> bool:
+    """OPWEAVE_CHECK_SYNC=1: every rank runs its decode rounds under `runtime.syncguard.NoHostSync`
+    and fails naming the first op that synchronises with the host (a test of the GPU path on CPU)."""
+    return _flag("OPWEAVE_CHECK_SYNC")
+
+
+def cuda_graphs_enabled() -> bool:
+    """OPWEAVE_CUDA_GRAPHS=0: CUDA ranks run every round eagerly instead of replaying a captured
+    decode round (`runtime.graphs`). On by default."""
+    return os.environ.get("OPWEAVE_CUDA_GRAPHS", "1").strip().lower() not in _OFF
+
+
 KERNEL_BACKENDS = ("triton", "torch")
 
 

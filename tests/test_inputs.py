@@ -214,23 +214,47 @@ def _scheduler(prompts, rows=2, context=64):
 
 
 def test_scheduler_ends_only_the_request_with_non_finite_logits():
+    """A row whose logits were not finite ends its request with an error naming the output
+    token; the freed slot takes the next request and the other row carries on."""
     reqs, sched = _scheduler([[1, 2], [3], [4, 5, 6]])
-    sched.step_inputs(0)
-    sched.take_tokens(0, torch.tensor([10, -1]))
+    sched.plan()
+    sched.learn(0, 0, [10, -1])
     assert reqs[1].error == "non-finite logits at output token 1" and reqs[1].output == []
     assert reqs[1] in sched.done and reqs[0].error is None
-    ids, positions = sched.step_inputs(0)  # the freed slot takes the next request's prompt
-    assert ids[1, -3:].tolist() == [4, 5, 6] and positions[1, -3:].tolist() == [0, 1, 2]
-    assert ids[0, -1] == 10 and positions[0, -1] == 2
-    sched.take_tokens(0, torch.tensor([11, 20]))
-    sched.step_inputs(0)
-    sched.take_tokens(0, torch.tensor([-1, 21]))
+    sched.plan()  # the freed slot takes the next request's prompt
+    step = sched.take(1, 0)
+    assert step.rows[1].tokens == (4, 5, 6) and step.rows[1].first == 0
+    assert step.rows[0].decode and step.rows[0].first == 2
+    sched.learn(1, 0, [11, 20])
+    sched.plan()
+    sched.learn(2, 0, [-1, 21])
     assert reqs[0].error == "non-finite logits at output token 3" and reqs[0].output == [10, 11]
     assert reqs[2].output == [20, 21] and reqs[2].error is None
+    r = 3
     while sched.active:
-        sched.step_inputs(0)
-        sched.take_tokens(0, torch.tensor([0, 22]))
+        sched.plan()
+        sched.learn(r, 0, [0, 22])
+        r += 1
     assert reqs[2].output == [20, 21, 22, 22] and reqs[2].error is None
+
+
+def test_scheduler_learns_an_eos_late_and_cancels_the_planned_steps():
+    """Tokens are learned two rounds after the plan: steps planned for a request that has
+    meanwhile emitted EOS idle (their row takes the next request only in a round not yet planned)."""
+    reqs = [Request(index=0, prompt=[1], max_new_tokens=9), Request(index=1, prompt=[2, 3], max_new_tokens=2)]
+    sched = Scheduler(reqs, num_microbatches=1, rows=1, context=64, eos_ids=(7,))
+    sched.plan(), sched.plan(), sched.plan()  # rounds 0..2: prefill, then two decode steps
+    sched.learn(0, 0, [7])  # round 0 sampled EOS
+    assert reqs[0].output == [7] and reqs[0] in sched.done
+    assert sched.take(1, 0).rows[0].idle and sched.take(2, 0).rows[0].idle  # cancelled
+    sched.plan()  # round 3: the slot's next request
+    assert sched.take(3, 0).rows[0].tokens == (2, 3)
+    sched.learn(1, 0, [5])  # a step that ran before the EOS was known: dropped
+    assert reqs[0].output == [7]
+    sched.plan()
+    sched.learn(3, 0, [8])
+    sched.learn(4, 0, [9])
+    assert reqs[1].output == [8, 9] and not sched.active
 
 
 # ---------------------------------------------------------------- --context and the trained positions

@@ -20,7 +20,7 @@ from opweave.ir.tp import REPLICATED, Split
 from opweave.models.config import config_from_hf
 from opweave.models.model import build_model
 from opweave.models.ops import OpModule, torch_dtype
-from opweave.runtime.message import message_bytes, message_width, pack_message, unpack_message, width_message
+from opweave.runtime.message import message_bytes, pack_message, unpack_message
 from opweave.runtime.state import RankState
 from opweave.runtime.tpgroup import TPGroup
 from opweave.runtime.transport import assemble
@@ -274,16 +274,15 @@ def test_gather_takes_a_replicated_kv_head_from_the_first_rank_holding_it():
 
 def test_fanout_allreduce_and_a_group_of_one():
     def step(g: TPGroup):
-        width = g.fanout_width(5 if g.is_leader else 0)
-        t = torch.full((2, width), 7 if g.is_leader else 0)
+        t = torch.full((2, 5), 7 if g.is_leader else 0)
         g.fanout([t])
-        return width, t, g.allreduce(torch.full((3,), float(g.tp_rank + 1)))
+        return t, g.allreduce(torch.full((3,), float(g.tp_rank + 1)))
 
-    for width, t, summed in on_group((4, 6, 9), step):
-        assert width == 5 and bool((t == 7).all()) and torch.equal(summed, torch.full((3,), 6.0))
+    for t, summed in on_group((4, 6, 9), step):
+        assert bool((t == 7).all()) and torch.equal(summed, torch.full((3,), 6.0))
     alone = TPGroup((3,), 0, comm=None)  # a group of one never calls a collective
     x = torch.randn(2, 1, 6)
-    assert alone.fanout_width(4) == 4 and alone.allreduce(x) is x and alone.gather(x, Split((6,), (2,))) is x
+    assert alone.fanout([x])[0] is x and alone.allreduce(x) is x and alone.gather(x, Split((6,), (2,))) is x
     assert torch.equal(alone.argmax(x), x[:, -1].argmax(-1))
 
 
@@ -305,33 +304,29 @@ def test_vocab_split_argmax_matches_the_whole_vocabulary():
 # ---------------------------------------------------------------- messages
 
 
-def test_message_round_trip_and_prefill_width_header():
+def test_message_round_trip():
     rows, width, shapes = 3, 4, ((2, 5), (6,))
     positions = torch.arange(rows * width).view(rows, width)
     values = [torch.randn(rows, width, *s, dtype=torch.bfloat16) for s in shapes]
-    message = pack_message(width, positions, values)
+    message = pack_message(positions, values)
     per_token = (2 * 5 + 6) * 2
     assert message.numel() == message_bytes(rows, width, per_token) and message.dtype == torch.uint8
-    assert message_width(message) == width
     pos, payload = unpack_message(message, rows, width, torch.bfloat16)
     assert torch.equal(pos, positions)
     assert torch.equal(payload, torch.cat([v.reshape(-1) for v in values]))
-    header = width_message(message, rows, width)  # what a receiver posted for a decode step
-    assert header.numel() == message_bytes(rows, 1, per_token) and message_width(header) == width
 
 
-def test_assemble_left_pads_narrower_peers():
+def test_assemble_joins_peers_and_views_a_single_peer():
     shapes = ((2,),)
-    wide = (torch.tensor([[3, 4, 5]]), torch.arange(6.0))                       # row 0: a 3-token prefill
-    narrow = (torch.tensor([[9], [11]]), torch.tensor([1.0, 2.0, 3.0, 4.0]))    # rows 1-2: decode
-    positions, (v,) = assemble([(0, 1, 3, *wide), (1, 3, 1, *narrow)], rows=3, shapes=shapes, dtype=torch.float32)
-    assert positions.tolist() == [[3, 4, 5], [-1, -1, 9], [-1, -1, 11]]
-    assert v[0].tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
-    assert v[1].tolist() == [[0.0, 0.0], [0.0, 0.0], [1.0, 2.0]]
-    assert v[2, 2].tolist() == [3.0, 4.0]
-    # packing then unpacking then assembling gives the sender's values back
+    top = (torch.tensor([[3, 4]]), torch.arange(4.0))                                  # row 0
+    bottom = (torch.tensor([[-1, 9], [10, 11]]), torch.arange(10.0, 18.0))             # rows 1-2
+    positions, (v,) = assemble([(0, 1, *top), (1, 3, *bottom)], rows=3, width=2, shapes=shapes, dtype=torch.float32)
+    assert positions.tolist() == [[3, 4], [-1, 9], [10, 11]]
+    assert v[0].tolist() == [[0.0, 1.0], [2.0, 3.0]] and v[2, 1].tolist() == [16.0, 17.0]
+    # one peer holding every row: views of its message, no copy
     vals = torch.randn(2, 1, 2)
-    msg = pack_message(1, torch.tensor([[7], [8]]), [vals])
+    msg = pack_message(torch.tensor([[7], [8]]), [vals])
     pos, payload = unpack_message(msg, 2, 1, torch.float32)
-    positions, (v,) = assemble([(0, 2, 1, pos, payload)], rows=2, shapes=shapes, dtype=torch.float32)
+    positions, (v,) = assemble([(0, 2, pos, payload)], rows=2, width=1, shapes=shapes, dtype=torch.float32)
     assert torch.equal(v, vals) and positions.tolist() == [[7], [8]]
+    assert v.untyped_storage().data_ptr() == msg.untyped_storage().data_ptr()

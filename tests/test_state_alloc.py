@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from local_loop import drive
 from opweave.cost.model import state_shards
 from opweave.models import ops
 from opweave.models.activation import ATTN_KEY_BLOCK, PREFILL_CHUNK, step_activation_bytes
@@ -226,13 +227,14 @@ def test_scheduler_prefills_in_chunks(tiny_checkpoint, family, layers):
     requests = [Request(index=i, prompt=p, max_new_tokens=5) for i, p in enumerate(SCHEDULED)]
     sched = Scheduler(requests, num_microbatches=1, rows=2, context=40, eos_ids=(), prefill_chunk=4)
     widths, mixed = [], 0
+
+    def seen(r, mb, plan, ids, positions):
+        nonlocal mixed
+        widths.append(ids.shape[1])
+        mixed += {"decode" if s.decode else "prefill" for s in plan.rows if not s.idle} == {"decode", "prefill"}
+
     with torch.no_grad():
-        while sched.active:
-            ids, positions = sched.step_inputs(0)
-            widths.append(ids.shape[1])
-            phases = {"decode" if s.request.output else "prefill" for s in sched.slots[0] if s.request and s.fed}
-            mixed += phases == {"decode", "prefill"}
-            sched.take_tokens(0, step(ids, positions))
+        drive(sched, step, rows=2, on_round=seen)
     assert max(widths) == 4 and widths.count(4) >= 4
     assert mixed >= 2, "prefilling and decoding rows never shared a step"
     done = sorted(sched.done, key=lambda r: r.index)
@@ -251,9 +253,7 @@ def test_scheduler_below_the_window(tiny_checkpoint):
     sched = Scheduler([Request(index=i, prompt=p, max_new_tokens=6) for i, p in enumerate(prompts)],
                       num_microbatches=1, rows=2, context=7, eos_ids=(), prefill_chunk=2)
     with torch.no_grad():
-        while sched.active:
-            ids, positions = sched.step_inputs(0)
-            sched.take_tokens(0, DecodeStep(model)(ids, positions))
+        drive(sched, DecodeStep(model), rows=2)
     done = sorted(sched.done, key=lambda r: r.index)
     for req, prompt in zip(done, prompts):
         assert req.error is None and len(req.output) == min(6, 7 - len(prompt) + 1)

@@ -8,7 +8,7 @@ import torch
 from opweave.cli import main
 from opweave.ir.program import program_from_json
 from opweave.runtime.launch import RunConfig, run_detailed
-from opweave.runtime.message import message_bytes, message_width, pack_message, unpack_message
+from opweave.runtime.message import message_bytes, pack_message, unpack_message
 from opweave.runtime.scheduler import Request
 from opweave.runtime.timeline import KINDS, Span, chrome_trace, from_rows, per_round
 from test_runtime import LAYERS, compile_pinned, reference
@@ -17,9 +17,8 @@ from test_runtime import LAYERS, compile_pinned, reference
 def test_message_round_trip():
     positions = torch.tensor([[3, 4], [7, 8]])
     a, b = torch.randn(2, 2, 5), torch.randn(2, 2, 3, 2)
-    message = pack_message(2, positions, [a, b])
+    message = pack_message(positions, [a, b])
     assert message.dtype == torch.uint8 and message.numel() == message_bytes(2, 2, (5 + 6) * 4)
-    assert message_width(message) == 2
     pos, payload = unpack_message(message, 2, 2, torch.float32)
     assert torch.equal(pos, positions)
     assert torch.equal(payload[:20].view(2, 2, 5), a) and torch.equal(payload[20:].view(2, 2, 3, 2), b)

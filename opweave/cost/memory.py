@@ -3,8 +3,8 @@
     weights      its share of every weight of its ops (a weight two of its ops share, once)
     state        slots x per-sequence state of each op / state shards
     activations  the peak bytes one step of the rank's generated code keeps alive
-    buffers      the message buffers of its point-to-point transfers (replica leaders only; in
-                 host memory: the transport packs and receives messages on the CPU)
+    buffers      the message buffers of its point-to-point transfers (replica leaders only; on
+                 the GPU: the transport packs and receives messages on the run device)
 
 Slots per rank = microbatches x the rows of a microbatch its replica serves (the runtime keeps a
 state slot for every row of every microbatch: `runtime/worker.py`), with rows the replica's share
@@ -16,10 +16,11 @@ the residual stream and, at its peak, one op's inputs, outputs and the scratch i
 its forward (`op_scratch_bytes`, for the key and token blocks of `opweave.models.activation`):
 rows x width x (stream + op.act_bytes_per_token / shards) + scratch, for the largest op.
 
-Buffers. A replica leader keeps one receive posted per upstream peer (a decode-sized message:
-`runtime/message.message_bytes`), and keeps the messages it sent alive for two rounds (this
-round's and the previous one's, until their sends complete); the last stage's token ids count
-as sends, the embedding owner's token-id receives as receives.
+Buffers. A replica leader keeps a decode-sized receive buffer for every receive of a round
+(`runtime/message.message_bytes`; reused every round, as a captured graph needs), in a prefill
+step the widest receive of each upstream peer, and the messages it sent alive for two rounds
+(this round's and the previous one's, until their sends complete); the last stage's token ids
+count as sends, the embedding owner's token-id receives as receives.
 
 `memory_per_gpu` (weights + state + activations: what lives on the GPU) is what the planner
 checks against a GPU's usable memory; `Footprint` is the
@@ -64,7 +65,7 @@ SEND_ROUNDS = 2
 """Rounds of sent messages a leader keeps alive (this round's and the previous one's)."""
 
 INDEX_BYTES = 8
-"""An int64: positions per token in a message, a token id, a message's width header."""
+"""An int64: positions per token in a message, a token id."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -194,8 +195,8 @@ def _overlaps(rows: tuple[int, int], other: list[tuple[int, int]]) -> list[tuple
 
 
 def message_size(rows: int, width: int, per_token: int) -> int:
-    """Bytes of one message (the layout of `runtime/message.py`: width, positions, values)."""
-    return INDEX_BYTES + rows * width * (INDEX_BYTES + per_token)
+    """Bytes of one message (the layout of `runtime/message.py`: positions, values)."""
+    return rows * width * (INDEX_BYTES + per_token)
 
 
 def buffer_bytes(plan, owner: int, replica: int, width: int) -> float:
@@ -207,7 +208,7 @@ def buffer_bytes(plan, owner: int, replica: int, width: int) -> float:
     mine = rows[owner][replica]
     stages = plan.stages
     first, last = stages[0].owner, stages[-1].owner
-    posted: dict[tuple[int, int], int] = {}   # (owner, replica) -> largest receive posted from it
+    static, wide = 0, {}   # every decode-sized receive; (owner, replica) -> its widest receive
     sent = 0
     for i, st in enumerate(stages):
         if st.owner != owner:
@@ -215,20 +216,19 @@ def buffer_bytes(plan, owner: int, replica: int, width: int) -> float:
         if i > 0 and stages[i - 1].owner != owner:
             prev = stages[i - 1].owner
             for j, n in _overlaps(mine, rows[prev]):
-                size = message_size(n, 1, stages[i - 1].out_bytes_per_token)
-                posted[(prev, j)] = max(posted.get((prev, j), 0), size)
+                static += plan.microbatches * message_size(n, 1, stages[i - 1].out_bytes_per_token)
+                if width > 1:
+                    wide[(prev, j)] = max(wide.get((prev, j), 0), message_size(n, width, stages[i - 1].out_bytes_per_token))
         if i + 1 < len(stages) and stages[i + 1].owner != owner:
             for _, n in _overlaps(mine, rows[stages[i + 1].owner]):
                 sent += message_size(n, width, st.out_bytes_per_token)
-                if width > 1:  # a prefill is announced by a decode-sized message
-                    sent += message_size(n, 1, st.out_bytes_per_token)
         if i + 1 == len(stages):
             sent += sum(n * INDEX_BYTES for j, n in _overlaps(mine, rows[first]) if (first, j) != (owner, replica))
     if owner == first:
         for j, n in _overlaps(mine, rows[last]):
             if (last, j) != (owner, replica):
-                posted[(last, j)] = max(posted.get((last, j), 0), n * INDEX_BYTES)
-    return sum(posted.values()) + SEND_ROUNDS * plan.microbatches * sent
+                static += plan.microbatches * n * INDEX_BYTES
+    return static + sum(wide.values()) + SEND_ROUNDS * plan.microbatches * sent
 
 
 def owner_ops(plan, graph: OpGraph, owner: int) -> list[Op]:

@@ -99,11 +99,15 @@ class Embed(OpModule):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, None)
         self._param("weight", "model.embed_tokens.weight", cfg.vocab_size, cfg.hidden_size)
+        # sqrt(hidden) rounded to the model dtype, as a Python number: no tensor made from host data
+        # in the step (a CUDA graph could not capture it)
+        self.scale = (float(torch.tensor(cfg.hidden_size ** 0.5, dtype=torch_dtype(cfg), device="cpu"))
+                      if cfg.embed_scale else None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(ids, self.weight)
-        if self.cfg.embed_scale:
-            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+        if self.scale is not None:
+            x = x * self.scale
         return x
 
     def facts(self) -> OpFacts:

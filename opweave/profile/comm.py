@@ -173,7 +173,7 @@ def _host_times(rank: int, dist, torch) -> tuple[list, list]:
             buffer = torch.empty(size, dtype=torch.uint8)
             if rank == 0:
                 start = time.perf_counter()
-                work = dist.isend(pack_message(1, positions, [value]), 1)
+                work = dist.isend(pack_message(positions, [value]), 1)
                 times_send.append(time.perf_counter() - start)
                 work.wait()
                 dist.recv(ack, 1)
@@ -186,7 +186,7 @@ def _host_times(rank: int, dist, torch) -> tuple[list, list]:
             else:
                 dist.recv(buffer, 0)
                 dist.send(ack, 0)
-                dist.send(pack_message(1, positions, [value]), 0)
+                dist.send(pack_message(positions, [value]), 0)
         if rank == 0:
             sends.append((size, statistics.median(times_send[COMM_WARMUP:])))
             recvs.append((size, statistics.median(times_recv[COMM_WARMUP:])))

@@ -90,29 +90,30 @@ def allocate_state(modules: dict, program: RankProgram) -> int:
 
 
 def buffer_bytes(program: RankProgram, dtype: torch.dtype, width: int) -> int:
-    """The leader's message buffers, in host memory (the transport packs and receives on the
-    CPU): the receives its transport posts (the worker's own slot list; one posted per peer at a
-    time, so the largest of each peer's) and the sends of two rounds (a prefill's message and its
-    decode-sized notice; token ids back)."""
+    """The leader's message buffers on the run device: a decode-sized receive buffer for every
+    receive of a round (the worker's own slot list; reused every round), in a step of `width`
+    tokens per row the widest receive of each peer (one in flight per peer), and the sends of two
+    rounds (token ids back included)."""
     from opweave.runtime.transport import Transport
 
     if program.tp_rank != 0:
         return 0
     transport = Transport.__new__(Transport)  # its sizing only: no inbox, no process group
     transport.program, transport.dtype, transport.tokens_back = program, dtype, program.scheduler
-    posted: dict[int, int] = {}
+    static, wide = 0, {}
     for slot in transport.receive_slots():
-        posted[slot.peer] = max(posted.get(slot.peer, 0), slot.numel * torch.empty(0, dtype=slot.dtype).element_size())
+        size = slot.numel * torch.empty(0, dtype=slot.dtype).element_size()
+        static += size
+        if width > 1 and slot.scales:
+            wide[slot.peer] = max(wide.get(slot.peer, 0), size * width)
     sent = 0
     for st in program.stages:
         if st.send is not None:
             per_token = transport.per_token_bytes(st.send)
             for p in st.send.peers:
                 sent += message_bytes(p.hi - p.lo, width, per_token)
-                if width > 1:
-                    sent += message_bytes(p.hi - p.lo, 1, per_token)
         sent += sum((p.hi - p.lo) * 8 for p in st.returns if p.rank != program.rank)
-    return sum(posted.values()) + SEND_ROUNDS * program.num_microbatches * sent
+    return static + sum(wide.values()) + SEND_ROUNDS * program.num_microbatches * sent
 
 
 # ---------------------------------------------------------------- activations

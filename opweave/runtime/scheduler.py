@@ -1,23 +1,31 @@
 """Request scheduling on an embedding-owner replica: its rows of every microbatch are slots.
 
-A free slot takes the next request of this replica's queue and prefills its prompt through the
-same compiled stages, at most `prefill_chunk` tokens per step (a planned figure carried by the
-rank program, `opweave.models.activation.PREFILL_CHUNK` by default): a longer prompt takes several
-steps, and the token sampled after a chunk that is not the prompt's last is dropped. Later steps
-feed one token. Rows prefilling and rows decoding share a step: a step's tokens for a microbatch
-are left-padded to its longest chunk with position -1 (no state is written for padding), so the
-last column always holds each slot's newest token. A slot frees when its
-sequence emits an EOS id, reaches `max_new_tokens`, or fills the planned context; or when the
-sampler marks its row NON_FINITE_TOKEN (its logits held a NaN or an infinity): the request then
-ends with an error naming the output token, and the other slots carry on.
+The scheduler plans rounds ahead and learns the sampled tokens late, so that a decode round
+needs nothing from the host:
+  - `plan()` plans the next round: per microbatch, what each row feeds (`RowStep`). A free slot
+    takes the next request of this replica's queue and prefills its prompt through the same
+    compiled stages, at most `prefill_chunk` tokens per step (a planned figure carried by the rank
+    program, `opweave.models.activation.PREFILL_CHUNK` by default); a longer prompt takes several
+    steps, and the token sampled after a chunk that is not the prompt's last is not an output.
+    Later steps decode: they feed the token the last stage sampled, which stays on the device
+    (`opweave.runtime.inputs`); positions are known ahead (one more per step), so the plan knows
+    them without any token. A round's width per microbatch is its longest chunk (1 when every row
+    decodes or idles); rows are left-padded with position -1 (no state is written for padding),
+    so the last column always holds each row's newest token.
+  - `learn(round, mb, tokens)` takes the tokens a round sampled, some rounds later (the runtime
+    copies them to the host asynchronously): outputs are appended in order, and a request ends on
+    an EOS id, at `max_new_tokens`, when its sequence fills the planned context, or when the
+    sampler marked its row NON_FINITE_TOKEN (its logits held a NaN or an infinity: the request
+    ends with an error naming the output token and the other rows carry on).
+Ends that are known ahead (`max_new_tokens`, the context) stop the planning at once, so the slot
+takes the next request in the next planned round; an EOS is learned late: steps already planned
+for the request are cancelled (the row idles) and those already run are dropped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-
-import torch
 
 from opweave.errors import OpWeaveError
 from opweave.models.activation import PREFILL_CHUNK
@@ -34,12 +42,50 @@ class Request:
     source: str = ""  # where the prompt came from, for messages ("--prompts p.jsonl: line 3")
 
 
-@dataclasses.dataclass
-class _Slot:
+@dataclasses.dataclass(frozen=True)
+class RowStep:
+    """What one row does in one round: idle (`request` None), feed host tokens (a prompt chunk,
+    `tokens`), or decode (no `tokens`: the token sampled last round, on the device)."""
+
     request: Request | None = None
-    position: int = 0          # next position to write
-    pending: list[int] | None = None  # tokens still to feed (the prompt's rest, or the last new token)
-    fed: int = 0               # tokens fed at this microbatch's last step
+    tokens: tuple[int, ...] = ()
+    first: int = -1        # position of the first token fed
+    output: bool = False   # the step samples an output token of `request`
+    last: bool = False     # ... its last one, known ahead (max_new_tokens or the context)
+
+    @property
+    def idle(self) -> bool:
+        return self.request is None
+
+    @property
+    def decode(self) -> bool:
+        return self.request is not None and not self.tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One microbatch's rows in one round."""
+
+    rows: tuple[RowStep, ...]
+
+    @property
+    def width(self) -> int:
+        """Tokens per row this round (1 unless a row feeds a longer prompt chunk)."""
+        return max([len(s.tokens) for s in self.rows] + [1])
+
+    @property
+    def host_fed(self) -> bool:
+        """Some row feeds tokens from the host (a prompt chunk): the round's inputs are built
+        on the host, outside any captured graph."""
+        return any(s.tokens for s in self.rows)
+
+
+@dataclasses.dataclass
+class _Row:
+    request: Request | None = None  # the request being planned on this row
+    position: int = 0                # next position to feed
+    pending: list[int] = dataclasses.field(default_factory=list)  # prompt tokens not yet planned
+    planned: int = 0                 # output steps planned for the request
 
 
 class Scheduler:
@@ -49,63 +95,99 @@ class Scheduler:
             raise OpWeaveError(f"prefill chunk must be at least 1 token, got {prefill_chunk}")
         self.queue = deque(requests)
         self.prefill_chunk = prefill_chunk
-        self.slots = [[_Slot() for _ in range(rows)] for _ in range(num_microbatches)]
+        self.num_microbatches, self.rows = num_microbatches, rows
+        self._rows = [[_Row() for _ in range(rows)] for _ in range(num_microbatches)]
         self.context = context
         self.eos = set(eos_ids)
         self.done: list[Request] = []
+        self.planned_rounds = 0                        # rounds planned so far
+        self._plans: dict[tuple[int, int], StepPlan] = {}    # (round, mb) -> plan, until taken
+        self._outputs: dict[tuple[int, int], StepPlan] = {}  # (round, mb) -> plan, until learned
+        self._open: set[int] = set()                   # requests with outputs still to learn
+        self._finished: set[int] = set()
 
     @property
     def active(self) -> bool:
-        return bool(self.queue) or any(s.request for row in self.slots for s in row)
+        """Work left: requests queued, being planned, or with outputs still to learn."""
+        return bool(self.queue) or bool(self._open)
 
-    def _fill(self, slot: _Slot) -> None:
-        while self.queue and slot.request is None:
+    # ---------------------------------------------------------------- planning
+    def _admit(self, row: _Row) -> None:
+        while self.queue and row.request is None:
             req = self.queue.popleft()
             if not req.prompt:
                 req.error = "empty prompt"
             elif len(req.prompt) >= self.context:
                 req.error = f"prompt of {len(req.prompt)} tokens does not fit the planned context of {self.context}"
             else:
-                slot.request, slot.position, slot.pending = req, 0, list(req.prompt)
+                row.request, row.position, row.pending, row.planned = req, 0, list(req.prompt), 0
+                self._open.add(req.index)
                 return
             self.done.append(req)
 
-    def step_inputs(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, positions) [rows, T] for microbatch `mb`, left-padded with position -1."""
-        for slot in self.slots[mb]:
-            if slot.request is None:
-                self._fill(slot)
-        chunks = [s.pending[:self.prefill_chunk] if s.request else [] for s in self.slots[mb]]
-        width = max([len(c) for c in chunks] + [1])
-        ids = torch.zeros(len(chunks), width, dtype=torch.long)
-        positions = torch.full((len(chunks), width), -1, dtype=torch.long)
-        for row, (slot, chunk) in enumerate(zip(self.slots[mb], chunks)):
-            slot.fed = len(chunk)
-            if chunk:
-                ids[row, width - len(chunk):] = torch.tensor(chunk)
-                positions[row, width - len(chunk):] = torch.arange(slot.position, slot.position + len(chunk))
-        return ids, positions
+    def _step(self, row: _Row) -> RowStep:
+        if row.request is None:
+            self._admit(row)
+        req = row.request
+        if req is None:
+            return RowStep()
+        if row.pending:
+            chunk, row.pending = row.pending[:self.prefill_chunk], row.pending[self.prefill_chunk:]
+            first, output = row.position, not row.pending
+            row.position += len(chunk)
+        else:
+            chunk, first, output = [], row.position, True
+            row.position += 1
+        last = False
+        if output:
+            row.planned += 1
+            last = row.planned >= req.max_new_tokens or row.position >= self.context
+            if last:
+                row.request = None  # the slot takes the next request in the next planned round
+        return RowStep(req, tuple(chunk), first, output, last)
 
-    def take_tokens(self, mb: int, tokens: torch.Tensor) -> None:
-        """Records the ids the last stage produced for microbatch `mb`'s previous step."""
-        for slot, token in zip(self.slots[mb], tokens.tolist()):
-            req = slot.request
-            if req is None or slot.pending is None or not slot.fed:
-                continue
-            slot.position += slot.fed
-            slot.pending = slot.pending[slot.fed:]
-            slot.fed = 0
-            if slot.pending:  # the prompt is not all in yet: this token is not an output
+    def plan(self) -> tuple[int, ...]:
+        """Plans round `planned_rounds` (then advances it); its width per microbatch."""
+        r = self.planned_rounds
+        widths = []
+        for mb in range(self.num_microbatches):
+            plan = StepPlan(tuple(self._step(row) for row in self._rows[mb]))
+            self._plans[(r, mb)] = plan
+            if any(s.output for s in plan.rows):
+                self._outputs[(r, mb)] = plan
+            widths.append(plan.width)
+        self.planned_rounds += 1
+        return tuple(widths)
+
+    def take(self, round_index: int, mb: int) -> StepPlan:
+        """The plan of microbatch `mb` in round `round_index`, as the round runs (once)."""
+        return self._plans.pop((round_index, mb))
+
+    # ---------------------------------------------------------------- learning the tokens
+    def learn(self, round_index: int, mb: int, tokens) -> None:
+        """The token ids (a sequence of ints, one per row) microbatch `mb` sampled in round `round_index`."""
+        plan = self._outputs.pop((round_index, mb), None)
+        if plan is None:
+            return
+        for step, token in zip(plan.rows, tokens):
+            req = step.request
+            if not step.output or req.index in self._finished:
                 continue
             if token == NON_FINITE_TOKEN:
                 req.error = f"non-finite logits at output token {len(req.output) + 1}"
-                finished = True
             else:
                 req.output.append(int(token))
-                finished = (int(token) in self.eos or len(req.output) >= req.max_new_tokens
-                            or slot.position >= self.context)
-            if finished:
-                self.done.append(req)
-                slot.request, slot.pending = None, None
-            else:
-                slot.pending = [int(token)]
+            if token == NON_FINITE_TOKEN or int(token) in self.eos or step.last:
+                self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        self._finished.add(req.index)
+        self._open.discard(req.index)
+        self.done.append(req)
+        for rows in self._rows:  # stop planning it
+            for row in rows:
+                if row.request is req:
+                    row.request, row.pending = None, []
+        for key, plan in list(self._plans.items()):  # planned steps not yet run: the row idles
+            if any(s.request is req for s in plan.rows):
+                self._plans[key] = StepPlan(tuple(RowStep() if s.request is req else s for s in plan.rows))

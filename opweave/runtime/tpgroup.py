@@ -41,14 +41,6 @@ class TPGroup:
                 self.comm.broadcast(t, src=self.ranks[0], group=self.group)
         return tensors
 
-    def fanout_width(self, width: int) -> int:
-        """The leader's `width` (tokens per row this step) on every rank (peers pass anything)."""
-        if self.tp == 1:
-            return width
-        t = torch.tensor([width], dtype=torch.long, device=self.device)
-        self.comm.broadcast(t, src=self.ranks[0], group=self.group)
-        return int(t)
-
     # ---------------------------------------------------------------- values by layout
     def shard(self, full: torch.Tensor, layout: Layout, dim: int = 2) -> torch.Tensor:
         """This rank's block of a whole value laid out `layout` on dimension `dim`."""

@@ -1,18 +1,20 @@
-"""Point-to-point transfers of one rank and the completion of a round.
+"""Point-to-point transfers of one rank and the agreement between rounds.
 
 A replica's leader exchanges one message per peer and transfer (`opweave.runtime.message`):
 activations at a stage cut to / from the neighbouring owners' replicas whose rows overlap, and
 the new token ids from the last stage back to the embedding owner's leaders. Sends are
-non-blocking and completed one round later; receives are posted ahead by the `Inbox`, in the
-plan's global order (round, stage, microbatch), so nothing waits on a coordinator.
+non-blocking and completed one round later; receives go through the `Inbox`, in the plan's global
+order (round, stage, microbatch), into buffers reused every round.
 
 Every buffer sent or received lives on the rank's run device (messages are packed there, the
-receives are posted into device buffers, the round's flag is a device tensor): NCCL moves only
-device tensors, and gloo the CPU ones of a CPU run.
+receives land in device buffers, the token ids stay there): NCCL moves only device tensors, and
+gloo the CPU ones of a CPU run.
 
-A round ends (`complete_round`) by completing the previous round's sends and all-reducing,
-asynchronously, whether any scheduler still has work: the answer is read one round later, so
-ranks never wait for each other between rounds (a round of idle steps follows the last real one).
+Between rounds (`complete_round`) a rank completes the previous round's sends and all-reduces,
+asynchronously, whether its scheduler still has work and the widths it planned two rounds ahead;
+the answer is read one round later, so ranks never wait for each other between rounds (a round of
+idle steps follows the last real one) and every rank knows a round's widths before it starts:
+nothing in a round is read on the host.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 from opweave.ir.program import RankProgram, StageProgram, Transfer
 from opweave.runtime.inbox import Inbox, Slot
-from opweave.runtime.message import message_bytes, message_width, pack_message, unpack_message, width_message
+from opweave.runtime.message import message_bytes, pack_message, unpack_message
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -32,22 +34,29 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def assemble(parts, rows: int, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype
+def assemble(parts, rows: int, width: int, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One stage's inputs from its peers' unpacked messages: `parts` holds (first row, end row,
-    width, positions [n, width], values' elements in packing order) per peer. The result is as
-    wide as the widest part; narrower rows are left-padded (position -1, values 0). The result is
-    on the parts' device."""
-    width = max(w for _, _, w, _, _ in parts)
-    device = parts[0][3].device
+    positions [n, width], values' elements in packing order) per peer. One peer holding every row
+    gives views of its message (no copy); several are copied into one tensor per value. The
+    result is on the parts' device."""
+    if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == rows:
+        _, _, positions, payload = parts[0]
+        values, offset = [], 0
+        for shape in shapes:
+            n = rows * width * numel(shape)
+            values.append(payload[offset:offset + n].view(rows, width, *shape))
+            offset += n
+        return positions, values
+    device = parts[0][2].device
     positions = torch.full((rows, width), -1, dtype=torch.long, device=device)
     values = [torch.zeros(rows, width, *shape, dtype=dtype, device=device) for shape in shapes]
-    for a, b, w, pos, payload in parts:
-        positions[a:b, width - w:] = pos
+    for a, b, pos, payload in parts:
+        positions[a:b] = pos
         offset = 0
         for v, shape in zip(values, shapes):
-            n = (b - a) * w * numel(shape)
-            v[a:b, width - w:] = payload[offset:offset + n].view(b - a, w, *shape)
+            n = (b - a) * width * numel(shape)
+            v[a:b] = payload[offset:offset + n].view(b - a, width, *shape)
             offset += n
     return positions, values
 
@@ -55,123 +64,131 @@ def assemble(parts, rows: int, shapes: tuple[tuple[int, ...], ...], dtype: torch
 class Transport:
     """The point-to-point side of one rank: its receives (leaders only), sends and round flag.
 
-    `tokens_back`: whether this rank's scheduler gets the new token ids from other ranks (its
-    replica leads a scheduler); `device`: the run device, where every buffer lives."""
+    `tokens_back`: whether this rank's scheduler gets the new token ids (its replica leads a
+    scheduler); `device`: the run device, where every buffer lives; `comm`: torch.distributed, or
+    a stand-in with its `isend`, `irecv`, `recv` and `all_reduce` (tests)."""
 
     def __init__(self, program: RankProgram, dtype: torch.dtype, tokens_back: bool,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", comm=dist):
         self.program, self.dtype, self.tokens_back = program, dtype, tokens_back
-        self.device = torch.device(device)
+        self.device, self.comm = torch.device(device), comm
         self.rows = program.rows[1] - program.rows[0]
         self.is_leader = program.tp_rank == 0
         self._pending: list = []   # this round's sends (work, buffer kept alive)
         self._previous: list = []  # the previous round's
-        self._flag = None          # the in-flight "any work left?" all-reduce of the last round
-        self._local_tokens: dict[int, torch.Tensor] = {}  # colocated: the last stage returns to itself
-        self.inbox = Inbox(self.receive_slots() if self.is_leader else [], self.device)
-        self.inbox.start_round(0)
+        self._flag = None          # the in-flight all-reduce of the last round's control word
+        m = program.num_microbatches
+        # the last stage's token ids: a rank returning to itself keeps them here, and a scheduler's
+        # leader assembles the received ones here (static: a decode round always uses this memory)
+        self._local_tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
+        self._tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
+        self.inbox = Inbox(self.receive_slots() if self.is_leader else [], self.device,
+                           recv=comm.recv, irecv=comm.irecv)
+        self.widths: tuple[int, ...] = (1,) * m  # this round's tokens per row, per microbatch
 
     def per_token_bytes(self, transfer: Transfer) -> int:
         """Bytes of a transfer's values per token (positions not included)."""
         return sum(numel(s) for s in transfer.shapes) * torch.empty(0, dtype=self.dtype).element_size()
 
     def receive_slots(self) -> list[Slot]:
-        """Every point-to-point receive of one round, in program order (leaders only)."""
+        """Every point-to-point receive of one round, in program order (leaders only); sizes at width 1."""
         prog, slots = self.program, []
         for st in prog.stages:
             for mb in range(prog.num_microbatches):
                 if st.recv is None:
                     if self.tokens_back:
-                        slots += [Slot(("tok", mb, p.rank), p.rank, p.hi - p.lo, torch.long, from_round=1)
+                        slots += [Slot(("tok", mb, p.rank), p.rank, p.hi - p.lo, torch.long, from_round=1, mb=mb,
+                                       scales=False)
                                   for p in prog.token_sources if p.rank != prog.rank]
                     continue
                 per_token = self.per_token_bytes(st.recv)
                 slots += [Slot(("act", st.stage, mb, p.rank), p.rank, message_bytes(p.hi - p.lo, 1, per_token),
-                               torch.uint8) for p in st.recv.peers]
+                               torch.uint8, mb=mb) for p in st.recv.peers]
         return slots
 
     # ---------------------------------------------------------------- activations at a cut
     def recv_values(self, st: StageProgram, mb: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(positions [rows, width], each whole value [rows, width, *shape]) of stage `st`'s
-        inputs for microbatch `mb`, from every upstream peer (leaders only). Each peer pads its
-        rows to its own width; narrower rows are left-padded here, padding at position -1."""
-        lo = self.program.rows[0]
-        per_token = self.per_token_bytes(st.recv)
+        inputs for microbatch `mb`, from every upstream peer (leaders only)."""
+        lo, width = self.program.rows[0], self.widths[mb]
         parts = []
         for p in st.recv.peers:
-            n = p.hi - p.lo
-            first = self.inbox.take(("act", st.stage, mb, p.rank))
-            w = message_width(first)
-            body = first if w == 1 else torch.empty(message_bytes(n, w, per_token), dtype=torch.uint8,
-                                                    device=self.device)
-            if w != 1:  # a prefill: the first message held only the width
-                dist.recv(body, src=p.rank)
-            self.inbox.next_from(p.rank)
-            pos, payload = unpack_message(body, n, w, self.dtype)
-            parts.append((p.lo - lo, p.hi - lo, w, pos, payload))
-        return assemble(parts, self.rows, st.recv.shapes, self.dtype)
+            body = self.inbox.take(("act", st.stage, mb, p.rank))
+            pos, payload = unpack_message(body, p.hi - p.lo, width, self.dtype)
+            parts.append((p.lo - lo, p.hi - lo, pos, payload))
+        return assemble(parts, self.rows, width, st.recv.shapes, self.dtype)
 
     def send_values(self, st: StageProgram, positions: torch.Tensor, values) -> None:
-        """Stage `st`'s whole output values to every downstream peer: one message each (its
-        rows); a prefill's message is preceded by a decode-sized one carrying its width."""
+        """Stage `st`'s whole output values to every downstream peer: one message each (its rows)."""
         lo = self.program.rows[0]
-        width = positions.shape[1]
         for p in st.send.peers:
             a, b = p.lo - lo, p.hi - lo
-            message = pack_message(width, positions[a:b], [v[a:b] for v in values])
-            if width != 1:
-                self._isend(width_message(message, b - a, width), p.rank)
-            self._isend(message, p.rank)
+            self._isend(pack_message(positions[a:b], [v[a:b] for v in values]), p.rank)
 
     # ---------------------------------------------------------------- token ids back to the scheduler
     def send_tokens(self, st: StageProgram, mb: int, tokens: torch.Tensor) -> None:
         """The last stage's new token ids to the embedding owners' leaders (their rows)."""
         lo = self.program.rows[0]
         for p in st.returns:
-            part = tokens[p.lo - lo:p.hi - lo].to(self.device).contiguous()
+            part = tokens[p.lo - lo:p.hi - lo]
             if p.rank == self.program.rank:
-                self._local_tokens[mb] = part
+                self._local_tokens[mb][p.lo - lo:p.hi - lo].copy_(part)
             else:
-                self._isend(part, p.rank)
+                self._isend(part.contiguous(), p.rank)
+
+    def no_tokens(self, mb: int) -> torch.Tensor:
+        """Round 0 of microbatch `mb`: no step before it, no token ids (zeros)."""
+        return self._tokens[mb]
 
     def recv_tokens(self, mb: int) -> torch.Tensor:
-        """The previous step's new token ids of microbatch `mb`'s rows (from every last stage)."""
-        out = torch.zeros(self.rows, dtype=torch.long, device=self.device)
-        lo = self.program.rows[0]
+        """The previous step's new token ids of microbatch `mb`'s rows (from every last stage),
+        in a buffer of the run device that every round reuses."""
+        out, lo = self._tokens[mb], self.program.rows[0]
         for p in self.program.token_sources:
-            if p.rank == self.program.rank:
-                part = self._local_tokens.pop(mb)
-            else:
-                part = self.inbox.take(("tok", mb, p.rank))
-                self.inbox.next_from(p.rank)
-            out[p.lo - lo:p.hi - lo] = part
+            part = (self._local_tokens[mb][p.lo - lo:p.hi - lo] if p.rank == self.program.rank
+                    else self.inbox.take(("tok", mb, p.rank)))
+            out[p.lo - lo:p.hi - lo].copy_(part)
         return out
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> None:
         if dst == self.program.rank:
             raise RuntimeError("a rank never sends to itself: consecutive stages of one owner are merged")
-        self._pending.append((dist.isend(tensor, dst=dst), tensor))
+        self._pending.append((self.comm.isend(tensor, dst=dst), tensor))
 
-    # ---------------------------------------------------------------- rounds
-    def complete_round(self, active: bool) -> bool:
+    # ---------------------------------------------------------------- between rounds
+    def agree(self, widths: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """Before the first round: every rank's planned widths of the first rounds, the largest
+        of every scheduler's per microbatch (ranks without a scheduler pass ones); blocking."""
+        m = self.program.num_microbatches
+        word = torch.tensor([w for ws in widths for w in ws], dtype=torch.long, device=self.device)
+        self.comm.all_reduce(word, op=dist.ReduceOp.MAX)
+        values = word.tolist()
+        return [tuple(values[i * m:(i + 1) * m]) for i in range(len(widths))]
+
+    def complete_round(self, active: bool, widths_ahead: tuple[int, ...]) -> tuple[bool, tuple[int, ...]]:
         """Completes the previous round's sends (this round's token ids are only received at the
-        start of the next round), starts the all-reduce of `active` (this rank still has work)
-        and answers whether any rank had work one round ago (always, after the first round)."""
+        start of the next round) and starts the all-reduce of this rank's control word: whether
+        it still has work, and the widths it planned two rounds ahead. Answers the word of one
+        round ago: whether any rank had work then (always, after the first round), and the
+        widths of the next round."""
         for work, _ in self._previous:
             work.wait()
         self._previous, self._pending = self._pending, []
-        flag = torch.tensor([1 if active else 0], dtype=torch.long, device=self.device)
-        previous, self._flag = self._flag, (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        if previous is not None:
-            previous[0].wait()
-        return previous is None or bool(int(previous[1]))
+        word = torch.tensor([1 if active else 0, *widths_ahead], dtype=torch.long, device=self.device)
+        previous, self._flag = self._flag, (self.comm.all_reduce(word, op=dist.ReduceOp.MAX, async_op=True), word)
+        if previous is None:
+            return True, ()
+        previous[0].wait()
+        values = previous[1].tolist()
+        return bool(values[0]), tuple(values[1:])
 
-    def start_round(self, round_index: int) -> None:
-        """Posts the round's first receives."""
-        self.inbox.start_round(round_index)
+    def start_round(self, round_index: int, widths: tuple[int, ...]) -> None:
+        """The round's widths; posts its first receives (CPU)."""
+        self.widths = tuple(widths)
+        self.inbox.start_round(round_index, self.widths)
 
     def drain(self) -> None:
-        """Completes every send and the last flag (after the last round's token ids are taken)."""
+        """Completes every send and the last control word (after the last round's token ids are taken)."""
         for work, _ in self._previous + self._pending + ([self._flag] if self._flag else []):
             work.wait()
         self._previous, self._pending, self._flag = [], [], None

@@ -30,12 +30,15 @@ from opweave.ir.program import RankProgram, program_from_json
 from opweave.models.config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
+from opweave.runtime.graphs import RoundRunner
 from opweave.runtime.heartbeat import Phase, report
+from opweave.runtime.inputs import RowInputs, TokenCopies
 from opweave.runtime.kernel_ops import with_kernels
 from opweave.runtime.manifest import VerifiedArtifact, load_artifact, load_program_source, rank_files
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import check_placement, materialize
 from opweave.runtime.state import RankState, StateView
+from opweave.runtime.syncguard import NoHostSync
 from opweave.runtime.timeline import Timeline
 from opweave.runtime.tpgroup import TPGroup
 from opweave.runtime.transport import Transport
@@ -43,10 +46,15 @@ from opweave.runtime.transport import Transport
 
 class Runtime:
     """What the generated module of one rank calls: a round is, per stage and microbatch,
-    `begin` or `recv`, the ops, then `send` or `finish`; `end_round` between rounds."""
+    `begin` or `recv`, the ops, then `send` or `finish`; `end_round` between rounds.
+
+    Nothing in a round reads a tensor on the host: the round's widths are agreed before it
+    starts, the token ids stay on the device (`opweave.runtime.inputs`), and the host work of the
+    scheduler (learning tokens, planning, stopping rows) happens in `end_round`."""
 
     def __init__(self, artifact: VerifiedArtifact, program: RankProgram, weights: str, device: str,
-                 groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False):
+                 groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False,
+                 comm=dist):
         self.program = program
         self.timeline = Timeline() if trace else None  # measured spans (see opweave.runtime.timeline)
         self.device = torch.device(device)
@@ -61,25 +69,54 @@ class Runtime:
             names=op_names, who=f"rank {program.rank}")
         self.ops = with_kernels(self.modules, self.device)  # what the generated code calls
         self.rows = program.rows[1] - program.rows[0]
-        self.state = RankState.allocate(self.modules, self.rows, program.num_microbatches, program.context,
-                                        self.device)
+        m = program.num_microbatches
+        self.state = RankState.allocate(self.modules, self.rows, m, program.context, self.device)
         check_placement(self.modules, self.device, op_names, f"rank {program.rank}")  # weights and state
-        self.scheduler = (Scheduler(requests, program.num_microbatches, self.rows, program.context,
-                                    cfg.eos_token_ids, program.prefill_chunk)
+        self.scheduler = (Scheduler(requests, m, self.rows, program.context, cfg.eos_token_ids,
+                                    program.prefill_chunk)
                           if program.scheduler and program.tp_rank == 0 else None)
         self.tp = TPGroup(program.tp_group, program.tp_rank, groups[program.tp_group] if program.tp > 1 else None,
-                          device=self.device)
-        self.transport = Transport(program, self.dtype, tokens_back=self.scheduler is not None, device=self.device)
+                          comm=comm, device=self.device)
+        self.transport = Transport(program, self.dtype, tokens_back=self.scheduler is not None, device=self.device,
+                                   comm=comm)
         self._stage = {st.stage: st for st in program.stages}  # stage index -> its program
+        self._buffers: dict[tuple, torch.Tensor] = {}  # a TP peer's receive buffers, reused
+        if self.scheduler is not None:
+            self.inputs = RowInputs(self.rows, m, self.device)
+            self.copies = TokenCopies(self.rows, m, self.device)
+        self.steps: list = [None] * m  # this round's plan per microbatch (scheduler leaders)
         self.round_index = 0
+        first = [self.scheduler.plan() if self.scheduler else (1,) * m for _ in range(2)]
+        widths, self._next_widths = self.transport.agree(first)
+        self._start_round(0, widths)
 
     @property
     def is_leader(self) -> bool:
         return self.program.tp_rank == 0
 
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """This round's tokens per row, per microbatch (every rank agrees on them)."""
+        return self.transport.widths
+
+    @property
+    def decode_round(self) -> bool:
+        """Every microbatch of this round decodes one token per row, and none is built on the host."""
+        return all(w == 1 for w in self.widths) and not any(s is not None and s.host_fed for s in self.steps)
+
     def _mark(self, kind: str, stage: int = -1, mb: int = -1) -> None:
         if self.timeline is not None:
             self.timeline.mark(kind, self.round_index, stage, mb)
+
+    def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A TP peer's buffer for what its leader broadcasts: decode-sized ones (width 1) are
+        made once and reused every round; wider ones (a prefill) for the round only."""
+        if shape[1] != 1:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return buf
 
     # ---------------------------------------------------------------- generated-code API
     def state_views(self, op: int) -> tuple[StateView, ...]:
@@ -87,36 +124,36 @@ class Runtime:
         return self.state.views(op)
 
     def begin(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage 0: the new token ids of the previous step come back, the scheduler picks this step's."""
+        """Stage 0: this step's token ids and positions; the previous step's sampled ids arrive
+        on the device and feed the decoding rows (`opweave.runtime.inputs`)."""
+        width = self.widths[mb]
         if self.is_leader:
-            if self.round_index > 0:
-                self.scheduler.take_tokens(mb, self.transport.recv_tokens(mb))
-            ids, positions = self.scheduler.step_inputs(mb)
-            ids, positions = ids.to(self.device), positions.to(self.device)
-            width = self.tp.fanout_width(ids.shape[1])
+            tokens = self.transport.recv_tokens(mb) if self.round_index else self.transport.no_tokens(mb)
+            self.copies.stage(mb, tokens)  # the host learns them a round later
+            step = self.steps[mb]
+            ids, positions = (self.inputs.decode(mb, tokens) if width == 1 and not step.host_fed
+                              else self.inputs.host_fed(mb, step, tokens, width))
         else:
-            width = self.tp.fanout_width(0)
-            ids = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
-            positions = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
+            ids = self._buffer(("ids", mb), (self.rows, width), torch.long)
+            positions = self._buffer(("pos", mb), (self.rows, width), torch.long)
         ids, positions = self.tp.fanout([ids, positions])
         self._mark("wait", self.program.stages[0].stage, mb)
-        return ids.to(self.device), positions.to(self.device)
+        return ids, positions
 
     def recv(self, stage: int, mb: int):
         """A stage's inputs: positions and this TP rank's block of each received value."""
         st = self._stage[stage]
+        width = self.widths[mb]
         if self.is_leader:
             positions, values = self.transport.recv_values(st, mb)
-            self.tp.fanout_width(positions.shape[1])
         else:
-            width = self.tp.fanout_width(0)
-            positions = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
-            values = [torch.zeros(self.rows, width, *shape, dtype=self.dtype, device=self.device)
-                      for shape in st.recv.shapes]
+            positions = self._buffer(("pos", stage, mb), (self.rows, width), torch.long)
+            values = [self._buffer(("val", stage, mb, i), (self.rows, width, *shape), self.dtype)
+                      for i, shape in enumerate(st.recv.shapes)]
         self.tp.fanout([positions, *values])
         values = [self.tp.shard(v, layout) for v, layout in zip(values, st.recv.layouts)]
         self._mark("wait", stage, mb)
-        return positions.to(self.device), tuple(v.to(self.device) for v in values)
+        return positions, tuple(values)
 
     def send(self, stage: int, mb: int, positions: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
         """A stage's outputs, whole (gathered over the TP group), to the next owner's replicas."""
@@ -128,7 +165,7 @@ class Runtime:
         self._mark("send", stage, mb)
 
     def finish(self, mb: int, tokens: torch.Tensor) -> None:
-        """The last stage: the new token ids back to the schedulers."""
+        """The last stage: the new token ids back to the schedulers, on the device."""
         st = self.program.stages[-1]
         self._mark("compute", st.stage, mb)
         if self.is_leader:
@@ -142,22 +179,40 @@ class Runtime:
         """Greedy sample over the vocabulary split across the TP group (`TPGroup.argmax`)."""
         return self.tp.argmax(logits)
 
-    # ---------------------------------------------------------------- round control
+    # ---------------------------------------------------------------- between rounds
+    def _start_round(self, round_index: int, widths: tuple[int, ...]) -> None:
+        self.transport.start_round(round_index, widths)
+        if self.scheduler is not None:
+            for mb in range(self.program.num_microbatches):
+                self.steps[mb] = self.scheduler.take(round_index, mb)
+                self.inputs.prepare(mb, self.steps[mb])
+
     def end_round(self) -> bool:
-        """Ends a round and answers whether to run another (`Transport.complete_round`: the
-        answer is one round late, so a round of idle steps follows the last real one)."""
-        more = self.transport.complete_round(self.scheduler is not None and self.scheduler.active)
+        """Ends a round and answers whether to run another. The scheduler learns the tokens
+        sampled two rounds ago and plans the round after next; the control word
+        (`Transport.complete_round`) is one round late, so a round of idle steps follows the
+        last real one."""
+        r = self.round_index
+        ahead = (1,) * self.program.num_microbatches
+        if self.scheduler is not None:
+            self.copies.round_done(r)
+            if r >= 2:  # the copies of round r - 1 hold the tokens sampled in round r - 2
+                for mb, tokens in enumerate(self.copies.read(r - 1)):
+                    self.scheduler.learn(r - 2, mb, tokens)
+            ahead = self.scheduler.plan()
+        more, widths = self.transport.complete_round(self.scheduler is not None and self.scheduler.active, ahead)
         self._mark("sync")
         self.round_index += 1
         if more:
-            self.transport.start_round(self.round_index)
+            widths, self._next_widths = widths or self._next_widths, None
+            self._start_round(self.round_index, widths)
         return more
 
     def drain(self) -> None:
         """After the last round: take the last step's token ids so every send is matched."""
         if self.scheduler is not None:
             for mb in range(self.program.num_microbatches):
-                self.scheduler.take_tokens(mb, self.transport.recv_tokens(mb))
+                self.transport.recv_tokens(mb)
         self.transport.drain()
 
 
@@ -193,7 +248,10 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
         prog = InterpretedProgram(rt, program)
     else:
         prog = load_program_source(artifact, f"rank_{rank:02d}.py").Program(rt)
+    runner = RoundRunner(rt, prog, who=f"rank {rank}")
     faults = _fault_injection(rank)
+    check = config.check_sync()
+    checked = 0
     report(Phase.LOADED)
     wall, host = [], []
     with torch.no_grad():
@@ -201,7 +259,12 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
             t0, c0 = time.perf_counter(), time.process_time()
             if rt.timeline is not None:
                 rt.timeline.restart()
-            prog.round()
+            if check and rt.decode_round and rt.round_index > 0:
+                with NoHostSync(f"rank {rank}, round {rt.round_index} (decode)"):
+                    runner.round()
+                checked += 1
+            else:
+                runner.round()
             wall.append(time.perf_counter() - t0)
             host.append(time.process_time() - c0)
             if rt.round_index == faults.get("kill"):
@@ -215,12 +278,14 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
     report(Phase.FINISHED, rt.round_index)
     done = rt.scheduler.done if rt.scheduler is not None else []
     spans = rt.timeline.to_rows() if rt.timeline is not None else None
-    gathered = _gather_json({"done": [dataclasses.asdict(r) for r in done], "spans": spans}, rank,
-                            program.world_size, rt.device)
+    gathered = _gather_json({"done": [dataclasses.asdict(r) for r in done], "spans": spans, "checked": checked,
+                             "graphs": runner.stats},
+                            rank, program.world_size, rt.device)
     if rank != 0:
         return None
     out = [Request(**r) for part in gathered for r in part["done"]]
-    stats = {"round_s": wall, "host_s": host}
+    stats = {"round_s": wall, "host_s": host, "checked_rounds": [part["checked"] for part in gathered],
+             "graphs": [part["graphs"] for part in gathered]}
     if trace:
         stats["spans"] = {r: part["spans"] for r, part in enumerate(gathered)}
     return sorted(out, key=lambda r: r.index), stats

@@ -1,0 +1,82 @@
+"""A rank's rounds, eager or replayed from a captured CUDA graph.
+
+A decode round (every microbatch one token per row, none built on the host: `Runtime.decode_round`)
+reads nothing on the host and works on static buffers (`opweave.runtime.inputs`, the inbox's
+decode-sized receive buffers, the state), so on CUDA it is captured once and replayed: one graph
+launch instead of thousands of kernel launches and Python dispatch per round. The batch is the
+planned one (idle rows carry position -1), so one graph serves every decode round: the batch
+bucket is the plan's. Prefill rounds (and any round with a wider width) run eagerly.
+
+The first decode round runs eagerly (`WARMUP`: Triton compiles its kernels, communicators
+connect, every static buffer is made); the next one is captured, then replayed (a capture only
+records, so the round it was captured in is run by the first replay). A capture that fails, or a
+CPU run, leaves every round eager; the reason is reported once on stderr and in the run's stats.
+What a round changes in Python (sends kept until completed) is restored after the capture: in a
+replayed round the stream orders everything.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+from opweave import config
+
+WARMUP = 1  # eager decode rounds before the capture
+
+
+def cuda_capture(round_fn: Callable[[], None]) -> Callable[[], None]:
+    """Captures `round_fn` into a CUDA graph; returns its replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        round_fn()
+    return graph.replay
+
+
+def supported(device: torch.device) -> str | None:
+    """None when decode rounds can be captured on `device`, else why not."""
+    if device.type != "cuda":
+        return f"no CUDA graphs on {device.type}"
+    if not config.cuda_graphs_enabled():
+        return "OPWEAVE_CUDA_GRAPHS=0"
+    return None
+
+
+class RoundRunner:
+    """Runs `prog.round()` of runtime `rt`: eagerly, or by replaying its captured decode round."""
+
+    def __init__(self, rt, prog, capture: Callable | None = None, who: str = "rank"):
+        self.rt, self.prog, self.who = rt, prog, who
+        self.capture = capture or cuda_capture
+        self.reason = supported(torch.device(rt.device)) or ("tracing (--trace) times each op" if rt.timeline is not None else None)
+        self.replay: Callable[[], None] | None = None
+        self.warm = self.replays = self.eager = 0
+
+    @property
+    def stats(self) -> dict:
+        return {"replays": self.replays, "eager": self.eager, "eager_reason": self.reason}
+
+    def round(self) -> None:
+        """One round."""
+        if self.reason is None and self.rt.decode_round:
+            if self.replay is None and self.warm >= WARMUP:
+                self._capture()
+            if self.replay is not None:
+                self.replay()
+                self.replays += 1
+                return
+            self.warm += 1
+        self.prog.round()
+        self.eager += 1
+
+    def _capture(self) -> None:
+        transport = self.rt.transport
+        pending = list(transport._pending)
+        try:
+            self.replay = self.capture(self.prog.round)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the rank eager, with the reason
+            self.reason = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"opweave: {self.who}: decode rounds run eagerly: {self.reason}", file=sys.stderr)
+        transport._pending = pending  # sends recorded in the graph complete in stream order
