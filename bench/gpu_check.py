@@ -24,7 +24,8 @@ Parts:
             memory` figures beside `torch.cuda.max_memory_allocated` of its rank module built and
             run alone on the GPU (`python3 ART/rank_00.py`).
   run       `opweave run --device cuda` of a one-rank plan (built-in tiny-gemma3, random weights,
-            fp32) token-identical to the same run with `--device cpu`.
+            fp32) token-identical to the same run with `--device cpu`, and the run replaying its
+            captured decode round identical to the run with OPWEAVE_CUDA_GRAPHS=0 (all eager).
   graph     the standalone rank module's eager vs CUDA-graph time per decode round (tiny-gemma3 at
             batch 64), with the speed-up.
 
@@ -103,9 +104,9 @@ def _median_time(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def _opweave(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+def _opweave(args: list[str], timeout: float, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m opweave ARGS` from the checkout; raises with the last stderr line on failure."""
-    env = dict(os.environ)
+    env = dict(os.environ, **(extra_env or {}))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
@@ -365,9 +366,9 @@ def part_memory(smoke: bool) -> tuple[str, dict]:
 
 # ---------------------------------------------------------------------------------------------- run
 
-def _tokens(art: str, device: str) -> list:
+def _tokens(art: str, device: str, graphs: bool = True) -> list:
     proc = _opweave(["run", art, "--weights", "random", "--prompt-ids", "3,10,20,30,40", "--max-new-tokens", "12",
-                     "--device", device, "--json"], 110)
+                     "--device", device, "--json"], 110, extra_env=None if graphs else {"OPWEAVE_CUDA_GRAPHS": "0"})
     return [o["token_ids"] for o in json.loads(proc.stdout.strip().splitlines()[-1])["outputs"]]
 
 
@@ -381,11 +382,17 @@ def part_run(smoke: bool) -> tuple[str, dict]:
             fig["cuda_tokens"] = None
             return f"cpu run: {sum(map(len, cpu))} tokens; cuda run skipped (needs CUDA)", fig
         t0 = time.perf_counter()
-        cuda = _tokens(art, "cuda")
+        cuda = _tokens(art, "cuda")  # decode rounds replayed from the captured graph
         fig.update(cuda_tokens=cuda, cuda_s=time.perf_counter() - t0, identical=cuda == cpu)
+        t0 = time.perf_counter()
+        eager = _tokens(art, "cuda", graphs=False)  # OPWEAVE_CUDA_GRAPHS=0: every round eager
+        fig.update(cuda_eager_tokens=eager, cuda_eager_s=time.perf_counter() - t0, graph_equals_eager=eager == cuda)
         if cuda != cpu:
             raise Failed(f"cuda tokens {cuda} != cpu tokens {cpu}", fig)
-        return f"--device cuda tokens identical to --device cpu ({sum(map(len, cpu))} tokens, fp32)", fig
+        if eager != cuda:
+            raise Failed(f"graph-replay tokens {cuda} != eager cuda tokens {eager}", fig)
+        return (f"--device cuda tokens identical to --device cpu, graph replay identical to eager "
+                f"({sum(map(len, cpu))} tokens, fp32)"), fig
 
 
 # ---------------------------------------------------------------------------------------------- graph

@@ -38,10 +38,10 @@ class Inbox:
     """One round's receives in program order; on CPU at most one posted per peer at a time."""
 
     def __init__(self, slots: list[Slot], device: torch.device | str = "cpu", prepost: bool | None = None,
-                 recv=None, irecv=None):
+                 comm=dist):
         self.device = torch.device(device)  # where the receive buffers live (the run device)
         self.prepost = self.device.type == "cpu" if prepost is None else prepost
-        self._recv, self._irecv = recv or dist.recv, irecv or dist.irecv
+        self.comm = comm  # torch.distributed, or a stand-in (tests)
         self._by_peer: dict[int, list[Slot]] = {}
         for s in slots:
             self._by_peer.setdefault(s.peer, []).append(s)
@@ -80,19 +80,27 @@ class Inbox:
         if i < len(slots):
             s = slots[i]
             buffer = self.buffer(s)
-            self._posted[s.key] = (self._irecv(buffer, src=peer), buffer)
+            self._posted[s.key] = (self.comm.irecv(buffer, src=peer), buffer)
             i += 1
         self._cursor[peer] = i
 
-    def take(self, key: tuple) -> torch.Tensor:
-        """The message of `key` (waits for it; on CUDA the wait is the stream's, not the host's)."""
-        posted = self._posted.pop(key, None)
-        if posted is None:
-            s = self._slot[key]
-            buffer = self.buffer(s)
-            self._recv(buffer, src=s.peer)
-            return buffer
-        posted[0].wait()
-        if self.prepost:
+    def take(self, keys: list[tuple]) -> list[torch.Tensor]:
+        """The messages of `keys` (one transfer point: a stage's input from each peer, or the token
+        ids from each last stage), waited for. Pre-posted ones (CPU) are waited one by one; the
+        others are received in one grouped call (`batch_isend_irecv`: one NCCL group), in the
+        order given (ascending peer rank), and waited (on CUDA the wait is the stream's)."""
+        out, group = {}, []
+        for key in keys:
+            posted = self._posted.pop(key, None)
+            if posted is None:
+                group.append((key, self.buffer(self._slot[key])))
+                continue
+            posted[0].wait()
             self._post_next(self._slot[key].peer)
-        return posted[1]
+            out[key] = posted[1]
+        if group:
+            ops = [self.comm.P2POp(self.comm.irecv, buffer, self._slot[key].peer) for key, buffer in group]
+            for work in self.comm.batch_isend_irecv(ops):
+                work.wait()
+            out.update(group)
+        return [out[key] for key in keys]

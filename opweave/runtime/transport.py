@@ -82,8 +82,7 @@ class Transport:
         # leader assembles the received ones here (static: a decode round always uses this memory)
         self._local_tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
         self._tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
-        self.inbox = Inbox(self.receive_slots() if self.is_leader else [], self.device,
-                           recv=comm.recv, irecv=comm.irecv)
+        self.inbox = Inbox(self.receive_slots() if self.is_leader else [], self.device, comm=comm)
         self.widths: tuple[int, ...] = (1,) * m  # this round's tokens per row, per microbatch
 
     def per_token_bytes(self, transfer: Transfer) -> int:
@@ -111,9 +110,9 @@ class Transport:
         """(positions [rows, width], each whole value [rows, width, *shape]) of stage `st`'s
         inputs for microbatch `mb`, from every upstream peer (leaders only)."""
         lo, width = self.program.rows[0], self.widths[mb]
+        peers = sorted(st.recv.peers, key=lambda p: p.rank)
         parts = []
-        for p in st.recv.peers:
-            body = self.inbox.take(("act", st.stage, mb, p.rank))
+        for p, body in zip(peers, self.inbox.take([("act", st.stage, mb, p.rank) for p in peers])):
             pos, payload = unpack_message(body, p.hi - p.lo, width, self.dtype)
             parts.append((p.lo - lo, p.hi - lo, pos, payload))
         return assemble(parts, self.rows, width, st.recv.shapes, self.dtype)
@@ -121,20 +120,21 @@ class Transport:
     def send_values(self, st: StageProgram, positions: torch.Tensor, values) -> None:
         """Stage `st`'s whole output values to every downstream peer: one message each (its rows)."""
         lo = self.program.rows[0]
-        for p in st.send.peers:
-            a, b = p.lo - lo, p.hi - lo
-            self._isend(pack_message(positions[a:b], [v[a:b] for v in values]), p.rank)
+        self._isend_group([(pack_message(positions[p.lo - lo:p.hi - lo], [v[p.lo - lo:p.hi - lo] for v in values]),
+                            p.rank) for p in st.send.peers])
 
     # ---------------------------------------------------------------- token ids back to the scheduler
     def send_tokens(self, st: StageProgram, mb: int, tokens: torch.Tensor) -> None:
         """The last stage's new token ids to the embedding owners' leaders (their rows)."""
         lo = self.program.rows[0]
+        remote = []
         for p in st.returns:
             part = tokens[p.lo - lo:p.hi - lo]
             if p.rank == self.program.rank:
                 self._local_tokens[mb][p.lo - lo:p.hi - lo].copy_(part)
             else:
-                self._isend(part.contiguous(), p.rank)
+                remote.append((part.contiguous(), p.rank))
+        self._isend_group(remote)
 
     def no_tokens(self, mb: int) -> torch.Tensor:
         """Round 0 of microbatch `mb`: no step before it, no token ids (zeros)."""
@@ -143,17 +143,25 @@ class Transport:
     def recv_tokens(self, mb: int) -> torch.Tensor:
         """The previous step's new token ids of microbatch `mb`'s rows (from every last stage),
         in a buffer of the run device that every round reuses."""
-        out, lo = self._tokens[mb], self.program.rows[0]
-        for p in self.program.token_sources:
-            part = (self._local_tokens[mb][p.lo - lo:p.hi - lo] if p.rank == self.program.rank
-                    else self.inbox.take(("tok", mb, p.rank)))
+        out, lo, me = self._tokens[mb], self.program.rows[0], self.program.rank
+        remote = sorted((p for p in self.program.token_sources if p.rank != me), key=lambda p: p.rank)
+        for p, part in zip(remote, self.inbox.take([("tok", mb, p.rank) for p in remote])):
             out[p.lo - lo:p.hi - lo].copy_(part)
+        for p in self.program.token_sources:
+            if p.rank == me:
+                out[p.lo - lo:p.hi - lo].copy_(self._local_tokens[mb][p.lo - lo:p.hi - lo])
         return out
 
-    def _isend(self, tensor: torch.Tensor, dst: int) -> None:
-        if dst == self.program.rank:
+    def _isend_group(self, messages: list[tuple[torch.Tensor, int]]) -> None:
+        """One transfer point's sends (tensor, destination rank) in one grouped call, in ascending
+        destination order (`batch_isend_irecv`: one NCCL group); completed a round later."""
+        if not messages:
+            return
+        messages = sorted(messages, key=lambda m: m[1])
+        if any(dst == self.program.rank for _, dst in messages):
             raise RuntimeError("a rank never sends to itself: consecutive stages of one owner are merged")
-        self._pending.append((self.comm.isend(tensor, dst=dst), tensor))
+        works = self.comm.batch_isend_irecv([self.comm.P2POp(self.comm.isend, t, dst) for t, dst in messages])
+        self._pending += [(work, t) for work, (t, _) in zip(works, messages)]
 
     # ---------------------------------------------------------------- between rounds
     def agree(self, widths: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
