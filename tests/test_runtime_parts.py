@@ -203,6 +203,15 @@ class ThreadComm:
             o.copy_(g)
         self.calls.append("all_gather")
 
+    def gather(self, t, outs, dst, group):
+        got = self._exchange(t)
+        if self.ranks[self.local.rank] == dst:
+            for o, g in zip(outs, got):
+                o.copy_(g)
+        else:
+            assert outs is None
+        self.calls.append("gather")
+
     def all_reduce(self, t, group):
         t.copy_(torch.stack(self._exchange(t)).sum(dim=0))
         self.calls.append("all_reduce")
@@ -251,7 +260,10 @@ def test_shard_then_gather_gives_back_the_value(name, layout, dim, tp):
 
     results = on_group(ranks, step)
     for r, (local, whole) in enumerate(results):
-        assert torch.equal(whole, full)
+        if r == 0 or layout is REPLICATED:
+            assert torch.equal(whole, full)
+        else:
+            assert whole is None  # only the leader, which sends it, gets the whole value
         expected = full if layout is REPLICATED else torch.cat(
             [full.narrow(2, s, n) for s, n in layout.blocks(tp, r)], dim=2)
         assert torch.equal(local, expected)
@@ -268,8 +280,8 @@ def test_gather_takes_a_replicated_kv_head_from_the_first_rank_holding_it():
             local[..., 4:] = -1.0
         return g.gather(local, layout)
 
-    for whole in on_group((0, 1), step):
-        assert torch.equal(whole, full)
+    leader, other = on_group((0, 1), step)
+    assert torch.equal(leader, full) and other is None
 
 
 def test_fanout_allreduce_and_a_group_of_one():

@@ -4,11 +4,11 @@ sample over a vocabulary split across the group.
 
 The replica's leader (the group's first rank) does the point-to-point transfers; what it
 receives it broadcasts to its peers (`fanout`), and every rank then keeps its own block of each
-value (`shard`). Before a send, the group reassembles each split value (`gather`), so the leader
-sends whole values. With a group of one, every call returns its input.
+value (`shard`). Before a send, the group gathers each split value to the leader (`gather`), so
+the leader sends whole values. With a group of one, every call returns its input.
 
 The collectives go through `comm`, by default `torch.distributed` itself (its `broadcast`,
-`all_gather` and `all_reduce` with a `group=`); tests pass a stand-in to run one rank alone.
+`gather`, `all_gather` and `all_reduce` with a `group=`); tests pass a stand-in to run one rank alone.
 """
 
 from __future__ import annotations
@@ -49,13 +49,16 @@ class TPGroup:
         blocks = layout.blocks(self.tp, self.tp_rank)
         return torch.cat([full.narrow(dim, start, length) for start, length in blocks], dim=dim).contiguous()
 
-    def gather(self, local: torch.Tensor, layout: Layout, dim: int = 2) -> torch.Tensor:
-        """The whole value from every rank's block (every rank takes part); a replicated unit (a
-        KV head several ranks hold) is taken from the first rank holding it."""
+    def gather(self, local: torch.Tensor, layout: Layout, dim: int = 2) -> torch.Tensor | None:
+        """The whole value from every rank's block, on the leader only (the rank that sends it;
+        the others get None): one `gather` to the leader, not an all-gather to every rank. A
+        replicated unit (a KV head several ranks hold) is taken from the first rank holding it."""
         if self.tp == 1 or not isinstance(layout, Split):
             return local
-        pieces = [torch.empty_like(local) for _ in range(self.tp)]
-        self.comm.all_gather(pieces, local.contiguous(), group=self.group)
+        pieces = [torch.empty_like(local) for _ in range(self.tp)] if self.is_leader else None
+        self.comm.gather(local.contiguous(), pieces, dst=self.ranks[0], group=self.group)
+        if not self.is_leader:
+            return None
         out, offset = [], 0
         for (_, length), ranks in zip(layout.blocks(self.tp, 0), layout.sources(self.tp)):
             out += [pieces[r].narrow(dim, offset, length) for r in ranks]
