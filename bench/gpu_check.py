@@ -26,6 +26,8 @@ Parts:
   run       `opweave run --device cuda` of a one-rank plan (built-in tiny-gemma3, random weights,
             fp32) token-identical to the same run with `--device cpu`, and the run replaying its
             captured decode round identical to the run with OPWEAVE_CUDA_GRAPHS=0 (all eager).
+  tpot      predicted TPOT of a one-GPU plan (llama-3.1-8b, batch 64, 4K context, H200) beside the
+            measured median round of `opweave run --device cuda --json` on random weights.
   graph     the standalone rank module's eager vs CUDA-graph time per decode round (tiny-gemma3 at
             batch 64), with the speed-up.
 
@@ -34,8 +36,8 @@ fp32 under TRITON_INTERPRET=1, the memory part's plan figures, and the CPU run o
 need CUDA report SKIP with the reason. `--fail-part NAME` makes part NAME raise (tests check that
 it is reported as one FAIL line while the others still run).
 
-Not covered here (see bench/README.md): multi-rank plans on one GPU, bf16 token agreement,
-predicted vs measured round time.
+Not covered here (see bench/README.md): multi-rank plans on one GPU (NCCL refuses two ranks on
+one device, and gloo moves no CUDA tensors point to point), bf16 token agreement.
 """
 
 from __future__ import annotations
@@ -53,10 +55,10 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("env", "kernels", "attention", "memory", "run", "graph")
+PARTS = ("env", "kernels", "attention", "memory", "run", "tpot", "graph")
 # per-part timeouts (s); the whole script is also held to TOTAL_BUDGET_S
-TIMEOUTS = {"env": 60, "kernels": 150, "attention": 90, "memory": 180, "run": 120, "graph": 90}
-SMOKE_TIMEOUTS = {"env": 20, "kernels": 40, "attention": 10, "memory": 30, "run": 30, "graph": 10}
+TIMEOUTS = {"env": 60, "kernels": 150, "attention": 90, "memory": 180, "run": 120, "tpot": 150, "graph": 90}
+SMOKE_TIMEOUTS = {"env": 20, "kernels": 40, "attention": 10, "memory": 30, "run": 30, "tpot": 30, "graph": 10}
 TOTAL_BUDGET_S = 470
 SMOKE_BUDGET_S = 55
 RESULT_TAG = "GPU_CHECK_RESULT "
@@ -116,8 +118,9 @@ def _opweave(args: list[str], timeout: float, extra_env: dict | None = None) -> 
     return proc
 
 
-def _compile(model: str, out: str, context: str, max_batch: int, timeout: float = 120) -> str:
-    _opweave(["compile", model, "--cluster", "h100x1", "--tpot-slo", "50ms", "--context", context,
+def _compile(model: str, out: str, context: str, max_batch: int, timeout: float = 120, cluster: str = "h100x1",
+             slo: str = "50ms") -> str:
+    _opweave(["compile", model, "--cluster", cluster, "--tpot-slo", slo, "--context", context,
               "--templates", "colocated", "--max-batch", str(max_batch), "-o", out, "--quiet"], timeout)
     return out
 
@@ -395,6 +398,37 @@ def part_run(smoke: bool) -> tuple[str, dict]:
                 f"({sum(map(len, cpu))} tokens, fp32)"), fig
 
 
+# ---------------------------------------------------------------------------------------------- tpot
+
+TPOT_MODEL, TPOT_BATCH, TPOT_PROMPTS, TPOT_NEW = "llama-3.1-8b", 64, 64, 40
+
+
+def part_tpot(smoke: bool) -> tuple[str, dict]:
+    """The plan's predicted TPOT beside the measured round time of `opweave run --device cuda`
+    (one rank, random bf16 weights, the planned batch filled, decode rounds replayed as a graph)."""
+    model, batch, prompts, new = (("tiny-gemma3", 4, 4, 8) if smoke
+                                  else (TPOT_MODEL, TPOT_BATCH, TPOT_PROMPTS, TPOT_NEW))
+    with tempfile.TemporaryDirectory() as tmp:
+        art = _compile(model, os.path.join(tmp, "art"), "4k", batch, cluster="h200x1", slo="1s")
+        with open(os.path.join(art, "plan.json")) as f:
+            plan = json.load(f)
+        fig = {"model": model, "batch": plan["batch"], "predicted_tpot_ms": plan["tpot_ms"]}
+        if smoke or not _torch().cuda.is_available():
+            return f"{model} batch {plan['batch']}: predicted {plan['tpot_ms']:.2f} ms; run skipped (needs CUDA)", fig
+        path = os.path.join(tmp, "prompts.jsonl")
+        with open(path, "w") as f:
+            for i in range(prompts):
+                f.write(json.dumps({"prompt_ids": [(7 * i + j) % 1000 + 1 for j in range(16)]}) + "\n")
+        proc = _opweave(["run", art, "--weights", "random", "--prompts", path, "--max-new-tokens", str(new),
+                         "--device", "cuda", "--json"], 140)
+        stats = json.loads(proc.stdout.strip().splitlines()[-1])["stats"]
+        measured = stats["steady_round_ms_median"]
+        fig.update(measured_round_ms=measured, measured_over_predicted=measured / plan["tpot_ms"],
+                   graphs=stats["graphs"])
+        return (f"{model} batch {plan['batch']} at 4k: predicted TPOT {plan['tpot_ms']:.2f} ms, measured round "
+                f"{measured:.2f} ms ({measured / plan['tpot_ms']:.2f}x); graph replays {stats['graphs'][0]['replays']}"), fig
+
+
 # ---------------------------------------------------------------------------------------------- graph
 
 def round_times(line: str) -> tuple[float, float | None]:
@@ -429,7 +463,7 @@ def part_graph(smoke: bool) -> tuple[str, dict]:
 # ---------------------------------------------------------------------------------------------- driver
 
 FUNCS = {"env": part_env, "kernels": part_kernels, "attention": part_attention, "memory": part_memory,
-         "run": part_run, "graph": part_graph}
+         "run": part_run, "tpot": part_tpot, "graph": part_graph}
 
 
 def run_part(name: str, smoke: bool, fail: bool) -> None:

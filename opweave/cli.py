@@ -256,7 +256,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     outputs, stats = run_detailed(cfg)
     if args.json:
         print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
-                                      | ({"error": r.error} if r.error else {}) for r in outputs]}))
+                                      | ({"error": r.error} if r.error else {}) for r in outputs],
+                          "stats": _run_stats(stats)}))
     else:
         for r in outputs:
             shown = f"error: {r.error}" if r.error else " ".join(map(str, r.output))
@@ -268,6 +269,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         for line in write_trace(stats, args.trace, args.artifact):
             print(line, file=sys.stderr)
     return 0
+
+
+def _run_stats(stats: dict) -> dict:
+    """Rank 0's rounds (median wall ms over all rounds and over the decode rounds after the first
+    two) and every rank's CUDA-graph use, for `run --json`."""
+    import statistics
+
+    rounds = stats.get("round_s", [])
+    steady = rounds[2:-3] or rounds  # past start-up, before the idle rounds at the end
+    return {"rounds": len(rounds), "round_ms_median": 1e3 * statistics.median(rounds) if rounds else None,
+            "steady_round_ms_median": 1e3 * statistics.median(steady) if steady else None,
+            "graphs": stats.get("graphs")}
 
 
 def _replica_sets(text: str, artifact: str) -> int:
@@ -434,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt-ids", help="one prompt as comma-separated token ids")
     run.add_argument("--max-new-tokens", type=int, default=16)
     run.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
-    run.add_argument("--json", action="store_true", help='print {"outputs": [{"prompt_ids", "token_ids"}]}')
+    run.add_argument("--json", action="store_true", help='print {"outputs": [{"prompt_ids", "token_ids"}], "stats": {rounds, round times, CUDA graphs}}')
     run.add_argument("--torchrun", action="store_true", help="print the torchrun command for each node instead")
     run.add_argument("--replica-sets", default="1", metavar="N|all",
                      help="run N of the plan's replica sets at once (requests dealt round-robin; default 1)")

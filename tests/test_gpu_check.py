@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-PARTS = ["env", "kernels", "attention", "memory", "run", "graph"]
+PARTS = ["env", "kernels", "attention", "memory", "run", "tpot", "graph"]
 
 pytest.importorskip("triton")
 
@@ -32,7 +32,8 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     status = {name: part["status"] for name, part in report["parts"].items()}
     assert "FAIL" not in status.values(), status
     # the CPU-capable parts ran; the CUDA-only ones say why they did not
-    assert {n for n, s in status.items() if s == "PASS"} == {"env", "kernels", "memory", "run"}
+    assert {n for n, s in status.items() if s == "PASS"} == {"env", "kernels", "memory", "run", "tpot"}
+    assert report["parts"]["tpot"]["figures"]["predicted_tpot_ms"] > 0
     assert "CUDA" in report["parts"]["attention"]["summary"]
     kernels = report["parts"]["kernels"]["figures"]
     assert {c["kernel"] for c in kernels["cases"]} >= {"rms_norm", "rope", "decode_attention", "gdn_step",
@@ -73,7 +74,7 @@ def test_unknown_part_is_a_one_line_error(tmp_path):
     proc, _ = _smoke(tmp_path, "--parts", "nope")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: unknown part(s) nope (known: env, kernels, attention, "
-                                                "memory, run, graph)"]
+                                                "memory, run, tpot, graph)"]
 
 
 def _gpu_check_module():
