@@ -60,22 +60,22 @@ def two_rounds(program, spy) -> None:
     for r in range(2):
         spy.round = r
         t.start_round(r, (1,) * program.num_microbatches)
-        if program.tp_rank == 0:
-            one_round(program, t, r)
+        one_round(program, t, r)
 
 
 def one_round(program, t, r) -> None:
     rows = program.rows[1] - program.rows[0]
+    me = program.rank
     for st in program.stages:
         for mb in range(program.num_microbatches):
-            if st.recv is None and program.scheduler and r > 0:
+            if st.recv is None and program.scheduler and program.tp_rank == 0 and r > 0:
                 t.recv_tokens(mb)
-            if st.recv is not None:
+            if st.recv is not None and st.recv_port == me:
                 t.recv_values(st, mb)
-            if st.send is not None:
+            if st.send is not None and st.send_port == me:
                 positions = torch.zeros(rows, 1, dtype=torch.long, device=META)
                 t.send_values(st, positions, [torch.zeros(rows, 1, *s, device=META) for s in st.send.shapes])
-            if st.returns:
+            if st.returns and st.send_port == me:
                 t.send_tokens(st, mb, torch.zeros(rows, dtype=torch.long, device=META))
 
 
@@ -105,3 +105,5 @@ def test_grouped_calls_match_on_both_ends(tiny_checkpoint, tmp_path, plan):
     assert sum(len(s.calls) for s in spies.values()) > 0
     if plan == "cad":
         assert fan == 2  # the attention owner's two replicas: one group of two sends / receives
+    ports = {p for spy in spies.values() for call in spy.calls for _, p, _ in call}
+    assert len(ports) > len({r for r in spies if r == 0}), ports  # not only the leaders take transfers

@@ -49,25 +49,31 @@ def test_programs_match_the_plan(artifacts, plan_name):
 
 @pytest.mark.parametrize("plan_name", ["afd", "cad", "opweave"])
 def test_every_send_has_its_receive(artifacts, plan_name):
+    """Each cut is handled by one port per replica (the group's ranks in turn), and every port's
+    sends are its peers' receives; the token ids come back to the schedulers' leaders."""
     _, programs = load(artifacts[plan_name])
     by_rank = {p.rank: p for p in programs}
     sends, recvs = collections.Counter(), collections.Counter()
     for p in programs:
-        if p.tp_rank:
-            continue  # leaders send and receive; TP peers get a broadcast
         for s in p.stages:
-            if s.send:
+            if s.send and s.send_port == p.rank:
                 for q in s.send.peers:
                     sends[(p.rank, q.rank, s.send.cut, q.lo, q.hi)] += 1
-            if s.recv:
+            if s.recv and s.recv_port == p.rank:
                 for q in s.recv.peers:
                     recvs[(q.rank, p.rank, s.recv.cut, q.lo, q.hi)] += 1
-            for q in s.returns:
+            for q in (s.returns if s.send_port == p.rank else ()):
                 sends[(p.rank, q.rank, "tokens", q.lo, q.hi)] += 1
-        for q in p.token_sources:
-            recvs[(q.rank, p.rank, "tokens", q.lo, q.hi)] += 1
+            for port in (s.recv_port, s.send_port):
+                assert port is None or port in p.tp_group
+        if p.tp_rank == 0:
+            for q in p.token_sources:
+                recvs[(q.rank, p.rank, "tokens", q.lo, q.hi)] += 1
     assert sends == recvs and sends
-    assert all(by_rank[k[1]].tp_rank == 0 for k in sends)
+    assert all(by_rank[k[1]].tp_rank == 0 for k in sends if k[2] == "tokens")  # to the schedulers
+    ports = {by_rank[k[0]].tp_rank for k in sends} | {by_rank[k[1]].tp_rank for k in sends}
+    if any(p.tp > 1 for p in programs):
+        assert ports - {0}, "a TP group's other ranks take no cut"
 
 
 def test_generated_module_lines_name_stage_block_layer_and_op(artifacts):

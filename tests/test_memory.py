@@ -64,8 +64,9 @@ def test_allocated_equals_planned(front_ends, family, tp, context):
         assert r.planned.weights > 0
     assert any(r.planned.state > 0 for r in ranks)
     leaders = [r for r in ranks if r.rank % tp == 0]
-    assert all(r.allocated.buffers > 0 for r in leaders)  # every leader sends and receives
-    assert all(r.allocated.buffers == 0 for r in ranks if r not in leaders)
+    assert all(r.allocated.buffers > 0 for r in leaders)  # every leader takes cut 0 or the token ids
+    if tp > 1:  # the TP ranks take the cuts in turn: some other rank of a group holds buffers too
+        assert any(r.allocated.buffers > 0 for r in ranks if r not in leaders)
 
 
 def test_sliding_window_state_is_capped(front_ends):

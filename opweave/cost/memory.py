@@ -16,7 +16,9 @@ the residual stream and, at its peak, one op's inputs, outputs and the scratch i
 its forward (`op_scratch_bytes`, for the key and token blocks of `opweave.models.activation`):
 rows x width x (stream + op.act_bytes_per_token / shards) + scratch, for the largest op.
 
-Buffers. A replica leader keeps a decode-sized receive buffer for every receive of a round
+Buffers. A rank, for the cuts it is the port of (a replica's TP ranks take the cuts in turn; the
+token ids come back to TP rank 0, the scheduler), keeps a decode-sized receive buffer for every
+receive of a round
 (`runtime/message.message_bytes`; reused every round, as a captured graph needs), in a prefill
 step the widest receive of each upstream peer, and the messages it sent alive for two rounds
 (this round's and the previous one's, until their sends complete); the last stage's token ids
@@ -199,9 +201,13 @@ def message_size(rows: int, width: int, per_token: int) -> int:
     return rows * width * (INDEX_BYTES + per_token)
 
 
-def buffer_bytes(plan, owner: int, replica: int, width: int) -> float:
-    """Message buffers of the leader of `replica` of `owner` (module docstring)."""
+def buffer_bytes(plan, owner: int, replica: int, width: int, tp_rank: int = 0) -> float:
+    """Message buffers of TP rank `tp_rank` of `replica` of `owner` (module docstring): the cuts
+    it is the port of (the cut after stage c is taken by TP rank c mod TP, `passes.lower.port`),
+    and the token ids back on TP rank 0 (the scheduler)."""
     from opweave.passes.lower import replica_rows
+
+    tp = plan.owners[owner].tp
 
     mb = plan.batch // plan.microbatches
     rows = {o.slot: replica_rows(mb, o.replicas) for o in plan.owners}
@@ -213,20 +219,23 @@ def buffer_bytes(plan, owner: int, replica: int, width: int) -> float:
     for i, st in enumerate(stages):
         if st.owner != owner:
             continue
-        if i > 0 and stages[i - 1].owner != owner:
+        if i > 0 and stages[i - 1].owner != owner and (i - 1) % tp == tp_rank:
             prev = stages[i - 1].owner
             for j, n in _overlaps(mine, rows[prev]):
                 static += plan.microbatches * message_size(n, 1, stages[i - 1].out_bytes_per_token)
                 if width > 1:
                     wide[(prev, j)] = max(wide.get((prev, j), 0), message_size(n, width, stages[i - 1].out_bytes_per_token))
+        if i % tp != tp_rank:
+            continue
         if i + 1 < len(stages) and stages[i + 1].owner != owner:
             for _, n in _overlaps(mine, rows[stages[i + 1].owner]):
                 sent += message_size(n, width, st.out_bytes_per_token)
         if i + 1 == len(stages):
-            sent += sum(n * INDEX_BYTES for j, n in _overlaps(mine, rows[first]) if (first, j) != (owner, replica))
-    if owner == first:
+            sent += sum(n * INDEX_BYTES for j, n in _overlaps(mine, rows[first])
+                        if (first, j) != (owner, replica) or tp_rank != 0)
+    if owner == first and tp_rank == 0:
         for j, n in _overlaps(mine, rows[last]):
-            if (last, j) != (owner, replica):
+            if (last, j) != (owner, replica) or (len(stages) - 1) % tp != 0:
                 static += plan.microbatches * n * INDEX_BYTES
     return static + sum(wide.values()) + SEND_ROUNDS * plan.microbatches * sent
 
@@ -247,4 +256,4 @@ def plan_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: in
         weights=weight_bytes(ops, o.tp),
         state=plan.microbatches * (hi - lo) * state_bytes_per_slot(ops, o.tp, plan.context),
         activations=activation_bytes(ops, o.tp, hi - lo, width, plan.context),
-        buffers=buffer_bytes(plan, owner, replica, width) if tp_rank == 0 else 0.0)
+        buffers=buffer_bytes(plan, owner, replica, width, tp_rank))

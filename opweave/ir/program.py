@@ -20,7 +20,8 @@ from opweave.models.activation import PREFILL_CHUNK
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Peer:
-    """A transfer partner (a replica leader) and the rows of each microbatch exchanged with it."""
+    """A transfer partner (the rank of its replica that handles this cut: `StageProgram`'s ports)
+    and the rows of each microbatch exchanged with it."""
 
     rank: int
     lo: int
@@ -59,6 +60,10 @@ class StageProgram:
     launches: tuple[Launch, ...]
     send: Transfer | None     # None: the last stage
     returns: tuple[Peer, ...] = ()  # last stage: where the new token ids go (embedding owner leaders)
+    # the rank of this replica's TP group that receives the stage's input / sends its output (or
+    # returns the token ids): the group's ranks take the cuts in turn (`passes.lower.port`)
+    recv_port: int | None = None
+    send_port: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,7 +131,8 @@ def program_from_json(d: dict[str, Any]) -> RankProgram:
     stages = tuple(StageProgram(stage=s["stage"], block=s["block"], layers=tuple(s["layers"]),
                                 recv=_transfer(s["recv"]), send=_transfer(s["send"]),
                                 launches=tuple(Launch(**{**l, "inputs": tuple(l["inputs"])}) for l in s["launches"]),
-                                returns=tuple(Peer(**p) for p in s["returns"]))
+                                returns=tuple(Peer(**p) for p in s["returns"]),
+                                recv_port=s.get("recv_port"), send_port=s.get("send_port"))
                    for s in d["stages"])
     return RankProgram(**{**d, "tp_group": tuple(d["tp_group"]), "tp_groups": _tuples(d["tp_groups"]),
                           "rows": tuple(d["rows"]), "scheduler_leaders": tuple(d["scheduler_leaders"]),
@@ -141,7 +147,8 @@ def format_program(program: RankProgram) -> str:
              f"(group {list(p.tp_group)}), rows {p.rows[0]}..{p.rows[1] - 1} of each of {p.num_microbatches} "
              f"microbatch(es) of {p.microbatch_size}" + (", scheduler" if p.scheduler else "")]
     for s in p.stages:
-        lines.append(f"  stage {s.stage} (layers {list(s.layers)}):")
+        ports = [f"{name} port r{r}" for name, r in (("recv", s.recv_port), ("send", s.send_port)) if r is not None]
+        lines.append(f"  stage {s.stage} (layers {list(s.layers)}" + "".join(f", {x}" for x in ports) + "):")
         if s.recv:
             lines.append(f"    recv after op {s.recv.cut} {list(s.recv.values)} from "
                          + ", ".join(f"r{q.rank}[{q.lo}:{q.hi}]" for q in s.recv.peers))

@@ -46,25 +46,24 @@ def verify_blocks(bg: Any) -> Any:
 
 
 def _messages(programs: Sequence[RankProgram]) -> tuple[dict, dict]:
-    """(sent, received): (src leader, dst leader) -> the messages in program order, each
-    (stage, cut, values, shapes, rows lo, rows hi); the token ids back count as cut -1."""
+    """(sent, received): (src rank, dst rank) -> the messages in program order, each
+    (stage, cut, values, shapes, rows lo, rows hi); the token ids back count as cut -1. A stage's
+    transfers are its replica's port's (`recv_port`, `send_port`), which fans out to its TP peers."""
     sent: dict[tuple[int, int], list[tuple]] = {}
     received: dict[tuple[int, int], list[tuple]] = {}
     for p in programs:
-        if p.rank != p.leader:  # leaders exchange, then fan out to their TP peers
-            continue
         for s in p.stages:
-            if s.recv is not None:
+            if s.recv is not None and p.rank == s.recv_port:
                 for q in s.recv.peers:
                     received.setdefault((q.rank, p.rank), []).append(
                         (s.recv.cut, s.recv.values, s.recv.shapes, q.lo, q.hi))
-            if s.send is not None:
+            if s.send is not None and p.rank == s.send_port:
                 for q in s.send.peers:
                     sent.setdefault((p.rank, q.rank), []).append(
                         (s.send.cut, s.send.values, s.send.shapes, q.lo, q.hi))
-            for q in s.returns:
+            for q in (s.returns if p.rank == s.send_port else ()):
                 sent.setdefault((p.rank, q.rank), []).append((-1, ("token ids",), ((),), q.lo, q.hi))
-        for q in p.token_sources:
+        for q in (p.token_sources if p.rank == p.leader else ()):
             received.setdefault((q.rank, p.rank), []).append((-1, ("token ids",), ((),), q.lo, q.hi))
     return sent, received
 
@@ -83,7 +82,6 @@ def verify_programs(programs: Sequence[RankProgram]) -> Sequence[RankProgram]:
     for i, p in enumerate(programs):
         if p.rank != i or p.world_size != world:
             raise IRError(f"program {i} is rank {p.rank} of {p.world_size}, expected rank {i} of {world}")
-    leaders = {p.rank for p in programs if p.rank == p.leader}
     for p in programs:
         if p.rank not in p.tp_group or len(p.tp_group) != p.tp or programs[p.leader].tp_group != p.tp_group:
             raise IRError(f"rank {p.rank}: TP group {list(p.tp_group)} is not its leader's or not of size {p.tp}")
@@ -92,9 +90,14 @@ def verify_programs(programs: Sequence[RankProgram]) -> Sequence[RankProgram]:
                 if t is not None and len(t.values) != len(t.shapes):
                     raise IRError(f"rank {p.rank} stage {s.stage}: {len(t.values)} values, {len(t.shapes)} shapes")
             peers: list[Peer] = list(s.returns) + [q for t in (s.recv, s.send) if t is not None for q in t.peers]
-            bad = [q.rank for q in peers if q.rank not in leaders or not 0 <= q.lo < q.hi]
+            bad = [q.rank for q in peers if not 0 <= q.rank < world or not 0 <= q.lo < q.hi]
             if bad:
-                raise IRError(f"rank {p.rank} stage {s.stage}: peers {bad} are not replica leaders with rows")
+                raise IRError(f"rank {p.rank} stage {s.stage}: peers {bad} are not ranks with rows")
+            for name, rank, needed in (("recv", s.recv_port, s.recv is not None),
+                                       ("send", s.send_port, s.send is not None or bool(s.returns))):
+                if needed and rank not in p.tp_group:
+                    raise IRError(f"rank {p.rank} stage {s.stage}: {name} port {rank} is not in its TP group "
+                                  f"{list(p.tp_group)}")
     sent, received = _messages(programs)
     for src, dst in sorted(set(sent) | set(received)):
         out, inn = sent.get((src, dst), []), received.get((src, dst), [])

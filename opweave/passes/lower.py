@@ -5,8 +5,10 @@ leader of owner 0's first replica, which runs stage 0 (the embedding) and so sch
 Every microbatch has `microbatch_size` rows; replica j of an owner with r replicas processes the
 contiguous rows [floor(j·m/r), floor((j+1)·m/r)). A stage boundary becomes, for each pair
 of replicas whose rows overlap, one packed send of the overlapping rows of the cut's live values
-from the source replica's leader to the destination replica's leader, which fans them out to its
-TP peers. The last stage returns the new token ids to the embedding owner's leaders the same way.
+from the source replica's port to the destination replica's port, which fans them out to its TP
+peers. A replica's port for the cut after plan stage c is rank c mod TP of its group (`port`):
+the TP ranks take the cuts in turn, so a replica's transfers spread over its GPUs' links. The last
+stage returns the new token ids to the embedding owner's leaders (TP rank 0: the scheduler).
 Consecutive stages of one owner (one owner taking every stage of a template) are one stage
 program: nothing crosses between them.
 
@@ -39,12 +41,20 @@ def _leaders(plan: Plan) -> dict[tuple[int, int], int]:
     return {(o, j): rank for rank, (o, j, t) in enumerate(rank_layout(plan)) if t == 0}
 
 
-def _overlaps(plan: Plan, leaders, other: int, rows: tuple[int, int], mb: int) -> tuple[Peer, ...]:
+def port(plan: Plan, leaders, owner: int, replica: int, cut: int) -> int:
+    """The rank of replica `replica` of `owner` that handles the cut after plan stage `cut`."""
+    return leaders[(owner, replica)] + cut % plan.owners[owner].tp
+
+
+def _overlaps(plan: Plan, leaders, other: int, rows: tuple[int, int], mb: int, cut: int | None = None
+              ) -> tuple[Peer, ...]:
+    """Replicas of `other` whose rows overlap `rows`: their port for `cut` (their leader when None)."""
     peers = []
     for j, (lo, hi) in enumerate(replica_rows(mb, plan.owners[other].replicas)):
         a, b = max(lo, rows[0]), min(hi, rows[1])
         if a < b:
-            peers.append(Peer(rank=leaders[(other, j)], lo=a, hi=b))
+            rank = leaders[(other, j)] if cut is None else port(plan, leaders, other, j, cut)
+            peers.append(Peer(rank=rank, lo=a, hi=b))
     return tuple(peers)
 
 
@@ -80,30 +90,33 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
                                        inputs=op.inputs, output=op.name,
                                        allreduce=allreduce_after(graph.ops, index, owner.tp)))
             prev_owner = plan.stages[i - 1].owner if i > 0 else None
-            recv = (_transfer(graph, st.first_op - 1, _overlaps(plan, leaders, prev_owner, rows, mb))
+            recv = (_transfer(graph, st.first_op - 1, _overlaps(plan, leaders, prev_owner, rows, mb, i - 1))
                     if i > 0 and prev_owner != o else None)
             last = i == len(plan.stages) - 1
             send = None
             if not last and plan.stages[i + 1].owner != o:
-                send = _transfer(graph, st.last_op, _overlaps(plan, leaders, plan.stages[i + 1].owner, rows, mb))
+                send = _transfer(graph, st.last_op, _overlaps(plan, leaders, plan.stages[i + 1].owner, rows, mb, i))
             returns = _overlaps(plan, leaders, first_owner, rows, mb) if last else ()
+            recv_port = port(plan, leaders, o, j, i - 1) if recv is not None else None
+            send_port = port(plan, leaders, o, j, i) if send is not None or returns else None
             layers = tuple(sorted({graph.ops[x].layer for x in range(st.first_op, st.last_op + 1)
                                    if graph.ops[x].layer is not None}))
             if i > 0 and plan.stages[i - 1].owner == o:  # the owner's previous stage goes straight on
                 before = stages.pop()
                 stages.append(dataclasses.replace(
                     before, layers=tuple(sorted(set(before.layers) | set(layers))),
-                    launches=before.launches + tuple(launches), send=send, returns=returns))
+                    launches=before.launches + tuple(launches), send=send, returns=returns, send_port=send_port))
                 continue
             stages.append(StageProgram(stage=st.index, block=next((l.block for l in launches if l.block is not None), None), layers=layers, recv=recv,
-                                       launches=tuple(launches), send=send, returns=returns))
+                                       launches=tuple(launches), send=send, returns=returns,
+                                       recv_port=recv_port, send_port=send_port))
         scheduler = o == first_owner
         programs.append(RankProgram(
             rank=rank, world_size=len(layout), owner=o, replica=j, tp=owner.tp, tp_rank=t,
             tp_group=groups[[g[0] for g in groups].index(leaders[(o, j)])], tp_groups=groups, rows=rows,
             microbatch_size=mb, num_microbatches=plan.microbatches, scheduler=scheduler,
             scheduler_leaders=tuple(leaders[(first_owner, jj)] for jj in range(plan.owners[first_owner].replicas)),
-            token_sources=_overlaps(plan, leaders, last_owner, rows, mb) if scheduler else (),
+            token_sources=_overlaps(plan, leaders, last_owner, rows, mb, len(plan.stages) - 1) if scheduler else (),
             stages=tuple(stages), model=plan.model, plan_hash=plan_hash, context=plan.context,
             prefill_chunk=plan.prefill_chunk))
     return tuple(programs)

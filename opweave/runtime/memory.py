@@ -90,14 +90,12 @@ def allocate_state(modules: dict, program: RankProgram) -> int:
 
 
 def buffer_bytes(program: RankProgram, dtype: torch.dtype, width: int) -> int:
-    """The leader's message buffers on the run device: a decode-sized receive buffer for every
-    receive of a round (the worker's own slot list; reused every round), in a step of `width`
-    tokens per row the widest receive of each peer (one in flight per peer), and the sends of two
-    rounds (token ids back included)."""
+    """A rank's message buffers on the run device, for the cuts it is the port of: a
+    decode-sized receive buffer for every receive of a round (the worker's own slot list; reused
+    every round), in a step of `width` tokens per row the widest receive of each peer (one in
+    flight per peer), and the sends of two rounds (token ids back included)."""
     from opweave.runtime.transport import Transport
 
-    if program.tp_rank != 0:
-        return 0
     transport = Transport.__new__(Transport)  # its sizing only: no inbox, no process group
     transport.program, transport.dtype, transport.tokens_back = program, dtype, program.scheduler
     static, wide = 0, {}
@@ -108,6 +106,8 @@ def buffer_bytes(program: RankProgram, dtype: torch.dtype, width: int) -> int:
             wide[slot.peer] = max(wide.get(slot.peer, 0), size * width)
     sent = 0
     for st in program.stages:
+        if st.send_port != program.rank:
+            continue
         if st.send is not None:
             per_token = transport.per_token_bytes(st.send)
             for p in st.send.peers:

@@ -34,11 +34,12 @@ class TPGroup:
         return self.tp_rank == 0
 
     # ---------------------------------------------------------------- fan-out from the leader
-    def fanout(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The leader's `tensors` on every rank (the peers pass buffers of the same shapes)."""
+    def fanout(self, tensors: list[torch.Tensor], src: int | None = None) -> list[torch.Tensor]:
+        """Rank `src`'s `tensors` (a global rank of the group, the leader by default) on every rank
+        (the others pass buffers of the same shapes)."""
         if self.tp > 1:
             for t in tensors:
-                self.comm.broadcast(t, src=self.ranks[0], group=self.group)
+                self.comm.broadcast(t, src=self.ranks[0] if src is None else src, group=self.group)
         return tensors
 
     # ---------------------------------------------------------------- values by layout
@@ -49,15 +50,19 @@ class TPGroup:
         blocks = layout.blocks(self.tp, self.tp_rank)
         return torch.cat([full.narrow(dim, start, length) for start, length in blocks], dim=dim).contiguous()
 
-    def gather(self, local: torch.Tensor, layout: Layout, dim: int = 2) -> torch.Tensor | None:
-        """The whole value from every rank's block, on the leader only (the rank that sends it;
-        the others get None): one `gather` to the leader, not an all-gather to every rank. A
-        replicated unit (a KV head several ranks hold) is taken from the first rank holding it."""
+    def gather(self, local: torch.Tensor, layout: Layout, dim: int = 2, dst: int | None = None
+               ) -> torch.Tensor | None:
+        """The whole value from every rank's block, on rank `dst` only (a global rank of the group,
+        the one that sends it; the leader by default; the others get None): one `gather`, not an
+        all-gather to every rank. A replicated unit (a KV head several ranks hold) is taken from
+        the first rank holding it."""
         if self.tp == 1 or not isinstance(layout, Split):
             return local
-        pieces = [torch.empty_like(local) for _ in range(self.tp)] if self.is_leader else None
-        self.comm.gather(local.contiguous(), pieces, dst=self.ranks[0], group=self.group)
-        if not self.is_leader:
+        dst = self.ranks[0] if dst is None else dst
+        mine = self.ranks[self.tp_rank] == dst
+        pieces = [torch.empty_like(local) for _ in range(self.tp)] if mine else None
+        self.comm.gather(local.contiguous(), pieces, dst=dst, group=self.group)
+        if not mine:
             return None
         out, offset = [], 0
         for (_, length), ranks in zip(layout.blocks(self.tp, 0), layout.sources(self.tp)):

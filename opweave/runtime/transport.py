@@ -1,8 +1,10 @@
 """Point-to-point transfers of one rank and the agreement between rounds.
 
-A replica's leader exchanges one message per peer and transfer (`opweave.runtime.message`):
-activations at a stage cut to / from the neighbouring owners' replicas whose rows overlap, and
-the new token ids from the last stage back to the embedding owner's leaders. Sends are
+A replica's port for a cut (the TP rank that takes it: `StageProgram.recv_port` / `send_port`,
+the group's ranks in turn) exchanges one message per peer and transfer
+(`opweave.runtime.message`): activations at a stage cut to / from the neighbouring owners'
+replicas whose rows overlap, and the new token ids from the last stage back to the embedding
+owner's leaders (TP rank 0, where the scheduler runs). Sends are
 non-blocking and completed one round later; receives go through the `Inbox`, in the plan's global
 order (round, stage, microbatch), into buffers reused every round.
 
@@ -62,7 +64,8 @@ def assemble(parts, rows: int, width: int, shapes: tuple[tuple[int, ...], ...], 
 
 
 class Transport:
-    """The point-to-point side of one rank: its receives (leaders only), sends and round flag.
+    """The point-to-point side of one rank: the receives and sends of the cuts it is the port of,
+    the token ids back to its scheduler, and the control word between rounds.
 
     `tokens_back`: whether this rank's scheduler gets the new token ids (its replica leads a
     scheduler); `device`: the run device, where every buffer lives; `comm`: torch.distributed, or
@@ -73,7 +76,6 @@ class Transport:
         self.program, self.dtype, self.tokens_back = program, dtype, tokens_back
         self.device, self.comm = torch.device(device), comm
         self.rows = program.rows[1] - program.rows[0]
-        self.is_leader = program.tp_rank == 0
         self._pending: list = []   # this round's sends (work, buffer kept alive)
         self._previous: list = []  # the previous round's
         self._flag = None          # the in-flight all-reduce of the last round's control word
@@ -82,7 +84,7 @@ class Transport:
         # leader assembles the received ones here (static: a decode round always uses this memory)
         self._local_tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
         self._tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
-        self.inbox = Inbox(self.receive_slots() if self.is_leader else [], self.device, comm=comm)
+        self.inbox = Inbox(self.receive_slots(), self.device, comm=comm)
         self.widths: tuple[int, ...] = (1,) * m  # this round's tokens per row, per microbatch
 
     def per_token_bytes(self, transfer: Transfer) -> int:
@@ -90,10 +92,13 @@ class Transport:
         return sum(numel(s) for s in transfer.shapes) * torch.empty(0, dtype=self.dtype).element_size()
 
     def receive_slots(self) -> list[Slot]:
-        """Every point-to-point receive of one round, in program order (leaders only); sizes at width 1."""
+        """Every point-to-point receive of this rank in one round, in program order (the cuts it
+        is the port of, and its scheduler's token ids); sizes at width 1."""
         prog, slots = self.program, []
         for st in prog.stages:
             for mb in range(prog.num_microbatches):
+                if st.recv is not None and st.recv_port != prog.rank:
+                    continue
                 if st.recv is None:
                     if self.tokens_back:
                         slots += [Slot(("tok", mb, p.rank), p.rank, p.hi - p.lo, torch.long, from_round=1, mb=mb,
@@ -108,7 +113,7 @@ class Transport:
     # ---------------------------------------------------------------- activations at a cut
     def recv_values(self, st: StageProgram, mb: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(positions [rows, width], each whole value [rows, width, *shape]) of stage `st`'s
-        inputs for microbatch `mb`, from every upstream peer (leaders only)."""
+        inputs for microbatch `mb`, from every upstream peer (the stage's receiving port only)."""
         lo, width = self.program.rows[0], self.widths[mb]
         peers = sorted(st.recv.peers, key=lambda p: p.rank)
         parts = []

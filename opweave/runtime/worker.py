@@ -144,13 +144,13 @@ class Runtime:
         """A stage's inputs: positions and this TP rank's block of each received value."""
         st = self._stage[stage]
         width = self.widths[mb]
-        if self.is_leader:
+        if st.recv_port == self.program.rank:  # this cut's port receives, then fans out
             positions, values = self.transport.recv_values(st, mb)
         else:
             positions = self._buffer(("pos", stage, mb), (self.rows, width), torch.long)
             values = [self._buffer(("val", stage, mb, i), (self.rows, width, *shape), self.dtype)
                       for i, shape in enumerate(st.recv.shapes)]
-        self.tp.fanout([positions, *values])
+        self.tp.fanout([positions, *values], src=st.recv_port)
         values = [self.tp.shard(v, layout) for v, layout in zip(values, st.recv.layouts)]
         self._mark("wait", stage, mb)
         return positions, tuple(values)
@@ -159,8 +159,8 @@ class Runtime:
         """A stage's outputs, whole (gathered over the TP group), to the next owner's replicas."""
         self._mark("compute", stage, mb)
         st = self._stage[stage]
-        values = tuple(self.tp.gather(v, layout) for v, layout in zip(values, st.send.layouts))
-        if self.is_leader:
+        values = tuple(self.tp.gather(v, layout, dst=st.send_port) for v, layout in zip(values, st.send.layouts))
+        if st.send_port == self.program.rank:
             self.transport.send_values(st, positions, values)
         self._mark("send", stage, mb)
 
@@ -168,7 +168,7 @@ class Runtime:
         """The last stage: the new token ids back to the schedulers, on the device."""
         st = self.program.stages[-1]
         self._mark("compute", st.stage, mb)
-        if self.is_leader:
+        if st.send_port == self.program.rank:  # every TP rank holds the sampled ids; the port sends them
             self.transport.send_tokens(st, mb, tokens)
         self._mark("send", st.stage, mb)
 
