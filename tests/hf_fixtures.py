@@ -4,7 +4,8 @@
 transformers model (seeded with ``torch.manual_seed(0)``, so the weights are
 deterministic), perturbs the norm weights (and Qwen3-Next's ``dt_bias``) away
 from their constant initial values so a wrong norm convention cannot go
-unnoticed, and saves it with ``save_pretrained`` (safetensors).
+unnoticed, gives biases (Qwen2's q/k/v, zeros at init) the same noise, and saves it with
+``save_pretrained`` (safetensors).
 
 ``hf_generate`` and ``hf_step_logits`` load such a checkpoint with
 ``AutoModelForCausalLM`` (float32, eager attention) and give reference logits and
@@ -25,9 +26,9 @@ import os
 
 import torch
 
-FAMILIES = ("llama", "gemma3", "qwen3_moe", "qwen3_next")
+FAMILIES = ("llama", "gemma3", "qwen3_moe", "qwen3_next", "llama2", "mistral", "qwen2", "qwen3", "mixtral")
 
-# Standard deviation of the noise added to norm weights (and dt_bias) after init.
+# Standard deviation of the noise added to norm weights (and dt_bias, biases) after init.
 _NORM_NOISE_STD = 0.1
 
 
@@ -145,6 +146,25 @@ def _base_kwargs(family: str) -> dict:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    # initializer ranges below: picked among 0.05 / 0.1 / 0.15 / 0.2 so that the 8 greedy tokens of
+    # the parity tests' prompt are 7 or 8 different ones (at 0.1, Qwen2 and Mixtral repeat one token)
+    llama_like = dict(common, num_hidden_layers=3, max_position_embeddings=256)
+    if family == "llama2":  # multi-head attention (as many KV heads as query heads), default rope
+        return dict(llama_like, num_key_value_heads=4, initializer_range=0.05,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if family == "mistral":  # a sliding window shorter than the test prompts, on every layer
+        return dict(llama_like, sliding_window=8,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if family == "qwen2":  # q/k/v biases
+        return dict(llama_like, use_sliding_window=False, initializer_range=0.15,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if family == "qwen3":  # q/k norm
+        return dict(llama_like, attention_bias=False, use_sliding_window=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if family == "mixtral":  # 8 experts, top-2, experts of intermediate_size
+        return dict(llama_like, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=None, initializer_range=0.2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -156,6 +176,11 @@ def _config_and_model_classes(family: str):
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+        "llama2": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[family]
 
 
@@ -190,7 +215,7 @@ def make_tiny_checkpoint(family: str, out_dir: str, **overrides) -> str:
     # Gemma 3 / Qwen3-Next) and Qwen3-Next's dt_bias non-constant.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ("norm" in name and name.endswith(".weight")) or name.endswith("dt_bias"):
+            if ("norm" in name and name.endswith(".weight")) or name.endswith(("dt_bias", ".bias")):
                 param.add_(torch.randn_like(param) * _NORM_NOISE_STD)
 
     os.makedirs(out_dir, exist_ok=True)

@@ -17,7 +17,9 @@ def _hf_config(name: str):
 
     raw = json.load(open(os.path.join(CONFIG_DIR, name + ".json")))
     cls = {"llama": transformers.LlamaConfig, "gemma3_text": transformers.Gemma3TextConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig, "qwen3_next": transformers.Qwen3NextConfig}[raw["model_type"]]
+           "qwen3_moe": transformers.Qwen3MoeConfig, "qwen3_next": transformers.Qwen3NextConfig,
+           "mistral": transformers.MistralConfig, "mixtral": transformers.MixtralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[raw["model_type"]]
     return cls(**{k: v for k, v in raw.items() if not k.startswith("_")})
 
 
@@ -29,15 +31,17 @@ def test_builtin_config_matches_transformers(name):
     assert ours.hidden_size == hf.hidden_size
     assert ours.num_heads == hf.num_attention_heads
     assert ours.num_kv_heads == hf.num_key_value_heads
-    assert ours.head_dim == getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads)
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert ours.vocab_size == hf.vocab_size
     assert ours.tie_word_embeddings == hf.tie_word_embeddings
-    hf_types = tuple(getattr(hf, "layer_types", None) or (FULL,) * hf.num_hidden_layers)
+    # Mistral and Mixtral list no layer types: their one window (if any) applies to every layer
+    every = SLIDING if getattr(hf, "sliding_window", None) else FULL
+    hf_types = tuple(getattr(hf, "layer_types", None) or (every,) * hf.num_hidden_layers)
     assert ours.layer_types == hf_types
     if ours.moe:
         assert ours.moe.num_experts == hf.num_experts
         assert ours.moe.top_k == hf.num_experts_per_tok
-        assert ours.moe.intermediate_size == hf.moe_intermediate_size
+        assert ours.moe.intermediate_size == getattr(hf, "moe_intermediate_size", hf.intermediate_size)
     rope = hf.rope_parameters
     for layer_type, spec in ours.rope.items():
         params = rope[layer_type] if layer_type in rope else rope

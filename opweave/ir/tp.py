@@ -168,6 +168,7 @@ TP_TABLE: dict[OpKind, KindRule] = {
     OpKind.SAMPLE: KindRule(sharded=True, gathers=True),
     OpKind.QKV_PROJ: KindRule(sharded=True, kv=True, weights=(
         ("q_proj.weight", 0, "units"), ("k_proj.weight", 0, "kv"), ("v_proj.weight", 0, "kv"),
+        ("q_proj.bias", 0, "units"), ("k_proj.bias", 0, "kv"), ("v_proj.bias", 0, "kv"),  # Qwen2
         ("in_proj_qkvz.weight", 0, "units"), ("in_proj_ba.weight", 0, "units"))),
     OpKind.QK_NORM: KindRule(sharded=True, kv=True),
     OpKind.ROPE: KindRule(sharded=True, kv=True),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 import torch
@@ -20,6 +21,15 @@ import torch
 from opweave.errors import OpWeaveError
 
 INDEX_FILE = "model.safetensors.index.json"
+
+HUB_RENAMES = tuple((re.compile(pattern), ours) for pattern, ours in (
+    (r"\.block_sparse_moe\.gate\.weight$", ".mlp.gate.weight"),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w1\.weight$", r".mlp.experts.\1.gate_proj.weight"),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w3\.weight$", r".mlp.experts.\1.up_proj.weight"),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.weight$", r".mlp.experts.\1.down_proj.weight"),
+))
+"""Checkpoint tensor names of Mixtral's hub layout (router `block_sparse_moe.gate`, expert `w1`
+gate, `w3` up, `w2` down) and the per-expert names OpWeave's operators read them by."""
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -106,12 +116,17 @@ class CheckpointReader:
             raise OpWeaveError(f"{path}: not a safetensors file ({str(e).splitlines()[0]})") from None
 
     def _find_aliases(self) -> dict[str, str]:
+        """OpWeave's name of a tensor -> the checkpoint's, for checkpoints that name it otherwise
+        (a prefixed text model; Mixtral's hub layout, `HUB_RENAMES`)."""
         out = {}
         for key in self.key_to_file:
             for prefix in ("language_model.", "model.language_model."):
                 if key.startswith(prefix):
                     rest = key[len(prefix):]
                     out[rest if rest.startswith(("model.", "lm_head")) else "model." + rest] = key
+            for pattern, ours in HUB_RENAMES:
+                if pattern.search(key):
+                    out[pattern.sub(ours, key)] = key
         return out
 
     def _resolve(self, key: str) -> str | None:

@@ -1,9 +1,9 @@
 """`ModelConfig`: one validated description of a decoder-only model, parsed from a Hugging Face
 `config.json` (the format of real checkpoints and of OpWeave's built-in configs).
 
-Supported `model_type`s: llama, gemma3_text (and gemma3 with a `text_config`), qwen3_moe,
-qwen3_next. Both the hub's legacy rope keys (`rope_theta` + `rope_scaling`) and transformers v5's
-`rope_parameters` are understood.
+Supported `model_type`s: llama (Llama-2 and Llama-3), mistral, mixtral, qwen2, qwen3,
+qwen3_moe, gemma3_text (and gemma3 with a `text_config`), qwen3_next. Both the hub's legacy rope
+keys (`rope_theta` + `rope_scaling`) and transformers v5's `rope_parameters` are understood.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ SLIDING = "sliding_attention"
 LINEAR = "linear_attention"
 LAYER_TYPES = (FULL, SLIDING, LINEAR)
 
-SUPPORTED_MODEL_TYPES = ("llama", "gemma3_text", "gemma3", "qwen3_moe", "qwen3_next")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma3_text", "gemma3", "qwen3_moe",
+                         "qwen3_next")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -61,7 +62,7 @@ class ModelConfig:
     """Everything OpWeave needs to build, trace and cost a model."""
 
     name: str
-    family: str                     # llama | gemma3 | qwen3_moe | qwen3_next
+    family: str                     # llama | mistral | mixtral | qwen2 | qwen3 | gemma3 | qwen3_moe | qwen3_next
     model_type: str                 # as in config.json
     vocab_size: int
     hidden_size: int
@@ -85,6 +86,7 @@ class ModelConfig:
     rope: dict[str, RopeSpec]       # per attention layer type (full / sliding)
     moe: MoESpec | None = None
     linear_attn: LinearAttnSpec | None = None
+    qkv_bias: bool = False          # q/k/v projections carry a bias (Qwen2)
     max_position_embeddings: int = 131072
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
@@ -131,8 +133,10 @@ def _rope_spec(params: dict[str, Any], partial: float, where: str) -> RopeSpec:
     )
 
 
-def _rope_params(f: _Fields, layer_type: str, legacy_theta_key: str = "rope_theta") -> dict[str, Any]:
-    """Rope parameters of one layer type from either config layout."""
+def _rope_params(f: _Fields, layer_type: str, legacy_theta_key: str = "rope_theta",
+                 default_theta: float | None = None) -> dict[str, Any]:
+    """Rope parameters of one layer type from either config layout; `default_theta`: the
+    family's default when the config names no theta (Llama-2 checkpoints omit it)."""
     params = f.raw.get("rope_parameters")
     if isinstance(params, dict) and params:
         if layer_type in params and isinstance(params[layer_type], dict):
@@ -140,7 +144,10 @@ def _rope_params(f: _Fields, layer_type: str, legacy_theta_key: str = "rope_thet
         if "rope_theta" in params or "rope_type" in params:
             return dict(params)
     out = dict(f.raw.get("rope_scaling") or {})
-    out["rope_theta"] = f.req(legacy_theta_key)
+    if default_theta is not None and f.raw.get(legacy_theta_key) is None:
+        out["rope_theta"] = default_theta
+    else:
+        out["rope_theta"] = f.req(legacy_theta_key)
     return out
 
 
@@ -204,7 +211,7 @@ def _llama(f: _Fields, name: str) -> ModelConfig:
         attn_scale=c["head_dim"] ** -0.5, qk_norm=False, attn_output_gate=False,
         hidden_act=f.get("hidden_act", "silu"),
         tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
-        rope={FULL: _rope_spec(_rope_params(f, FULL), 1.0, f.where)},
+        rope={FULL: _rope_spec(_rope_params(f, FULL, default_theta=10000.0), 1.0, f.where)},
     )
 
 
@@ -279,6 +286,76 @@ def _qwen3_moe(f: _Fields, name: str) -> ModelConfig:
     )
 
 
+def _llama_like(f: _Fields, name: str, family: str, types: tuple[str, ...], window: int | None,
+                default_theta: float, **flags: Any) -> ModelConfig:
+    """A Llama-shaped model (pre-norms, GQA attention, gated SiLU MLP) with the family's `flags`
+    (qk_norm, qkv_bias, moe, ...); every attention layer type uses the same rope, of theta
+    `default_theta` when the config names none (transformers' default for the family)."""
+    c = _common(f, name)
+    n = c["num_layers"]
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise OpWeaveError(f"{f.where}: 'sliding_window' must be a positive integer or null, got {window!r}")
+    if window is None:  # layers marked sliding without a window attend to everything
+        types = tuple(FULL if t == SLIDING else t for t in types)
+    if LINEAR in types:
+        raise OpWeaveError(f"{f.where}: layer type 'linear_attention' is not supported by model_type "
+                           f"'{c['model_type']}'")
+    moe = flags.pop("moe", None)
+    rope = _rope_spec(_rope_params(f, FULL, default_theta=default_theta), 1.0, f.where)
+    return ModelConfig(
+        family=family, **c,
+        intermediate_size=0 if moe else int(f.req("intermediate_size")),
+        layer_types=types, mlp_types=("moe" if moe else "dense",) * n,
+        sliding_window=window if window is not None and SLIDING in types else None,
+        norm_offset=False, sandwich_norms=False, embed_scale=False,
+        attn_scale=c["head_dim"] ** -0.5, attn_output_gate=False,
+        hidden_act=f.get("hidden_act", "silu"),
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
+        rope={t: rope for t in (FULL, SLIDING) if t == FULL or t in types}, moe=moe,
+        **{"qk_norm": False, **flags},
+    )
+
+
+def _mistral(f: _Fields, name: str) -> ModelConfig:
+    """Mistral: Llama's layers with one sliding window (`sliding_window`, or none) on every layer."""
+    window = f.raw.get("sliding_window")
+    n = int(f.req("num_hidden_layers"))
+    return _llama_like(f, name, "mistral", (SLIDING if window else FULL,) * n, window, 10000.0)
+
+
+def _mixtral(f: _Fields, name: str) -> ModelConfig:
+    """Mixtral: Mistral's attention; every FFN a top-k MoE of `num_local_experts` gated SiLU experts
+    of `intermediate_size` (softmax over all experts, the k weights renormalised)."""
+    window = f.raw.get("sliding_window")
+    n = int(f.req("num_hidden_layers"))
+    moe = MoESpec(num_experts=int(f.req("num_local_experts")), top_k=int(f.req("num_experts_per_tok")),
+                  intermediate_size=int(f.req("intermediate_size")), norm_topk_prob=True)
+    return _llama_like(f, name, "mixtral", (SLIDING if window else FULL,) * n, window, 1000000.0, moe=moe)
+
+
+def _qwen_windows(f: _Fields) -> tuple[tuple[str, ...], int | None]:
+    """Qwen2/Qwen3 layer types: with `use_sliding_window`, layers from `max_window_layers` on
+    attend within `sliding_window` (or as `layer_types` lists); otherwise every layer is full."""
+    n = int(f.req("num_hidden_layers"))
+    window = f.raw.get("sliding_window") if f.get("use_sliding_window", False) else None
+    start = int(f.get("max_window_layers", 28))
+    return _layer_types(f, n, lambda i: SLIDING if window is not None and i >= start else FULL), window
+
+
+def _qwen2(f: _Fields, name: str) -> ModelConfig:
+    """Qwen2 / Qwen2.5: Llama's layers with a bias on the q, k and v projections."""
+    types, window = _qwen_windows(f)
+    return _llama_like(f, name, "qwen2", types, window, 10000.0, qkv_bias=True)
+
+
+def _qwen3(f: _Fields, name: str) -> ModelConfig:
+    """Qwen3 dense: Llama's layers with a per-head RMSNorm of q and k before the rotary embedding."""
+    if f.get("attention_bias", False):
+        raise OpWeaveError(f"{f.where}: attention_bias is not supported")
+    types, window = _qwen_windows(f)
+    return _llama_like(f, name, "qwen3", types, window, 10000.0, qk_norm=True)
+
+
 def _qwen3_next(f: _Fields, name: str) -> ModelConfig:
     c = _common(f, name)
     n = c["num_layers"]
@@ -306,6 +383,10 @@ def _qwen3_next(f: _Fields, name: str) -> ModelConfig:
 
 _PARSERS = {
     "llama": _llama,
+    "mistral": _mistral,
+    "mixtral": _mixtral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
     "gemma3_text": _gemma3,
     "gemma3": _gemma3,
     "qwen3_moe": _qwen3_moe,
@@ -347,5 +428,8 @@ def _check(cfg: ModelConfig, where: str) -> None:
                            f"num_key_value_heads ({cfg.num_kv_heads})")
     if "dense" in cfg.mlp_types and cfg.intermediate_size <= 0:
         raise OpWeaveError(f"{where}: config is missing required field 'intermediate_size'")
+    if cfg.moe and not 1 <= cfg.moe.top_k <= cfg.moe.num_experts:
+        raise OpWeaveError(f"{where}: num_experts_per_tok ({cfg.moe.top_k}) must be between 1 and the number "
+                           f"of experts ({cfg.moe.num_experts})")
     if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
         raise OpWeaveError(f"{where}: unsupported activation '{cfg.hidden_act}' (supported: silu, gelu_pytorch_tanh)")

@@ -14,7 +14,6 @@ modules hold weights and state and call it. The Gated-DeltaNet operators live in
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -145,7 +144,9 @@ class FinalNorm(RMSNorm):
 
 
 class QKVProj(OpModule):
-    """q/k/v projections; with `attn_output_gate` q_proj also yields the output gate.
+    """q/k/v projections; with `attn_output_gate` q_proj also yields the output gate; with
+    `qkv_bias` (Qwen2) each projection adds its bias (`q_proj.bias`…, split by heads like the
+    weights' rows).
 
     Returns (q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], gate [B,T,Hq*D] or None)."""
 
@@ -155,25 +156,36 @@ class QKVProj(OpModule):
         super().__init__(cfg, layer)
         p = layer_prefix(layer) + "self_attn."
         q_out = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+        kv_out = cfg.num_kv_heads * cfg.head_dim
         self._param("q_weight", p + "q_proj.weight", q_out, cfg.hidden_size)
-        self._param("k_weight", p + "k_proj.weight", cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
-        self._param("v_weight", p + "v_proj.weight", cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+        self._param("k_weight", p + "k_proj.weight", kv_out, cfg.hidden_size)
+        self._param("v_weight", p + "v_proj.weight", kv_out, cfg.hidden_size)
+        if cfg.qkv_bias:
+            self._param("q_bias", p + "q_proj.bias", q_out)
+            self._param("k_bias", p + "k_proj.bias", kv_out)
+            self._param("v_bias", p + "v_proj.bias", kv_out)
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
 
     def forward(self, x: torch.Tensor):
         cfg = self.cfg
         b, t, _ = x.shape
-        q = F.linear(x, self.q_weight)
+        q = F.linear(x, self.q_weight, self.q_bias)
         gate = None
         if cfg.attn_output_gate:  # per head: [q (D) | gate (D)]
             q, gate = q.view(b, t, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(b, t, cfg.num_heads * cfg.head_dim)
         q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, self.k_weight).view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, self.v_weight).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = F.linear(x, self.k_weight, self.k_bias).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = F.linear(x, self.v_weight, self.v_bias).view(b, t, cfg.num_kv_heads, cfg.head_dim)
         return q, k, v, gate
 
     def facts(self) -> OpFacts:
-        return dataclasses.replace(_gemm_facts(self, TPRule.HEADS, self.cfg.num_heads), kv_heads=self.cfg.num_kv_heads)
+        # two FLOPs per weight of the matrices, one per output for a bias
+        flops = 2 * sum(w.numel() for w in (self.q_weight, self.k_weight, self.v_weight))
+        flops += sum(b.numel() for b in (self.q_bias, self.k_bias, self.v_bias) if b is not None)
+        return OpFacts(flops_per_token=flops, tp_rule=TPRule.HEADS, tp_units=self.cfg.num_heads,
+                       kv_heads=self.cfg.num_kv_heads)
 
 
 class QKNorm(OpModule):
