@@ -9,6 +9,7 @@ import os
 import pytest
 
 from test_runtime import compile_pinned
+from opweave.codegen.render import fused_add_norm
 from opweave.ir.plan import plan_from_json
 from opweave.ir.program import format_program, program_from_json, program_to_json
 
@@ -78,13 +79,19 @@ def test_every_send_has_its_receive(artifacts, plan_name):
 
 def test_generated_module_lines_name_stage_block_layer_and_op(artifacts):
     _, programs = load(artifacts["cad"])
+    fused_total = 0
     for p in programs:
         source = open(os.path.join(artifacts["cad"], f"rank_{p.rank:02d}.py")).read()
         compile(source, "rank", "exec")
-        calls = [line for line in source.splitlines() if "= self.op" in line or "= rt.tp_argmax(" in line]
-        assert len(calls) == sum(len(s.launches) for s in p.stages)
+        calls = [line for line in source.splitlines() if "= self.op" in line or "= rt.tp_argmax(" in line
+                 or "= rt.add_norm(" in line]
+        fused = [line for line in calls if "= rt.add_norm(" in line]  # a residual add and its norm
+        assert len(calls) + len(fused) == sum(len(s.launches) for s in p.stages)
+        assert len(fused) == sum(fused_add_norm(s, k) for s in p.stages for k in range(len(s.launches)))
+        fused_total += len(fused)
         assert all("# stage " in line and " · block " in line and " · layer " in line for line in calls)
         assert source.count("rt.allreduce(") == sum(l.allreduce for s in p.stages for l in s.launches)
+    assert fused_total > 0  # llama: every layer's post-attention residual feeds the pre-FFN norm
 
 
 def test_golden_module(artifacts):

@@ -111,6 +111,16 @@ def stateful(launch: Launch) -> bool:
     return OP_CLASS.get(OpKind(launch.kind)) == OpClass.ATTN
 
 
+def fused_add_norm(st: StageProgram, k: int) -> bool:
+    """Launch k is a residual add whose sum only goes on to the next launch's RMSNorm (and on as
+    the residual stream): the two run as one fused kernel (`rt.add_norm`, `add_rms_norm`)."""
+    if k + 1 >= len(st.launches):
+        return False
+    add, norm = st.launches[k], st.launches[k + 1]
+    return (add.kind == OpKind.RESIDUAL.value and norm.kind in (OpKind.NORM.value, OpKind.FINAL_NORM.value)
+            and not add.allreduce and not norm.allreduce and tuple(norm.inputs) == (add.output,))
+
+
 def _peers(peers) -> str:
     return ", ".join(f"rank {p.rank} rows {p.lo}..{p.hi - 1}" for p in peers)
 
@@ -128,10 +138,17 @@ def _stage_lines(program: RankProgram, st: StageProgram, names: _Names) -> dict:
     if st.returns:
         keep.add(names.var(st.launches[-1].output))
     lines = []
+    fused = {k + 1 for k in range(len(st.launches)) if fused_add_norm(st, k)}  # norms run with their add
     for k, l in enumerate(st.launches):
         out = names.var(l.output)
         args = ", ".join(names.var(v) for v in l.inputs)
-        if l.kind == "sample" and program.tp > 1:
+        if k in fused:
+            pass  # emitted with the residual add before it
+        elif k + 1 in fused:
+            norm = st.launches[k + 1]
+            lines.append(_statement(f"{out}, {names.var(norm.output)} = rt.add_norm(self.op{int(norm.op)}, {args})",
+                                    *_note(st, l, f" + {norm.kind} ({norm.name}), fused")))
+        elif l.kind == "sample" and program.tp > 1:
             lines.append(_statement(f"{out} = rt.tp_argmax({args})", *_note(st, l, ": vocab-split argmax")))
         else:
             if stateful(l):

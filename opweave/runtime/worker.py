@@ -33,7 +33,7 @@ from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.graphs import RoundRunner
 from opweave.runtime.heartbeat import Phase, report
 from opweave.runtime.inputs import RowInputs, TokenCopies
-from opweave.runtime.kernel_ops import with_kernels
+from opweave.runtime.kernel_ops import add_norm, with_kernels
 from opweave.runtime.manifest import VerifiedArtifact, load_artifact, load_program_source, rank_files
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import check_placement, materialize
@@ -174,6 +174,10 @@ class Runtime:
 
     def allreduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.allreduce(x)
+
+    def add_norm(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add fused with the RMSNorm of its sum: (sum, normed) (`kernel_ops.add_norm`)."""
+        return add_norm(norm, x, residual, self.device)
 
     def tp_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sample over the vocabulary split across the TP group (`TPGroup.argmax`)."""
