@@ -66,13 +66,14 @@ class RunConfig:
     replica_sets: int = 1     # independent copies of the plan's ranks, requests dealt round-robin
     stall_timeout_s: float = STALL_TIMEOUT_S  # a rank without progress for this long ends the run
     verify_key: bytes | None = None  # refuse an artifact whose manifest.sig does not match (--verify-key)
+    serve: object = None      # `channel.ServeQueues`: requests arrive while the ranks run (opweave serve)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
             raise OpWeaveError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.weights != "random" and not os.path.isdir(self.weights):
             raise OpWeaveError(f"--weights {self.weights}: not a checkpoint folder (or use --weights random)")
-        if not self.requests:
+        if not self.requests and self.serve is None:
             raise OpWeaveError("no prompts: give --prompts FILE.jsonl or --prompt-ids 1,2,3")
         if self.replica_sets < 1:
             raise OpWeaveError(f"--replica-sets must be at least 1, got {self.replica_sets}")
@@ -176,7 +177,7 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
                            rank=rank, world=world)
         heartbeat.report(Phase.JOINED)
         out = run_rank(artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret,
-                       cfg.trace)
+                       cfg.trace, serve=cfg.serve, replica_set=replica_set)
         if rank == 0:
             folder.put_result(replica_set, *out)
         dist.destroy_process_group()
@@ -275,11 +276,59 @@ def run(cfg: RunConfig) -> list[Request]:
 def run_detailed(cfg: RunConfig) -> tuple[list[Request], dict]:
     """`run`, plus rank 0's per-round wall and host times (and every rank's spans with `cfg.trace`);
     with several replica sets, those of set 0, and `stats["replica_sets"]` holds every set's."""
-    import multiprocessing as mp
+    ranks = Ranks(cfg)
+    try:  # whatever ends the watch (a failure, a stall, a signal turned into an exception), no rank is left
+        ranks.start()
+        done = ranks.watch()
+    finally:
+        ranks.stop()
+    outputs = []
+    for k, (_, original) in enumerate(ranks.sets):
+        outputs += [dataclasses.replace(r, index=original[r.index]) for r in done[k][0]]
+    stats = dict(done[0][1])
+    if len(ranks.sets) > 1:
+        stats["replica_sets"] = [done[k][1] for k in range(len(ranks.sets))]
+    return sorted(outputs, key=lambda r: r.index), stats
 
-    artifact = load_artifact(cfg.artifact, verify_key=cfg.verify_key)  # read once, checked, used by every rank
-    check_inputs(cfg)
-    world = world_size(cfg.artifact, artifact.manifest)
+
+class Ranks:
+    """The rank processes of a run (every replica set), started and watched by this process."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.artifact = load_artifact(cfg.artifact, verify_key=cfg.verify_key)  # read once, checked, used by every rank
+        check_inputs(cfg)
+        self.world = world_size(cfg.artifact, self.artifact.manifest)
+        _check_devices(cfg, self.world)
+        self.sets = _deal(cfg.requests, cfg.replica_sets) if cfg.requests else [((), [])] * cfg.replica_sets
+        self.procs: dict[tuple[int, int], object] = {}
+        self.folder = _RunFolder()
+
+    def start(self) -> None:
+        import multiprocessing as mp
+
+        cfg = self.cfg
+        ctx = mp.get_context(start_method(cfg.device))
+        self.beats = Heartbeat(len(self.sets) * self.world, ctx)
+        for k, (requests, _) in enumerate(self.sets):
+            mine = dataclasses.replace(cfg, requests=requests)
+            for r in range(self.world):
+                self.procs[(k, r)] = ctx.Process(
+                    target=_worker, args=(mine, self.artifact, r, self.world, self.folder, self.beats, os.getpid(), k),
+                    name=_name((k, r), len(self.sets)), daemon=True)
+                self.procs[(k, r)].start()
+
+    def watch(self) -> dict[int, tuple[list[Request], dict]]:
+        """Until every rank exits 0 (each set's results) or one fails, dies or stalls (OpWeaveError)."""
+        return _watch(self.procs, self.folder, StallWatch(self.beats, self.cfg.stall_timeout_s), self.cfg.timeout_s,
+                      len(self.sets))
+
+    def stop(self) -> None:
+        _stop(list(self.procs.values()))
+        self.folder.remove()
+
+
+def _check_devices(cfg: RunConfig, world: int) -> None:
     planned = planned_replica_sets(cfg.artifact)
     if cfg.replica_sets > planned:
         raise OpWeaveError(f"--replica-sets {cfg.replica_sets}: the plan places {planned} replica set(s)")
@@ -291,29 +340,6 @@ def run_detailed(cfg: RunConfig) -> tuple[list[Request], dict]:
                     f"{cfg.replica_sets} replica sets of {world} ranks need {need} CUDA devices")
             raise OpWeaveError(f"{what} but this machine has {have} CUDA device(s); use --device cpu for a tiny "
                                "model, or run the torchrun commands per node")
-    ctx = mp.get_context(start_method(cfg.device))
-    sets = _deal(cfg.requests, cfg.replica_sets)
-    beats = Heartbeat(len(sets) * world, ctx)
-    folder = _RunFolder()
-    procs: dict[tuple[int, int], object] = {}
-    try:  # whatever ends the watch (a failure, a stall, a signal turned into an exception), no rank is left
-        for k, (requests, _) in enumerate(sets):
-            mine = dataclasses.replace(cfg, requests=requests)
-            for r in range(world):
-                procs[(k, r)] = ctx.Process(target=_worker, args=(mine, artifact, r, world, folder, beats, os.getpid(), k),
-                                            name=_name((k, r), len(sets)), daemon=True)
-                procs[(k, r)].start()
-        done = _watch(procs, folder, StallWatch(beats, cfg.stall_timeout_s), cfg.timeout_s, len(sets))
-    finally:
-        _stop(list(procs.values()))
-        folder.remove()
-    outputs = []
-    for k, (_, original) in enumerate(sets):
-        outputs += [dataclasses.replace(r, index=original[r.index]) for r in done[k][0]]
-    stats = dict(done[0][1])
-    if len(sets) > 1:
-        stats["replica_sets"] = [done[k][1] for k in range(len(sets))]
-    return sorted(outputs, key=lambda r: r.index), stats
 
 
 def start_method(device: str) -> str:

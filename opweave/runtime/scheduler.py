@@ -20,6 +20,10 @@ needs nothing from the host:
 Ends that are known ahead (`max_new_tokens`, the context) stop the planning at once, so the slot
 takes the next request in the next planned round; an EOS is learned late: steps already planned
 for the request are cancelled (the row idles) and those already run are dropped.
+
+Serving (`opweave serve`) adds requests while rounds run (`add`), cancels them (`cancel`: the
+slot frees within a round), ends them on a request's own stop ids too, and reports each learned
+token and each end through `on_event(request, token, finish_reason)`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     error: str | None = None
     source: str = ""  # where the prompt came from, for messages ("--prompts p.jsonl: line 3")
+    stop_ids: tuple[int, ...] = ()  # ids that end this request besides the model's EOS ids
+    finish_reason: str | None = None  # "stop" (an EOS or stop id), "length", "cancelled", "error"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +96,7 @@ class _Row:
 
 class Scheduler:
     def __init__(self, requests: list[Request], num_microbatches: int, rows: int, context: int,
-                 eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK):
+                 eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK, on_event=None):
         if prefill_chunk < 1:
             raise OpWeaveError(f"prefill chunk must be at least 1 token, got {prefill_chunk}")
         self.queue = deque(requests)
@@ -105,6 +111,7 @@ class Scheduler:
         self._outputs: dict[tuple[int, int], StepPlan] = {}  # (round, mb) -> plan, until learned
         self._open: set[int] = set()                   # requests with outputs still to learn
         self._finished: set[int] = set()
+        self.on_event = on_event  # (request, token or None, finish reason or None), as learned
 
     @property
     def active(self) -> bool:
@@ -123,7 +130,9 @@ class Scheduler:
                 row.request, row.position, row.pending, row.planned = req, 0, list(req.prompt), 0
                 self._open.add(req.index)
                 return
+            req.finish_reason = "error"
             self.done.append(req)
+            self._report(req, None, "error")
 
     def _step(self, row: _Row) -> RowStep:
         if row.request is None:
@@ -175,12 +184,55 @@ class Scheduler:
                 continue
             if token == NON_FINITE_TOKEN:
                 req.error = f"non-finite logits at output token {len(req.output) + 1}"
-            else:
-                req.output.append(int(token))
-            if token == NON_FINITE_TOKEN or int(token) in self.eos or step.last:
-                self._finish(req)
+                self._finish(req, "error")
+                continue
+            req.output.append(int(token))
+            self._report(req, int(token), None)
+            if int(token) in self.eos or int(token) in req.stop_ids:
+                self._finish(req, "stop")
+            elif step.last:
+                self._finish(req, "length")
 
-    def _finish(self, req: Request) -> None:
+    # ---------------------------------------------------------------- serving
+    def add(self, req: Request) -> None:
+        """A new request, admitted into the next free slot of a round not yet planned."""
+        self.queue.append(req)
+
+    def cancel(self, index: int) -> None:
+        """Ends request `index` (queued or running): its planned steps idle, its slot is free for
+        the next round planned; outputs of steps already run are dropped. Unknown or ended: nothing."""
+        for req in self.queue:
+            if req.index == index:
+                self.queue.remove(req)
+                req.finish_reason = "cancelled"
+                self.done.append(req)
+                self._report(req, None, "cancelled")
+                return
+        for rows in self._rows:
+            for row in rows:
+                if row.request is not None and row.request.index == index:
+                    self._finish(row.request, "cancelled")
+                    return
+        for plan in self._outputs.values():  # planning done, outputs still to learn
+            for step in plan.rows:
+                if step.request is not None and step.request.index == index and index not in self._finished:
+                    self._finish(step.request, "cancelled")
+                    return
+
+    def running(self) -> list[Request]:
+        """Requests admitted and not yet ended."""
+        found = {s.request.index: s.request for plan in list(self._plans.values()) + list(self._outputs.values())
+                 for s in plan.rows if s.request is not None and s.request.index in self._open}
+        found.update({row.request.index: row.request for rows in self._rows for row in rows if row.request})
+        return list(found.values())
+
+    def _report(self, req: Request, token: int | None, reason: str | None) -> None:
+        if self.on_event is not None:
+            self.on_event(req, token, reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self._report(req, None, reason)
         self._finished.add(req.index)
         self._open.discard(req.index)
         self.done.append(req)

@@ -31,6 +31,7 @@ from opweave.models.config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.graphs import RoundRunner
+from opweave.runtime.channel import IDLE_WAIT_S
 from opweave.runtime.heartbeat import Phase, report
 from opweave.runtime.inputs import RowInputs, TokenCopies
 from opweave.runtime.kernel_ops import add_norm, with_kernels
@@ -86,6 +87,8 @@ class Runtime:
             self.copies = TokenCopies(self.rows, m, self.device)
         self.steps: list = [None] * m  # this round's plan per microbatch (scheduler leaders)
         self.round_index = 0
+        self.channel = None      # serving: this scheduler leader's queues (`serve`)
+        self.stopping = False
         first = [self.scheduler.plan() if self.scheduler else (1,) * m for _ in range(2)]
         widths, self._next_widths = self.transport.agree(first)
         self._start_round(0, widths)
@@ -93,6 +96,38 @@ class Runtime:
     @property
     def is_leader(self) -> bool:
         return self.program.tp_rank == 0
+
+    def serve(self, channel) -> None:
+        """Serve requests from `channel` (a scheduler leader only): each token learned and each end
+        goes to its outbox as it happens."""
+        self.channel = channel
+        self.scheduler.on_event = lambda req, token, reason: channel.send(("event", req.index, token, reason,
+                                                                          req.error))
+        channel.send(("ready",))
+
+    def _serve_io(self) -> None:
+        """Between rounds: take the server's messages (an idle leader waits a little for one)."""
+        self.scheduler.done.clear()  # reported as they ended: a server keeps no history
+        idle = not self.scheduler.active and not self.stopping
+        for message in self.channel.receive(IDLE_WAIT_S if idle else 0.0):
+            if message[0] == "add":
+                _, index, prompt, max_new, stop_ids = message
+                self.scheduler.add(Request(index=index, prompt=list(prompt), max_new_tokens=max_new,
+                                           stop_ids=tuple(stop_ids)))
+            elif message[0] == "cancel":
+                self.scheduler.cancel(message[1])
+            elif message[0] == "stop":  # end every request now; the ranks stop once all agree
+                self.stopping = True
+                for req in list(self.scheduler.queue) + self.scheduler.running():
+                    self.scheduler.cancel(req.index)
+
+    @property
+    def has_work(self) -> bool:
+        """What this rank puts in the control word: its scheduler has work (a server's always,
+        until it is told to stop)."""
+        if self.scheduler is None:
+            return False
+        return self.scheduler.active or (self.channel is not None and not self.stopping)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -198,13 +233,15 @@ class Runtime:
         last real one."""
         r = self.round_index
         ahead = (1,) * self.program.num_microbatches
+        if self.channel is not None:
+            self._serve_io()
         if self.scheduler is not None:
             self.copies.round_done(r)
             if r >= 2:  # the copies of round r - 1 hold the tokens sampled in round r - 2
                 for mb, tokens in enumerate(self.copies.read(r - 1)):
                     self.scheduler.learn(r - 2, mb, tokens)
             ahead = self.scheduler.plan()
-        more, widths = self.transport.complete_round(self.scheduler is not None and self.scheduler.active, ahead)
+        more, widths = self.transport.complete_round(self.has_work, ahead)
         self._mark("sync")
         self.round_index += 1
         if more:
@@ -230,13 +267,16 @@ def load_program_module(path: str):
 
 
 def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: str, requests: list[Request],
-             interpret: bool = False, trace: bool = False) -> tuple[list[Request], dict] | None:
+             interpret: bool = False, trace: bool = False, serve=None, replica_set: int = 0
+             ) -> tuple[list[Request], dict] | None:
     """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the
     outputs and its per-round wall and host (CPU) times, and with `trace` every rank's spans
     (`{"spans": {rank: rows}}`, see opweave.runtime.timeline).
 
     `artifact` is the folder (its files are then read and checked here) or the files already
-    read and checked; either way the rank uses only those checked bytes."""
+    read and checked; either way the rank uses only those checked bytes. With `serve`
+    (`channel.ServeQueues`), a scheduler leader takes its requests from its inbox while rounds run
+    and reports tokens and ends to the outbox; the ranks run until the server says stop."""
     if isinstance(artifact, str):
         artifact = load_artifact(artifact, rank_files(rank))
     program = program_from_json(artifact.json(f"rank_{rank:02d}.json"))
@@ -246,6 +286,8 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
         k = program.scheduler_leaders.index(program.tp_group[0])
         mine = [r for r in requests if r.index % len(program.scheduler_leaders) == k]
     rt = Runtime(artifact, program, weights, device, groups, mine, trace=trace)
+    if serve is not None and rt.scheduler is not None:
+        rt.serve(serve.channel(replica_set, program.scheduler_leaders.index(program.rank)))
     if interpret:
         from opweave.runtime.interpret import InterpretedProgram
 
@@ -271,6 +313,9 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
                 runner.round()
             wall.append(time.perf_counter() - t0)
             host.append(time.process_time() - c0)
+            if rt.channel is not None:
+                rt.channel.send(("round", wall[-1]))
+                wall, host = wall[-1000:], host[-1000:]  # a server runs for days: keep the recent rounds
             if rt.round_index == faults.get("kill"):
                 os.kill(os.getpid(), 9)
             while rt.round_index == faults.get("stall"):

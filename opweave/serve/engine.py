@@ -1,0 +1,227 @@
+"""The serving engine: a compiled plan's ranks started once, fed requests while they run.
+
+`Engine.start` starts every rank of the plan (every replica set) as `opweave run` does
+(`runtime.launch.Ranks`), in serving mode: each scheduler leader (the embedding owner's replica
+leaders) reads its own inbox between rounds and admits new requests into free batch slots
+(continuous batching: `runtime.scheduler`), and every leader reports the tokens it learns and the
+ends of requests to one outbox (`runtime.channel`). A reader thread turns those into per-request
+`Event`s, in order, through the callback given to `submit`; a watcher thread follows the ranks
+(a rank that fails, dies or stalls makes the engine unhealthy and ends every request in flight
+with an error). Requests go to the leader with the fewest in flight.
+
+Decoding is greedy: `Sampling.temperature` must be 0 (sampling on the device is not built yet).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from opweave.errors import OpWeaveError
+from opweave.runtime.channel import ServeQueues
+from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, Ranks, start_method
+
+READY_TIMEOUT_S = 600.0  # loading the weights of every rank
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 0.0        # only 0 (greedy) is supported for now
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()   # extra ids that end the request (the model's EOS always does)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request's callback receives, in order: one per new token, then a last one."""
+
+    token: int | None             # one new token id (None on the last event)
+    finish_reason: str | None     # None while running; then "stop", "length", "cancelled" or "error"
+    error: str | None = None
+
+
+class QueueFull(Exception):
+    """`submit` while `max_queue` requests already wait."""
+
+
+@dataclasses.dataclass
+class _Request:
+    on_event: Callable[[Event], None]
+    leader: tuple[int, int]       # (replica set, leader index)
+    tokens: int = 0
+
+
+class Engine:
+    def __init__(self, artifact: str, weights: str, device: str = "cpu", replica_sets: int = 1,
+                 max_queue: int = 256, stall_timeout_s: float = STALL_TIMEOUT_S):
+        from opweave.runtime.checks import artifact_model_config
+
+        if max_queue < 1:
+            raise OpWeaveError(f"--max-queue must be at least 1, got {max_queue}")
+        cfg = artifact_model_config(artifact)
+        try:
+            with open(os.path.join(artifact, "rank_00.json")) as f:
+                program = json.load(f)
+        except (OSError, ValueError) as e:
+            raise OpWeaveError(f"{artifact}: not a compiled artifact with rank programs ({e})") from None
+        self.model = program["model"]
+        self.context = int(program["context"])
+        self.eos_token_ids = tuple(cfg.eos_token_ids)
+        self.vocab_size = cfg.vocab_size
+        self._leaders = [(k, j) for k in range(replica_sets) for j in range(len(program["scheduler_leaders"]))]
+        self._args = dict(artifact=artifact, weights=weights, device=device, replica_sets=replica_sets,
+                          stall_timeout_s=stall_timeout_s)
+        self.max_queue = max_queue
+        self.healthy, self.error = False, None
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._rounds: collections.deque = collections.deque(maxlen=256)
+        self._rejected = 0
+        self._ranks = None
+        self._ready = 0
+        self._started = threading.Event()
+        self._stopped = threading.Event()
+
+    # ---------------------------------------------------------------- life
+    def start(self) -> None:
+        """Starts every rank and waits until each has loaded (OpWeaveError if one fails)."""
+        import multiprocessing as mp
+
+        ctx = mp.get_context(start_method(self._args["device"]))
+        sets = self._args["replica_sets"]
+        per_set = len(self._leaders) // sets
+        self._queues = ServeQueues(tuple(tuple(ctx.Queue() for _ in range(per_set)) for _ in range(sets)),
+                                   ctx.Queue())
+        cfg = RunConfig(requests=(), serve=self._queues, **self._args)
+        self._ranks = Ranks(cfg)
+        self._ranks.start()
+        threading.Thread(target=self._watch, name="opweave-engine-watch", daemon=True).start()
+        threading.Thread(target=self._read, name="opweave-engine-read", daemon=True).start()
+        if not self._started.wait(READY_TIMEOUT_S) or not self.healthy:
+            self.stop(timeout_s=5)
+            raise OpWeaveError(self.error or f"the ranks did not load within {READY_TIMEOUT_S:g} s")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stops admitting, ends every request (cancelled), and joins every rank (killed after `timeout_s`)."""
+        if self._ranks is None:
+            return
+        for k, inboxes in enumerate(self._queues.inboxes):
+            for inbox in inboxes:
+                inbox.put(("stop",))
+        self._stopped.wait(timeout_s)
+        self._ranks.stop()
+        self._fail_all("cancelled", None)
+        self.healthy = False
+        self.error = self.error or "the engine stopped"
+        self._started.set()
+
+    def _watch(self) -> None:
+        try:
+            self._ranks.watch()
+        except OpWeaveError as e:
+            self.error = str(e)
+        except Exception as e:  # noqa: BLE001 - reported as the engine's error
+            self.error = f"{type(e).__name__}: {e}"
+        self.healthy = False
+        self._stopped.set()
+        time.sleep(0.2)  # let the reader deliver what the ranks sent last
+        self._fail_all("error", self.error or "the ranks stopped")
+        self._started.set()
+
+    def _read(self) -> None:
+        while not (self._stopped.is_set() and self._queues.outbox.empty()):
+            try:
+                message = self._queues.outbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            except (EOFError, OSError):
+                return
+            kind = message[0]
+            if kind == "event":
+                self._deliver(*message[1:])
+            elif kind == "round":
+                self._rounds.append(message[1])
+            elif kind == "ready":
+                self._ready += 1
+                if self._ready == len(self._leaders):
+                    self.healthy = True
+                    self._started.set()
+
+    def _deliver(self, index: int, token: int | None, reason: str | None, error: str | None) -> None:
+        with self._lock:
+            req = self._requests.get(index)
+            if req is None:
+                return
+            if token is not None:
+                req.tokens += 1
+            if reason is not None:
+                del self._requests[index]
+        if token is not None:
+            req.on_event(Event(token, None))
+        if reason is not None:
+            req.on_event(Event(None, reason, error))
+
+    def _fail_all(self, reason: str, error: str | None) -> None:
+        with self._lock:
+            left, self._requests = self._requests, {}
+        for req in left.values():
+            req.on_event(Event(None, reason, error))
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, prompt_ids: list[int], sampling: Sampling, on_event: Callable[[Event], None]) -> int:
+        """Queues a request; its events go to `on_event` (from an engine thread). Returns its id.
+
+        Raises:
+            QueueFull: `max_queue` requests already wait for a first token.
+            ValueError: the request cannot run (one line: the prompt does not fit, sampling...).
+            RuntimeError: the engine is not running.
+        """
+        if not self.healthy:
+            raise RuntimeError(self.error or "the engine is not running")
+        if sampling.temperature != 0:
+            raise ValueError("sampling (temperature > 0) is not supported yet: use temperature 0 (greedy)")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.context:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the plan's context of {self.context} "
+                             f"allows at most {self.context - 1}")
+        if sampling.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        with self._lock:
+            if sum(r.tokens == 0 for r in self._requests.values()) >= self.max_queue:
+                self._rejected += 1
+                raise QueueFull(f"{self.max_queue} requests are already waiting")
+            index = next(self._ids)
+            load = collections.Counter(r.leader for r in self._requests.values())
+            leader = min(self._leaders, key=lambda key: (load[key], key))
+            self._requests[index] = _Request(on_event, leader)
+        self._queues.inboxes[leader[0]][leader[1]].put(
+            ("add", index, [int(t) for t in prompt_ids], int(sampling.max_tokens),
+             [int(t) for t in sampling.stop_token_ids]))
+        return index
+
+    def cancel(self, request_id: int) -> None:
+        """Ends the request within a round (a last Event "cancelled" follows); unknown ids: nothing."""
+        with self._lock:
+            req = self._requests.get(request_id)
+        if req is not None:
+            self._queues.inboxes[req.leader[0]][req.leader[1]].put(("cancel", request_id))
+
+    def stats(self) -> dict:
+        with self._lock:
+            running = sum(r.tokens > 0 for r in self._requests.values())
+            waiting = len(self._requests) - running
+        return {"running": running, "waiting": waiting, "rejected": self._rejected, "round_s": list(self._rounds)}

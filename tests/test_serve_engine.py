@@ -1,0 +1,117 @@
+"""The serving engine on CPU ranks: requests admitted while the plan's ranks run (continuous
+batching), greedy tokens identical to `opweave run`, cancellation, stop ids, a full queue, a rank
+that dies, and a stop that leaves no process."""
+
+import os
+import threading
+
+import pytest
+
+from opweave.serve.engine import Engine, QueueFull, Sampling
+from test_runtime import LAYERS, NEW_TOKENS, PROMPTS, compile_pinned, reference
+
+
+class Collect:
+    """Events per request; `wait()` until every submitted request ended."""
+
+    def __init__(self):
+        self.events, self.lock, self.ended = {}, threading.Lock(), threading.Condition()
+
+    def callback(self, key):
+        def on_event(ev):
+            with self.ended:
+                self.events.setdefault(key, []).append(ev)
+                self.ended.notify_all()
+        return on_event
+
+    def tokens(self, key):
+        return [e.token for e in self.events.get(key, []) if e.token is not None]
+
+    def reason(self, key):
+        evs = self.events.get(key, [])
+        return evs[-1].finish_reason if evs else None
+
+    def wait(self, keys, timeout=60):
+        with self.ended:
+            assert self.ended.wait_for(lambda: all(self.reason(k) for k in keys), timeout), self.events
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint, tmp_path_factory):
+    folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
+    art = str(tmp_path_factory.mktemp("serve") / "art")
+    compile_pinned(folder, "afd", art)  # three ranks: attention, FFN at TP 2
+    engine = Engine(art, folder, max_queue=64)
+    engine.start()
+    yield engine, folder
+    engine.stop()
+
+
+def test_requests_arriving_while_running_get_run_s_greedy_tokens(served):
+    engine, folder = served
+    got = Collect()
+    first = [engine.submit(p, Sampling(max_tokens=NEW_TOKENS), got.callback(i)) for i, p in enumerate(PROMPTS[:2])]
+    got.wait([0])  # the first request ended: the rest arrive while the second may still run
+    for i, p in enumerate(PROMPTS[2:], start=2):
+        engine.submit(p, Sampling(max_tokens=NEW_TOKENS), got.callback(i))
+    got.wait(range(len(PROMPTS)))
+    assert len(set(first)) == 2
+    assert [tuple(got.tokens(i)) for i in range(len(PROMPTS))] == list(reference(folder))
+    assert {got.reason(i) for i in range(len(PROMPTS))} == {"length"}
+    stats = engine.stats()
+    assert stats["running"] == stats["waiting"] == 0 and stats["round_s"]
+
+
+def test_stop_ids_and_cancel(served):
+    engine, folder = served
+    want = reference(folder)[0]
+    got = Collect()
+    engine.submit(PROMPTS[0], Sampling(max_tokens=NEW_TOKENS, stop_token_ids=(want[1],)), got.callback("stop"))
+    long = engine.submit(PROMPTS[1], Sampling(max_tokens=40), got.callback("long"))
+    got.wait(["stop"])
+    assert got.tokens("stop") == list(want[:2]) and got.reason("stop") == "stop"
+    engine.cancel(long)
+    got.wait(["long"])
+    assert got.reason("long") == "cancelled" and len(got.tokens("long")) < 40
+    engine.cancel(long)  # ended: nothing happens
+    engine.submit(PROMPTS[3], Sampling(max_tokens=3), got.callback("after"))  # the slot was freed
+    got.wait(["after"])
+    assert got.tokens("after") == list(reference(folder)[3][:3])
+
+
+def test_bad_requests_and_a_full_queue(served):
+    engine, _ = served
+    with pytest.raises(ValueError, match="context of 64 allows at most 63"):
+        engine.submit(list(range(1, 65)), Sampling(max_tokens=2), lambda ev: None)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.submit([1, 2], Sampling(max_tokens=2, temperature=0.7), lambda ev: None)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit([10 ** 9], Sampling(max_tokens=2), lambda ev: None)
+    got = Collect()
+    keys = []
+    with pytest.raises(QueueFull):
+        for i in range(engine.max_queue + 1):  # none has a first token yet: they all wait
+            engine.submit([5, 6, 7], Sampling(max_tokens=1), got.callback(i))
+            keys.append(i)
+    assert engine.stats()["rejected"] >= 1
+    got.wait(keys)
+
+
+def test_a_dying_rank_fails_requests_in_flight_and_stop_leaves_no_process(tiny_checkpoint, tmp_path, monkeypatch):
+    folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
+    art = str(tmp_path / "art")
+    compile_pinned(folder, "afd", art)
+    monkeypatch.setenv("OPWEAVE_FAULT_KILL", "1:30")  # rank 1 kills itself after round 30
+    engine = Engine(art, folder)
+    engine.start()
+    got = Collect()
+    engine.submit(PROMPTS[0], Sampling(max_tokens=60), got.callback(0))
+    got.wait([0])
+    assert got.reason(0) == "error" and "rank 1" in got.events[0][-1].error
+    assert not engine.healthy and "rank 1" in engine.error
+    with pytest.raises(RuntimeError):
+        engine.submit([1], Sampling(max_tokens=1), lambda ev: None)
+    pids = [p.pid for p in engine._ranks.procs.values()]
+    engine.stop(timeout_s=5)
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
