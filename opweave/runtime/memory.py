@@ -205,6 +205,12 @@ class MetaRuntime:
     def allreduce(self, x):
         return x
 
+    def add_norm(self, norm, x, residual):
+        from opweave.codegen.kernels.reference import add_rms_norm
+
+        normed, summed = add_rms_norm(x, residual, norm.weight, norm.cfg.rms_norm_eps, norm.cfg.norm_offset)
+        return summed, normed
+
     def tp_argmax(self, logits):
         last = logits[:, -1, :].float()
         best, idx = last.max(dim=-1)
