@@ -367,6 +367,55 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_ints(text: str, flag: str) -> list[int]:
+    """`1,16,64` -> [1, 16, 64]; one-line error for anything else."""
+    try:
+        values = [int(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise OpWeaveError(f"{flag} must be comma-separated whole numbers, got {text[:60]!r}") from None
+    if not values or min(values) <= 0:
+        raise OpWeaveError(f"{flag} must list positive whole numbers, got {text[:60]!r}")
+    return list(dict.fromkeys(values))
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from opweave.compiler.frontend import run_front_end
+    from opweave.cost.estimate import estimate, estimate_to_json, format_estimate
+    from opweave.cost.model import CostModel
+    from opweave.hardware.catalog import get_gpu, load_catalog
+    from opweave.units import parse_contexts
+
+    tps = _positive_ints(args.tp, "--tp")
+    batches = _positive_ints(args.batch, "--batch")
+    contexts = parse_contexts(args.context)
+    gpu = get_gpu(args.gpu, load_catalog(args.catalog))
+    graph = run_front_end(args.model).graph
+    points = estimate(graph, gpu, tps, batches, contexts, CostModel(cuda_graphs=not args.eager))
+    print(json.dumps(estimate_to_json(graph.model, points), indent=1) if args.format == "json"
+          else format_estimate(graph.model, points))
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from opweave.cost.calibrate import calibrate, calibration_to_json, catalog_entries, format_calibration
+    from opweave.hardware.catalog import load_catalog
+    from opweave.outputs import atomic_file, check_output_file
+
+    if not args.output.lower().endswith(".json"):
+        raise OpWeaveError(f"-o {args.output}: the catalog file must end in .json (--catalog reads it)")
+    check_output_file(args.output, "-o", inputs=(args.measurements, args.catalog))
+    result = calibrate(args.measurements, load_catalog(args.catalog), logo=not args.no_logo, engine=args.engine)
+    with atomic_file(args.output, flag="-o") as f:
+        json.dump(catalog_entries(result), f, indent=2)
+        f.write("\n")
+    if args.format == "json":
+        print(json.dumps(calibration_to_json(result), indent=1))
+    else:
+        print(format_calibration(result))
+        print(f"wrote {args.output}: use it with --catalog {args.output} (compile, analyze, estimate)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opweave", description="Compiler for LLM decode serving on mixed GPU clusters.")
     parser.add_argument("--version", action="version", version=f"opweave {__version__}")
@@ -398,6 +447,35 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--plot", metavar="FILE.png", help="write cost and gain against context length")
     analyze.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
     analyze.set_defaults(func=_cmd_analyze)
+
+    est = sub.add_parser("estimate", help="TPOT, tokens/s and memory fit of colocated decode at given points, "
+                                          "with the cost model's terms")
+    est.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
+    est.add_argument("--gpu", required=True, help="GPU type from the catalog, e.g. h100")
+    est.add_argument("--tp", default="1", help="TP degrees, e.g. 1 or 1,2,4 (default 1)")
+    est.add_argument("--batch", default="1", help="resident batches, e.g. 1,16,64 (default 1)")
+    est.add_argument("--context", default="1536",
+                     help="context lengths: 1536,32k or a doubling range 1k..32k (default 1536)")
+    est.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    est.add_argument("--format", choices=("text", "json"), default="text")
+    est.add_argument("--eager", action="store_true",
+                     help="ops launched one by one instead of a replayed CUDA graph (eager launch overhead)")
+    est.set_defaults(func=_cmd_estimate)
+
+    cal = sub.add_parser("calibrate", help="fit the cost model's efficiency and overhead terms per GPU type to "
+                                           "measured decode steps; write an override catalog")
+    cal.add_argument("measurements", metavar="MEASUREMENTS.csv",
+                     help="columns gpu, model, tp, batch, context, tpot_ms (others ignored; engine groups rows)")
+    cal.add_argument("-o", "--output", required=True, metavar="CATALOG.json",
+                     help="override catalog to write (give it to --catalog of compile, analyze, estimate)")
+    cal.add_argument("--catalog", metavar="FILE",
+                     help="starting catalog: terms the rows cannot identify keep its values (default the built-in "
+                          "one; 'roofline' the ideal bound)")
+    cal.add_argument("--engine", metavar="NAME",
+                     help="fit the rows whose engine column is NAME; the file's other rows give the starting values")
+    cal.add_argument("--no-logo", action="store_true", help="skip the leave-one-group-out check (faster)")
+    cal.add_argument("--format", choices=("text", "json"), default="text")
+    cal.set_defaults(func=_cmd_calibrate)
 
     comp = sub.add_parser("compile", help="search the cheapest serving plan that meets a TPOT SLO")
     comp.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")

@@ -70,12 +70,27 @@ def test_kv_state_replicates_beyond_kv_heads():
     assert state16 == pytest.approx(state8)
 
 
-def test_moe_weights_read_grow_with_batch_and_saturate():
+def test_moe_weights_read_as_the_grouped_kernel_reads_them():
     experts = first(graph("qwen3-30b-a3b"), OpKind.MOE_EXPERTS)  # 128 experts, top-8
     reads = [C.weight_bytes_read(experts, b) for b in (1, 4, 16, 64, 1024)]
     assert reads == sorted(reads)
     assert reads[0] == pytest.approx(experts.weight_bytes * 8 / 128)
-    assert reads[-1] == pytest.approx(experts.weight_bytes, rel=1e-3)
+    # up to 16 tokens per expert: each touched expert once (the distinct experts touched)
+    assert reads[1] == pytest.approx(experts.weight_bytes * (1 - (1 - 8 / 128) ** 4))
+    # 1024 tokens x 8 / 128 = 64 pairs per expert on average: about 4-5 blocks of 16 each
+    assert 4.0 * experts.weight_bytes < reads[-1] < 5.5 * experts.weight_bytes
+
+
+def test_expert_reads_against_enumeration():
+    import itertools
+    import math
+
+    p, block = 0.3, 2
+    for batch in (1, 3, 5):
+        exact = sum(math.ceil(sum(hit) / block) * p ** sum(hit) * (1 - p) ** (batch - sum(hit))
+                    for hit in itertools.product((0, 1), repeat=batch))
+        assert C.expert_reads(batch, p, block) == pytest.approx(exact)
+    assert C.expert_reads(40, 1.0) == 3.0
 
 
 def test_transfers_and_boundaries():
@@ -108,3 +123,10 @@ def test_profile_replaces_roofline_where_it_has_a_figure():
     attn = model.op_cost(first(g, OpKind.ATTN_FULL), h100, 1, 4, 1024, HIDDEN_BYTES)
     assert attn.measured and attn.compute_s == 1e-3
     assert not model.op_cost(first(g, OpKind.O_PROJ), h100, 1, 4, 1024, HIDDEN_BYTES).measured
+
+
+def test_moe_block_is_the_kernels():
+    pytest.importorskip("triton")
+    from opweave.codegen.kernels.triton_kernels import MOE_BLOCK_M
+
+    assert C.MOE_BLOCK_PAIRS == MOE_BLOCK_M

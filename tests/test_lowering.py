@@ -126,7 +126,11 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Plan for gemma-3-27b on h100x32" in out and "Plan for tiny-gemma3" in out
     assert out.count("-> generated [") == 2
-    assert os.path.isfile(tmp_path / "demo" / "gemma-3-27b" / "rank_27.py")
+    art = tmp_path / "demo" / "gemma-3-27b"
+    with open(art / "plan.json") as f:
+        plan = json.load(f)
+    ranks = sum(o["tp"] * o["replicas"] for o in plan["owners"])  # one replica set's ranks
+    assert os.path.isfile(art / f"rank_{ranks - 1:02d}.py") and not os.path.exists(art / f"rank_{ranks:02d}.py")
 
 
 def test_one_owner_taking_every_stage_runs_them_as_one(tiny_checkpoint):

@@ -2,6 +2,7 @@
 
 Notation, per GPU type (effective figures: catalog peak × efficiency factor):
     c  price per GPU-second            B  memory bandwidth        F  GEMM FLOP/s
+    (the state m is read at the KV/state bandwidth, weights W stream at B: `GPUSpec`)
     M  usable memory per GPU            t  TP degree the weights need (smallest power of 2 with t·M > M_w)
 Per model (from the IR): M_w all weight bytes, W GEMM weight bytes (what a step reads at large
 batch), f GEMM FLOPs per token, m(s) per-sequence state bytes at context s.
@@ -47,9 +48,11 @@ def b_star(gemm_weight_bytes: float, gemm_flops: float, bandwidth: float, flops:
 
 
 def colocated_time(batch: float, state: float, gemm_weight_bytes: float, gemm_flops: float,
-                   bandwidth: float, flops: float) -> float:
-    """Seconds per token of colocated decode at batch b (one device of bandwidth B, FLOP/s F)."""
-    return state / bandwidth + max(gemm_weight_bytes / (batch * bandwidth), gemm_flops / flops)
+                   bandwidth: float, flops: float, kv_bandwidth: float | None = None) -> float:
+    """Seconds per token of colocated decode at batch b (one device of bandwidth B, FLOP/s F; the
+    state read at `kv_bandwidth`, default B)."""
+    kv = bandwidth if kv_bandwidth is None else kv_bandwidth
+    return state / kv + max(gemm_weight_bytes / (batch * bandwidth), gemm_flops / flops)
 
 
 def hom_time(state: float, gemm_flops: float, bandwidth: float, flops: float) -> float:
@@ -142,7 +145,7 @@ PER_MTOK = 1e6
 def _cad(gpu: GPUSpec, rest: GPUSpec, terms: ModelTerms, state: float) -> tuple[bool, float, float, str]:
     """A.6: the attention stage's longest feasible latency vs the rest-of-model weight floor."""
     per_mb = math.floor(gpu.usable_memory_bytes / (NUM_MICROBATCHES_CAD * state)) if state > 0 else 0
-    attn_max = per_mb * state / gpu.effective_bandwidth
+    attn_max = per_mb * state / gpu.effective_kv_bandwidth
     t_rest = weights_tp(rest, terms.weight_bytes)
     floor = terms.gemm_weight_bytes / (t_rest * rest.effective_bandwidth)
     if per_mb < 1:
@@ -158,17 +161,18 @@ def _gpu_point(gpu: GPUSpec, terms: ModelTerms, state: float) -> GPUPoint:
     t = weights_tp(gpu, terms.weight_bytes)
     mem, bw, fl, price = t * gpu.usable_memory_bytes, t * gpu.effective_bandwidth, t * gpu.effective_flops, \
         t * gpu.price_per_second
+    bw_kv = t * gpu.effective_kv_bandwidth
     b_rel = relaxed_batch(mem, terms.weight_bytes, state)
     bstar = b_star(terms.gemm_weight_bytes, terms.gemm_flops, bw, fl)
-    hom = price * hom_time(state, terms.gemm_flops, bw, fl)
+    hom = price * hom_time(state, terms.gemm_flops, bw_kv, fl)
     bound = mem / (mem - terms.weight_bytes) if mem > terms.weight_bytes else math.inf
     col = col_int = g = None
     b_max = math.floor(b_rel) if math.isfinite(b_rel) else 10**9
     if b_rel > 0:
-        col = price * colocated_time(b_rel, state, terms.gemm_weight_bytes, terms.gemm_flops, bw, fl)
+        col = price * colocated_time(b_rel, state, terms.gemm_weight_bytes, terms.gemm_flops, bw, fl, bw_kv)
         g = col / hom
     if b_max >= 1:
-        col_int = price * colocated_time(b_max, state, terms.gemm_weight_bytes, terms.gemm_flops, bw, fl)
+        col_int = price * colocated_time(b_max, state, terms.gemm_weight_bytes, terms.gemm_flops, bw, fl, bw_kv)
     regime = "infeasible" if b_max < 1 else ("compute-bound" if b_rel >= bstar else "memory-bound")
     ok, attn_max, floor, why = _cad(gpu, gpu, terms, state)
     return GPUPoint(gpu=gpu.name, tp=t, b_rel=b_rel, b_max=b_max, b_star=bstar, regime=regime,
@@ -179,14 +183,14 @@ def _gpu_point(gpu: GPUSpec, terms: ModelTerms, state: float) -> GPUPoint:
 
 
 def _triples(gpus: list[GPUSpec]) -> list[tuple[float, float, float]]:
-    return [(g.price_per_second, g.effective_bandwidth, g.effective_flops) for g in gpus]
+    return [(g.price_per_second, g.effective_kv_bandwidth, g.effective_flops) for g in gpus]
 
 
 def _crossing(graph: OpGraph, terms: ModelTerms, gpus: list[GPUSpec], lo: int, hi: int) -> float | None:
     """Context where the cheapest homogeneous-ODS GPU type changes, by bisection on s (None: none)."""
     def best(s: float) -> str:
         m = graph.state_bytes(int(s))
-        return min(gpus, key=lambda g: g.price_per_second * hom_time(m, terms.gemm_flops, g.effective_bandwidth,
+        return min(gpus, key=lambda g: g.price_per_second * hom_time(m, terms.gemm_flops, g.effective_kv_bandwidth,
                                                                    g.effective_flops)).name
     if len(gpus) < 2 or best(lo) == best(hi):
         return None
@@ -219,7 +223,7 @@ def analyze(graph: OpGraph, gpus: list[GPUSpec], contexts: list[int]) -> Analysi
         point = ContextPoint(context=s, state_bytes=state, gpus=per_gpu)
         if len(gpus) >= 2:
             triples = _triples(gpus)
-            attn = min(gpus, key=lambda g: g.price_per_second / g.effective_bandwidth)
+            attn = min(gpus, key=lambda g: g.price_per_second / g.effective_kv_bandwidth)
             gemm = min(gpus, key=lambda g: g.price_per_second / g.effective_flops)
             point = dataclasses.replace(point, cost_het_ods=het_cost(state, terms.gemm_flops, triples) * PER_MTOK,
                                         g_het=g_het(state, terms.gemm_flops, triples),

@@ -1,31 +1,39 @@
 """The cost model: one set of per-op cost functions for the analysis, the planner and the simulator.
 
 Per op, on a device group of `tp` GPUs of one type, at resident batch b and context s (summary
-§3.1, A.1, B.3):
+§3.1, A.1, B.3, with the terms measured decode needs: docs/calibration.md):
 
-    latency = max(bytes / (bandwidth * mem_eff), flops / (peak * gemm_eff)) + launch overhead
-
-    flops  = b * flops_at(s) / shards
-    bytes  = weights read at batch b / shards + b * (activations + state_bytes(s)) / shards
+    weights_s = (weights read at batch b / shards + b * activations / shards) / (bandwidth * mem_eff)
+    state_s   = b * state_bytes(s) / state shards / (bandwidth * kv_eff)
+    math_s    = b * flops_at(s) / shards / (peak * gemm_eff)
+    memory_s  = weights_s + state_s
+    latency   = max(memory_s, math_s) + serial_fraction * min(memory_s, math_s) + launch overhead
 
 with `shards` and the state's shards from the TP table (`opweave.ir.tp`): the full weights over
 one rank's for sharded ops (so replicated KV heads and norm weights count), 1 for replicated ones
 (the embedding too); the state divides by its KV heads at most. Weights read at batch b are all
-of them for dense ops, the expected distinct experts E * (1 - (1 - k/E)^b) for routed experts,
-and b rows of the embedding. Ops whose output the table names a partial sum pay a ring
-all-reduce (routed experts followed by a shared expert: one, after the shared expert); a stage
-boundary pays latency + bytes / link bandwidth, inter-node when the two groups are on different
-nodes.
+of them for dense ops, b rows of the embedding, and for routed experts what the grouped kernel
+reads: each expert's weights once per block of `MOE_BLOCK_PAIRS` (token, expert) pairs, in
+expectation over uniform routing (`expert_reads`). The launch overhead is per op, the figure
+under CUDA-graph replay unless `CostModel(cuda_graphs=False)`. The embedding op, which begins a
+step, also carries the step's fixed costs: `step_overhead + b * sequence_overhead`.
 
-A profiled table (`CostModel(profile=...)`) replaces the roofline latency op by op where it has
-a figure (beyond its measured grid: the figure at the grid's edge, scaled by the roofline's
-growth); the roofline covers the rest. A profile may also give the host time of each side of a
-stage boundary (`transfer_host_s`), which the planner adds to the stage's compute.
+Ops whose output the table names a partial sum pay a ring all-reduce (routed experts followed by
+a shared expert: one, after the shared expert); every TP collective pays `collective_latency`
+besides the ring's hops; a stage boundary pays latency + bytes / link bandwidth, inter-node when
+the two groups are on different nodes.
+
+A profiled table (`CostModel(profile=...)`) replaces the analytic latency op by op where it has
+a figure (beyond its measured grid: the figure at the grid's edge, scaled by the analytic
+latency's growth); the analytic model covers the rest. A profile may also give the host time of
+each side of a stage boundary (`transfer_host_s`), which the planner adds to the stage's compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Protocol
 
 from opweave.hardware.catalog import GPUSpec
@@ -59,11 +67,14 @@ class OpProfile(Protocol):
 class OpCost:
     """Latency of one op on one device group, split into its terms (seconds)."""
 
-    compute_s: float        # max(memory time, math time) + launch overhead
-    memory_s: float         # bytes / effective bandwidth
+    compute_s: float        # memory and math time with their overlap + launch and step overheads
+    memory_s: float         # bytes / effective bandwidth (= weights_s + state_s)
     math_s: float           # flops / effective FLOP/s
     comm_s: float           # tensor-parallel all-reduce after the op
     measured: bool = False  # compute_s came from a profile
+    weights_s: float = 0.0  # the part of memory_s that streams weights and activations
+    state_s: float = 0.0    # the part of memory_s that reads per-sequence state (KV cache, recurrent)
+    overhead_s: float = 0.0  # the part of compute_s that is launch and step overhead
 
     @property
     def total_s(self) -> float:
@@ -76,13 +87,35 @@ def shards(op: Op, tp: int) -> float:
     return tp_table.compute_shards(op, tp)
 
 
+MOE_BLOCK_PAIRS = 16
+"""The grouped MoE kernel reads an expert's weights once per block of this many (token, expert)
+pairs routed to it (`MOE_BLOCK_M` in `opweave/codegen/kernels`; docs/kernels.md)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def expert_reads(batch: int, probability: float, block: int = MOE_BLOCK_PAIRS) -> float:
+    """Expected times one expert's weights are read in a step of `batch` tokens that each route
+    to it with `probability`: E[ceil(n / block)], n ~ Binomial(batch, probability)."""
+    if probability <= 0.0 or batch <= 0:
+        return 0.0
+    if probability >= 1.0:
+        return float(math.ceil(batch / block))
+    log_p, log_q = math.log(probability), math.log1p(-probability)
+    total = 0.0
+    for n in range(1, batch + 1):
+        log_pmf = math.lgamma(batch + 1) - math.lgamma(n + 1) - math.lgamma(batch - n + 1) + n * log_p \
+            + (batch - n) * log_q
+        total += math.ceil(n / block) * math.exp(log_pmf)
+    return total
+
+
 def weight_bytes_read(op: Op, batch: int) -> float:
     """Weight bytes one step reads at resident batch `batch` (whole group, before sharding)."""
     if op.kind == OpKind.EMBED:
         rows = op.weights[0].shape[0] if op.weights else 1
         return op.weight_bytes * min(batch, rows) / rows
-    if op.active_weight_fraction < 1.0:  # routed experts: expected distinct experts touched
-        return op.weight_bytes * (1.0 - (1.0 - op.active_weight_fraction) ** batch)
+    if op.active_weight_fraction < 1.0:  # routed experts: each expert once per block of pairs
+        return op.weight_bytes * expert_reads(batch, op.active_weight_fraction)
     return float(op.weight_bytes)
 
 
@@ -91,11 +124,20 @@ def state_shards(op: Op, tp: int) -> int:
     return tp_table.state_shards(op, tp)
 
 
+def op_stream_bytes(op: Op, tp: int, batch: int) -> float:
+    """Weight and activation bytes one GPU of the group moves for this op in one step."""
+    n = shards(op, tp)
+    return weight_bytes_read(op, batch) / n + batch * op.act_bytes_per_token / n
+
+
+def op_state_bytes(op: Op, tp: int, batch: int, context: int) -> float:
+    """Per-sequence state bytes (KV cache, recurrent state) one GPU of the group reads in one step."""
+    return batch * op.state_bytes(context) / state_shards(op, tp)
+
+
 def op_bytes(op: Op, tp: int, batch: int, context: int) -> float:
     """Bytes one GPU of the group moves for this op in one step."""
-    n = shards(op, tp)
-    return (weight_bytes_read(op, batch) / n + batch * op.act_bytes_per_token / n
-            + batch * op.state_bytes(context) / state_shards(op, tp))
+    return op_stream_bytes(op, tp, batch) + op_state_bytes(op, tp, batch, context)
 
 
 def op_flops(op: Op, tp: int, batch: int, context: int) -> float:
@@ -103,18 +145,19 @@ def op_flops(op: Op, tp: int, batch: int, context: int) -> float:
 
 
 def allreduce_s(nbytes: float, tp: int, gpu: GPUSpec) -> float:
-    """Ring all-reduce of `nbytes` over `tp` GPUs of one node."""
+    """Ring all-reduce of `nbytes` over `tp` GPUs of one node: the collective's fixed cost, then
+    2 (tp - 1) hops of the link's latency and the ring's share of the bytes."""
     if tp <= 1 or nbytes <= 0:
         return 0.0
     steps = 2 * (tp - 1)
-    return steps * gpu.intra_link_latency + steps / tp * nbytes / intra_bandwidth(gpu)
+    return gpu.collective_latency + steps * gpu.intra_link_latency + steps / tp * nbytes / intra_bandwidth(gpu)
 
 
 def allgather_s(nbytes_per_rank: float, tp: int, gpu: GPUSpec) -> float:
     """Ring all-gather: every rank ends with all `tp` pieces of `nbytes_per_rank`."""
     if tp <= 1 or nbytes_per_rank <= 0:
         return 0.0
-    return (tp - 1) * (gpu.intra_link_latency + nbytes_per_rank / intra_bandwidth(gpu))
+    return gpu.collective_latency + (tp - 1) * (gpu.intra_link_latency + nbytes_per_rank / intra_bandwidth(gpu))
 
 
 SAMPLE_CANDIDATE_BYTES = 16
@@ -136,22 +179,27 @@ class CostModel:
     """Per-op latency, communication and memory on a catalog of GPU types."""
 
     profile: OpProfile | None = None
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (the runtime on CUDA); False: eager launches
 
     def op_cost(self, op: Op, gpu: GPUSpec, tp: int, batch: int, context: int, hidden_bytes: int,
                 following: Op | None = None) -> OpCost:
         """The op's cost; `following` is the op after it in the stage (a shared expert after
         routed experts takes their all-reduce: `needs_allreduce`)."""
-        memory_s, math_s, compute_s = roofline(op, gpu, tp, batch, context)
+        weights_s, state_s, math_s = op_times(op, gpu, tp, batch, context)
+        memory_s = weights_s + state_s
+        overhead_s = gpu.op_launch_s(self.cuda_graphs) + step_cost_s(op, gpu, batch)
+        compute_s = overlapped_s(memory_s, math_s, gpu) + overhead_s
         measured = False
         if self.profile is not None:
             figure = self._measured(op, gpu, tp, batch, context, compute_s)
-            if figure is not None:
-                compute_s, measured = figure, True
-        comm_s = self._collectives(op, gpu, tp, batch, hidden_bytes, following)
-        return OpCost(compute_s=compute_s, memory_s=memory_s, math_s=math_s, comm_s=comm_s, measured=measured)
+            if figure is not None:  # the profile times the op alone: the step's costs stay
+                compute_s, measured = figure + step_cost_s(op, gpu, batch), True
+        comm_s = self.collectives_s(op, gpu, tp, batch, hidden_bytes, following)
+        return OpCost(compute_s=compute_s, memory_s=memory_s, math_s=math_s, comm_s=comm_s, measured=measured,
+                      weights_s=weights_s, state_s=state_s, overhead_s=overhead_s)
 
-    def _collectives(self, op: Op, gpu: GPUSpec, tp: int, batch: int, hidden_bytes: int,
-                     following: Op | None = None) -> float:
+    def collectives_s(self, op: Op, gpu: GPUSpec, tp: int, batch: int, hidden_bytes: int,
+                      following: Op | None = None) -> float:
         """The op's TP collectives (TP table): an all-reduce of a partial sum, the sampler's
         all-gather of (max logit, index) per token. Measured (the profile's all-reduce fit) where
         the profile covers `gpu`, else ring figures on the catalog's links."""
@@ -176,7 +224,7 @@ class CostModel:
         if figure is None or (b0, c0) == (batch, context):
             return figure
         self.profile.count_beyond_grid()
-        return figure * max(1.0, roof_s / roofline(op, gpu, tp, b0, c0)[2])
+        return figure * max(1.0, roof_s / roofline(op, gpu, tp, b0, c0, self.cuda_graphs)[2])
 
     def transfer_host_s(self, nbytes: float, gpu: GPUSpec, side: str) -> float:
         """Time one side of a stage boundary ("send" or "recv") spends on its own compute stream.
@@ -206,11 +254,35 @@ class CostModel:
         return sum(c.total_s for c in self.op_costs(ops, gpu, tp, batch, context, hidden_bytes))
 
 
-def roofline(op: Op, gpu: GPUSpec, tp: int, batch: int, context: int) -> tuple[float, float, float]:
-    """(memory time, math time, latency = max of the two + launch overhead) of one op, seconds."""
-    memory_s = op_bytes(op, tp, batch, context) / gpu.effective_bandwidth
-    math_s = op_flops(op, tp, batch, context) / gpu.effective_flops
-    return memory_s, math_s, max(memory_s, math_s) + gpu.launch_overhead
+def op_times(op: Op, gpu: GPUSpec, tp: int, batch: int, context: int) -> tuple[float, float, float]:
+    """(weight and activation streaming time, state reading time, math time) of one op, seconds."""
+    return (op_stream_bytes(op, tp, batch) / gpu.effective_bandwidth,
+            op_state_bytes(op, tp, batch, context) / gpu.effective_kv_bandwidth,
+            op_flops(op, tp, batch, context) / gpu.effective_flops)
+
+
+def overlapped_s(memory_s: float, math_s: float, gpu: GPUSpec) -> float:
+    """Memory and math of one op run partly at once: the larger, plus `serial_fraction` of the
+    smaller (0: a pure roofline maximum; 1: one after the other)."""
+    return max(memory_s, math_s) + gpu.serial_fraction * min(memory_s, math_s)
+
+
+def step_cost_s(op: Op, gpu: GPUSpec, batch: int) -> float:
+    """The step's fixed costs, carried by the op that begins a step (the embedding): per step and
+    per sequence of the batch."""
+    if op.kind != OpKind.EMBED:
+        return 0.0
+    return gpu.step_overhead + batch * gpu.sequence_overhead
+
+
+def roofline(op: Op, gpu: GPUSpec, tp: int, batch: int, context: int,
+             cuda_graphs: bool = True) -> tuple[float, float, float]:
+    """(memory time, math time, latency) of one op, seconds: the analytic model without a profile
+    and without its collectives."""
+    weights_s, state_s, math_s = op_times(op, gpu, tp, batch, context)
+    memory_s = weights_s + state_s
+    latency = overlapped_s(memory_s, math_s, gpu) + gpu.op_launch_s(cuda_graphs) + step_cost_s(op, gpu, batch)
+    return memory_s, math_s, latency
 
 
 def intra_bandwidth(gpu: GPUSpec) -> float:

@@ -18,6 +18,9 @@ import re
 from opweave.errors import OpWeaveError
 
 CATALOG_PATH = os.path.join(os.path.dirname(__file__), "catalog.json")
+PRESETS = {"roofline": os.path.join(os.path.dirname(__file__), "roofline.json")}
+"""Override files built in, named instead of a path: `--catalog roofline` is the ideal bound
+(copy-kernel streaming efficiency, no fixed costs) the built-in catalog's fitted figures replace."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,9 +39,16 @@ class GPUSpec:
     inter_link_latency: float  # s
     gpus_per_node: int
     gemm_efficiency: float  # achievable fraction of peak_flops
-    mem_efficiency: float  # achievable fraction of mem_bandwidth
-    launch_overhead: float  # s per kernel
+    mem_efficiency: float  # achieved fraction of mem_bandwidth streaming weights and activations
+    launch_overhead: float  # s per op (kernel) under CUDA-graph replay
     price_per_hour: float  # USD per GPU-hour
+    # The terms below are optional in a file (a new entry without them is an ideal roofline):
+    kv_efficiency: float | None = None  # achieved fraction of mem_bandwidth reading KV/state (None: mem_efficiency)
+    serial_fraction: float = 0.0  # share of the smaller of an op's memory and math time not hidden under the larger
+    eager_launch_overhead: float | None = None  # s per op launched eagerly (None: EAGER_LAUNCH_FACTOR x launch)
+    step_overhead: float = 0.0  # s per decode step (scheduling, input preparation, sampling launch)
+    sequence_overhead: float = 0.0  # s per sequence per decode step (its metadata, sampling, output)
+    collective_latency: float = 0.0  # s of fixed cost per TP collective, beyond the ring's link hops
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -51,19 +61,44 @@ class GPUSpec:
 
     @property
     def effective_bandwidth(self) -> float:
+        """Bytes/s streaming weights and activations."""
         return self.mem_bandwidth * self.mem_efficiency
+
+    @property
+    def effective_kv_bandwidth(self) -> float:
+        """Bytes/s reading per-sequence state (KV cache, recurrent state)."""
+        return self.mem_bandwidth * (self.mem_efficiency if self.kv_efficiency is None else self.kv_efficiency)
+
+    def op_launch_s(self, cuda_graphs: bool = True) -> float:
+        """Seconds per op launched: replayed in a CUDA graph, or eagerly."""
+        if cuda_graphs:
+            return self.launch_overhead
+        if self.eager_launch_overhead is not None:
+            return self.eager_launch_overhead
+        return self.launch_overhead * EAGER_LAUNCH_FACTOR
 
     @property
     def price_per_second(self) -> float:
         return self.price_per_hour / 3600.0
 
 
-FRACTION_FIELDS = ("usable_memory_fraction", "gemm_efficiency", "mem_efficiency")
+EAGER_LAUNCH_FACTOR = 4.2 / 1.28
+"""Eager launch / CUDA-graph replay per op: 4.2 us vs 1.28 us per kernel on an H100 NVL (refdata
+efficiency.launch_overhead.python_issued_op_vs_graph_replay_H100NVL, medium)."""
+
+FRACTION_FIELDS = ("usable_memory_fraction", "gemm_efficiency", "mem_efficiency", "kv_efficiency",
+                   "serial_fraction")
 INT_FIELDS = ("gpus_per_node",)
 NUMERIC_FIELDS = tuple(
     f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "description", "sources")
 )
-VALUE_FIELDS = ("description",) + NUMERIC_FIELDS  # what a file gives for a new entry
+OPTIONAL_FIELDS = ("kv_efficiency", "serial_fraction", "eager_launch_overhead", "step_overhead",
+                   "sequence_overhead", "collective_latency")
+"""Fields a new entry may leave out (their defaults leave the ideal roofline)."""
+ZERO_FIELDS = ("serial_fraction", "step_overhead", "sequence_overhead", "collective_latency")
+"""Fields that may be 0 (a term that is absent)."""
+VALUE_FIELDS = ("description",) + NUMERIC_FIELDS  # what a file may give
+REQUIRED_FIELDS = tuple(f for f in VALUE_FIELDS if f not in OPTIONAL_FIELDS)  # what a new entry must give
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 # Other spellings of catalog names, after normalisation (lower case, '_' and ' ' -> '-', no
@@ -118,13 +153,15 @@ def load_catalog(override_path: str | None = None) -> dict[str, GPUSpec]:
 
     Args:
         override_path: a file mapping entry names to fields; an existing entry (or alias) takes
-            the given fields, a new name needs every field. Validated field by field.
+            the given fields, a new name needs every field. Validated field by field. A name in
+            `PRESETS` ("roofline") stands for that built-in file.
     Returns:
         name -> GPUSpec, built-in entries first in file order, new entries after.
     """
     catalog = dict(_builtin_catalog())
     if override_path is not None:
-        catalog = _apply_entries(read_data_file(override_path, "catalog override"), catalog, override_path)
+        path = PRESETS.get(override_path, override_path)
+        catalog = _apply_entries(read_data_file(path, "catalog override"), catalog, path)
     return catalog
 
 
@@ -132,7 +169,7 @@ def load_catalog(override_path: str | None = None) -> dict[str, GPUSpec]:
 def _builtin_catalog() -> dict[str, GPUSpec]:
     catalog = _apply_entries(read_data_file(CATALOG_PATH, "catalog"), {}, CATALOG_PATH)
     for spec in catalog.values():  # the data file itself must source every number
-        missing = [f for f in NUMERIC_FIELDS if f not in spec.sources]
+        missing = [f for f in NUMERIC_FIELDS if f not in spec.sources and f not in OPTIONAL_FIELDS]
         if missing:
             raise OpWeaveError(f"{CATALOG_PATH}: entry '{spec.name}' has no source for {', '.join(missing)}")
     return catalog
@@ -185,7 +222,7 @@ def _apply_entries(raw: dict, catalog: dict[str, GPUSpec], path: str) -> dict[st
         name = normalize_name(str(key))
         if not NAME_RE.fullmatch(name) or name == "local":
             raise OpWeaveError(f"{where}: a GPU name is letters, digits, '.', '_' or '-' (and not 'local')")
-        missing = [f for f in VALUE_FIELDS if f not in fields]
+        missing = [f for f in REQUIRED_FIELDS if f not in fields]
         if missing:
             raise OpWeaveError(f"{where}: not in the catalog, so it needs every field; missing: {', '.join(missing)}")
         values, sources = _check_fields(fields, where, default_source=f"{path} (no source given)")
@@ -235,6 +272,12 @@ def _check_value(field: str, value, where: str):
         if value <= 0:
             raise OpWeaveError(f"{where}: must be positive, got {value!r}")
         return value
+    if field in ZERO_FIELDS:
+        if not math.isfinite(value) or value < 0:
+            raise OpWeaveError(f"{where}: must be a number >= 0, got {value!r}")
+        if field in FRACTION_FIELDS and value > 1:
+            raise OpWeaveError(f"{where}: is a fraction and must be in [0, 1], got {value!r}")
+        return float(value)
     if not math.isfinite(value) or value <= 0:
         raise OpWeaveError(f"{where}: must be a positive number, got {value!r}")
     if field in FRACTION_FIELDS and value > 1:
@@ -249,13 +292,17 @@ def _one_line(err: Exception) -> str:
 def format_catalog(catalog: dict[str, GPUSpec]) -> str:
     """A Markdown table of the catalog, one row per entry, aligned for a terminal."""
     header = ("name", "BF16 TFLOP/s", "mem GB/s", "memory GB", "usable GB", "intra GB/s",
-              "inter GB/s", "GPUs/node", "GEMM eff", "mem eff", "$/GPU-h")
+              "inter GB/s", "GPUs/node", "GEMM eff", "mem eff", "KV eff", "launch us", "step us", "seq us",
+              "coll. us", "$/GPU-h")
     rows = [header]
     for s in catalog.values():
+        kv = s.mem_efficiency if s.kv_efficiency is None else s.kv_efficiency
         rows.append((s.name, f"{s.peak_flops / 1e12:g}", f"{s.mem_bandwidth / 1e9:g}", f"{s.memory_bytes / 1e9:g}",
                      f"{s.usable_memory_bytes / 1e9:.1f}", f"{s.intra_link_bandwidth / 1e9:g}",
                      f"{s.inter_link_bandwidth / 1e9:g}", str(s.gpus_per_node), f"{s.gemm_efficiency:g}",
-                     f"{s.mem_efficiency:g}", f"{s.price_per_hour:g}"))
+                     f"{s.mem_efficiency:g}", f"{kv:g}", f"{s.launch_overhead * 1e6:.3g}",
+                     f"{s.step_overhead * 1e6:.0f}", f"{s.sequence_overhead * 1e6:.3g}",
+                     f"{s.collective_latency * 1e6:.3g}", f"{s.price_per_hour:g}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
 
     def line(cells):

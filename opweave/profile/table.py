@@ -355,12 +355,13 @@ def cpu_gpu_spec(table: ProfileTable, base: GPUSpec) -> GPUSpec:
     heavy = max(gemms, key=lambda e: e.weight_bytes)
     bandwidth = heavy.weight_bytes / _compute_s(heavy.latency(1, 0), table.dispatch_s)
     values: dict[str, float] = {"peak_flops": flops, "mem_bandwidth": bandwidth, "gemm_efficiency": 1.0,
-                                "mem_efficiency": 1.0, "launch_overhead": table.dispatch_s}
+                                "mem_efficiency": 1.0, "kv_efficiency": 1.0, "launch_overhead": table.dispatch_s}
     sources = {
         "peak_flops": f"{measured}: {big.example} ({big.kind}) at batch {b}, FLOPs / (latency - dispatch)",
         "mem_bandwidth": f"{measured}: {heavy.example} ({heavy.kind}) weights at batch 1, bytes / (latency - dispatch)",
         "gemm_efficiency": f"{measured}: 1.0, peak_flops is an achieved figure",
         "mem_efficiency": f"{measured}: 1.0, mem_bandwidth is an achieved figure",
+        "kv_efficiency": f"{measured}: 1.0, mem_bandwidth is an achieved figure",
         "launch_overhead": f"{measured}: median no-op module call",
     }
     if table.transfer_latency_s is not None and table.transfer_bandwidth is not None:

@@ -7,7 +7,7 @@ name in a comment is escaped to one line.
 
 OPWEAVE_VERSION = '0.1.0'
 MODEL = 'tiny_llama0'
-PLAN_HASH = 'e1692add08fb23544f5b32290072587a53cfdecf2717b0e2ff2d6f6a79bd9139'  # sha256 of the artifact's plan.json
+PLAN_HASH = '1a1f8e87bf1d961e7bc7608a0216dd887dbee74c5e449fd088b1ef73f9441cfe'  # sha256 of the artifact's plan.json
 TEMPLATE = 'afd'
 NUM_STAGES = 6  # stages per token in the whole plan
 RANK = 0
@@ -80,7 +80,7 @@ class Program:
 
         # ---- stage 2: block 1, layers 1-1, ops 12..17
         for mb in range(NUM_MICROBATCHES):
-            positions, (v11,) = rt.recv(2, mb)  # after op 11, from rank 1 rows 0..1
+            positions, (v11,) = rt.recv(2, mb)  # after op 11, from rank 2 rows 0..1
             v12 = self.op12(v11)  # stage 2 · block 1 · layer 1 · norm (model.layers.1.mixer.norm)
             v13 = self.op13(v12)  # stage 2 · block 1 · layer 1 · qkv_proj (model.layers.1.mixer.qkv)
             v13_0 = v13[0]
@@ -101,7 +101,7 @@ class Program:
 
         # ---- stage 4: block 2, layers 2-2, ops 23..28
         for mb in range(NUM_MICROBATCHES):
-            positions, (v22,) = rt.recv(4, mb)  # after op 22, from rank 1 rows 0..1
+            positions, (v22,) = rt.recv(4, mb)  # after op 22, from rank 2 rows 0..1
             v23 = self.op23(v22)  # stage 4 · block 2 · layer 2 · norm (model.layers.2.mixer.norm)
             v24 = self.op24(v23)  # stage 4 · block 2 · layer 2 · qkv_proj (model.layers.2.mixer.qkv)
             v24_0 = v24[0]
