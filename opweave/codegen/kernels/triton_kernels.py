@@ -556,6 +556,19 @@ def moe_block_table(ids: torch.Tensor, num_experts: int,
 
 
 @triton.jit
+def _moe_block(table_ptr, order_ptr, BLOCK_M: tl.constexpr):
+    """This program's block of the table: (expert, its pairs [BLOCK_M], their mask, any pair at all)."""
+    blk = tl.program_id(0).to(tl.int64)
+    expert = tl.load(table_ptr + blk * 3)
+    start = tl.load(table_ptr + blk * 3 + 1)
+    stop = tl.load(table_ptr + blk * 3 + 2)
+    m = start + tl.arange(0, BLOCK_M)
+    m_mask = m < stop
+    pair = tl.load(order_ptr + m, mask=m_mask, other=0)
+    return expert, pair, m_mask, stop > start
+
+
+@triton.jit
 def _moe_gate_up_act_kernel(
     x_ptr,                    # [N, H] tokens, model dtype
     order_ptr,                # [N*K] int64 pair indices (token * K + j) sorted by expert
@@ -571,19 +584,13 @@ def _moe_gate_up_act_kernel(
     BLOCK_H: tl.constexpr,    # hidden columns per iteration
     DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
 ):
-    blk = tl.program_id(0).to(tl.int64)
-    expert = tl.load(table_ptr + blk * 3)
-    start = tl.load(table_ptr + blk * 3 + 1)
-    stop = tl.load(table_ptr + blk * 3 + 2)
-    m = start + tl.arange(0, BLOCK_M)
-    m_mask = m < stop
-    pair = tl.load(order_ptr + m, mask=m_mask, other=0)
+    expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
     token = pair // K
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     w_base = gu_ptr + expert * stride_ge + rows[:, None] * stride_gi
     acc_g = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
-    h_end = tl.where(stop > start, H, 0)  # an empty block reads nothing
+    h_end = tl.where(busy, H, 0)  # an empty block reads nothing
     for h0 in range(0, h_end, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         x = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=m_mask[:, None] & (cols < H)[None, :],
@@ -623,16 +630,10 @@ def _moe_down_kernel(
     BLOCK_I: tl.constexpr,    # intermediate columns per iteration
     DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
 ):
-    blk = tl.program_id(0).to(tl.int64)
-    expert = tl.load(table_ptr + blk * 3)
-    start = tl.load(table_ptr + blk * 3 + 1)
-    stop = tl.load(table_ptr + blk * 3 + 2)
-    m = start + tl.arange(0, BLOCK_M)
-    m_mask = m < stop
-    pair = tl.load(order_ptr + m, mask=m_mask, other=0)
+    expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-    i_end = tl.where(stop > start, I, 0)  # an empty block reads nothing
+    i_end = tl.where(busy, I, 0)  # an empty block reads nothing
     for i0 in range(0, i_end, BLOCK_I):
         cols = i0 + tl.arange(0, BLOCK_I)
         a = tl.load(act_ptr + pair[:, None] * I + cols[None, :], mask=m_mask[:, None] & (cols < I)[None, :],
