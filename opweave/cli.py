@@ -283,6 +283,36 @@ def _run_stats(stats: dict) -> dict:
             "graphs": stats.get("graphs")}
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """Starts the plan's ranks once and serves the OpenAI-compatible API until a signal."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise OpWeaveError(f"opweave serve needs {', '.join(missing)}: pip install 'opweave[serve]'")
+    if not 0 < args.port < 65536:
+        raise OpWeaveError(f"--port must be 1..65535, got {args.port}")
+    tokenizer_dir = args.tokenizer or (args.weights if args.weights != "random" else None)
+    if tokenizer_dir is None:
+        raise OpWeaveError("--weights random has no tokenizer: give --tokenizer CHECKPOINT_FOLDER")
+    from opweave.serve.app import run_server
+    from opweave.serve.engine import Engine
+    from opweave.serve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(tokenizer_dir)
+    engine = Engine(args.artifact, args.weights, args.device,
+                    replica_sets=_replica_sets(args.replica_sets, args.artifact), max_queue=args.max_queue,
+                    stall_timeout_s=args.stall_timeout)
+    print(f"opweave: starting the ranks of {args.artifact} ...", file=sys.stderr)
+    try:
+        engine.start()
+        print(f"opweave: serving {args.served_model_name or engine.model} on http://{args.host}:{args.port}/v1",
+              file=sys.stderr)
+        return run_server(engine, tokenizer, args.served_model_name, args.host, args.port)
+    finally:
+        engine.stop()
+
+
 def _replica_sets(text: str, artifact: str) -> int:
     """--replica-sets N, or "all": as many as the plan places."""
     if text == "all":
@@ -537,6 +567,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                      help="end the run, naming the rank, when a rank makes no progress for this long (default 120)")
     run.set_defaults(func=_cmd_run)
+
+    srv = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API "
+                                       "(continuous batching on the plan's ranks)")
+    srv.add_argument("artifact", help="folder written by opweave compile")
+    srv.add_argument("--weights", required=True, help="Hugging Face checkpoint folder, or 'random'")
+    srv.add_argument("--tokenizer", metavar="FOLDER",
+                     help="folder with tokenizer.json / tokenizer_config.json (default: the --weights folder)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", help="the model name clients use (default: the plan's model)")
+    srv.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 429 (default 256)")
+    srv.add_argument("--replica-sets", default="1", metavar="N|all", help="run N of the plan's replica sets (default 1)")
+    srv.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
+    srv.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
+                     help="a rank without progress for this long stops the server, naming the rank (default 120)")
+    srv.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -1,0 +1,328 @@
+"""The HTTP front end: an OpenAI-compatible FastAPI app over a running `Engine`, and its uvicorn runner.
+
+    POST /v1/completions        prompt as text or token ids; streaming (SSE) or not
+    POST /v1/chat/completions   messages through the checkpoint's chat template
+    GET  /v1/models             the one served model
+    GET  /health                200 while every rank runs, else 503 with the engine's error
+    GET  /metrics               Prometheus text (`metrics.py`)
+
+A request is validated (`protocol.py`), tokenized, checked against the plan's context, and submitted
+to the engine, whose events arrive on an engine thread and are handed to the request's asyncio queue.
+Tokens become text through `tokenizer.TextStream`; a stop string cancels the request in the engine
+and finishes it with "stop". A client that goes away (mid-stream, or while waiting for a whole
+response) cancels its request, which frees its batch slot within a round. A full queue is a 429 with
+`Retry-After`; an engine that fails mid-request ends the request with a 5xx, or, once a stream has
+started, with an error event (`data: {"error": ...}`) before `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from opweave.errors import OpWeaveError
+from opweave.serve import protocol
+from opweave.serve.engine import QueueFull, Sampling
+from opweave.serve.metrics import CONTENT_TYPE, Metrics
+from opweave.serve.protocol import ApiError
+from opweave.serve.tokenizer import TextStream, Tokenizer
+
+RETRY_AFTER_S = 1            # what a 429 asks the client to wait
+GRACEFUL_SHUTDOWN_S = 30.0   # running requests may finish this long after SIGTERM
+HEALTH_POLL_S = 0.5          # how often the runner looks at the engine's health
+
+
+def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None) -> FastAPI:
+    """The app serving `engine` (already started) under `served_model_name` (default: the plan's model)."""
+    name = served_model_name or engine.model
+    metrics = Metrics(engine)
+    app = FastAPI(title="OpWeave", docs_url=None, redoc_url=None, openapi_url=None)
+    created = protocol.now()
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request, exc: ApiError):
+        metrics.http_errors.labels(str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):
+        return JSONResponse(protocol.error_body(str(exc.detail), protocol.error_type(exc.status_code)),
+                            status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        if engine.healthy:
+            return {"status": "ok"}
+        return JSONResponse(protocol.error_body(engine.error or "the engine is not running", "server_error"),
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "opweave", "max_model_len": engine.context}]}
+
+    async def generate(http: HttpRequest, parse) -> Response:
+        arrival = time.monotonic()
+        req = parse(protocol.load_json(await http.body()))
+        if req.model != name:
+            raise ApiError(404, f"the model '{req.model}' does not exist: this server serves '{name}'",
+                           param="model", code="model_not_found")
+        ids = _prompt_ids(req, tokenizer)
+        sampling = _sampling(req, len(ids), engine.context)
+        run = _Run(engine, metrics, tokenizer, req, len(ids), arrival)
+        run.submit(ids, sampling)
+        if req.stream:
+            return _EventStream(_stream(run), run.close, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
+        watch = asyncio.create_task(_cancel_on_disconnect(http, run))
+        try:
+            text = "".join([piece async for piece in run.pieces()])
+        finally:
+            watch.cancel()
+            run.close()
+        if run.error is not None:
+            raise ApiError(run.error_status, run.error)
+        return JSONResponse(protocol.response(req, run.rid, run.created, text, run.finish, run.usage()))
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await generate(http, protocol.parse_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        return await generate(http, protocol.parse_chat)
+
+    app.state.metrics = metrics
+    return app
+
+
+def _prompt_ids(req: protocol.Request, tokenizer: Tokenizer) -> list[int]:
+    if req.token_ids is not None:
+        return list(req.token_ids)
+    if req.messages is not None:
+        try:
+            return tokenizer.encode_chat(list(req.messages))
+        except ValueError as e:
+            raise ApiError(400, str(e).splitlines()[0], param="messages") from None
+        except Exception as e:  # noqa: BLE001 - a chat template that fails on these messages (jinja)
+            raise ApiError(400, f"the chat template failed on these messages: {str(e).splitlines()[0]}",
+                           param="messages") from None
+    ids = tokenizer.encode(req.text)
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return ids
+
+
+def _sampling(req: protocol.Request, prompt_len: int, context: int) -> Sampling:
+    """The engine's sampling parameters; 400 when prompt + output cannot fit in the planned context."""
+    param = "messages" if req.kind == "chat" else "prompt"
+    if prompt_len >= context:
+        raise ApiError(400, f"the prompt has {prompt_len} tokens; the model's context of {context} allows at "
+                            f"most {context - 1}", param=param, code="context_length_exceeded")
+    room = context - prompt_len
+    if req.max_tokens is None:
+        max_tokens = room if req.kind == "chat" else min(protocol.COMPLETION_DEFAULT_MAX_TOKENS, room)
+    elif req.max_tokens > room:
+        raise ApiError(400, f"max_tokens {req.max_tokens} + the prompt's {prompt_len} tokens exceed the model's "
+                            f"context of {context}", param="max_tokens", code="context_length_exceeded")
+    else:
+        max_tokens = req.max_tokens
+    return Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                    stop_token_ids=req.stop_token_ids)
+
+
+class _Run:
+    """One request in the engine: its event queue, text stream, counts and outcome."""
+
+    def __init__(self, engine, metrics: Metrics, tokenizer: Tokenizer, req: protocol.Request,
+                 prompt_tokens: int, arrival: float):
+        self.engine, self.metrics, self.req = engine, metrics, req
+        self.text = TextStream(tokenizer, req.stop)
+        # Tokens that end the request are counted but are not text (as OpenAI and vLLM do).
+        self._ending_ids = frozenset(engine.eos_token_ids) | frozenset(req.stop_token_ids)
+        self.rid, self.created = protocol.new_id(req.kind), protocol.now()
+        self.prompt_tokens, self.tokens = prompt_tokens, 0
+        self.arrival, self.first, self.last = arrival, None, None
+        self.finish: str | None = None
+        self.error: str | None = None
+        self.error_status = 500
+        self.id: int | None = None
+        self.done = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def submit(self, ids: list[int], sampling: Sampling) -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_event(event) -> None:  # an engine thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server has stopped
+                loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+        try:
+            self.id = self.engine.submit(ids, sampling, on_event)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy ({e}); retry later",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ValueError as e:
+            raise ApiError(400, str(e).splitlines()[0]) from None
+        except RuntimeError as e:
+            raise ApiError(503, f"the engine is not running: {str(e).splitlines()[0]}") from None
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+
+    async def pieces(self):
+        """The response's text, piece by piece, until the request ends (then `finish` or `error` is set)."""
+        while not self.done:
+            event = await self._queue.get()
+            if event.token is not None:
+                self._token()
+                piece = "" if event.token in self._ending_ids else self.text.add(event.token)
+                if self.text.stopped:
+                    self._end("stop")
+                    self.engine.cancel(self.id)  # a stop string: the engine need not go on
+                if piece:
+                    yield piece
+                continue
+            if event.finish_reason in ("stop", "length"):
+                tail = self.text.flush()
+                self._end(event.finish_reason)
+                if tail:
+                    yield tail
+            elif event.finish_reason == "cancelled":
+                self._end("cancelled", 503, event.error or "the request was cancelled: the server is stopping")
+            else:
+                self._end("error", 500, f"the engine failed: {event.error or 'no reason given'}")
+
+    def _token(self) -> None:
+        now = time.monotonic()
+        self.first = self.first or now
+        self.last = now
+        self.tokens += 1
+        self.metrics.token()
+
+    def _end(self, reason: str, status: int = 500, error: str | None = None) -> None:
+        if self.done:
+            return
+        self.done, self.finish = True, reason
+        self.error, self.error_status = error, status
+        self.metrics.finished(reason, self.arrival, self.first, self.last, self.tokens)
+
+    def close(self) -> None:
+        """The response is over or abandoned: a request still in the engine is cancelled."""
+        if not self.done and self.id is not None:
+            self._end("cancelled")
+            self.engine.cancel(self.id)
+
+    def usage(self) -> dict:
+        return protocol.usage(self.prompt_tokens, self.tokens)
+
+
+async def _stream(run: _Run):
+    req = run.req
+    if req.kind == "chat":
+        yield protocol.sse(protocol.chunk(req, run.rid, run.created, None, None, role=True))
+    async for piece in run.pieces():
+        yield protocol.sse(protocol.chunk(req, run.rid, run.created, piece, None))
+    if run.error is not None:
+        kind = "server_error" if run.error_status >= 500 else "invalid_request_error"
+        yield protocol.sse(protocol.error_body(run.error, kind, code=str(run.error_status)))
+    else:
+        yield protocol.sse(protocol.chunk(req, run.rid, run.created, None if req.kind == "chat" else "", run.finish))
+        if req.include_usage:
+            yield protocol.sse(protocol.usage_chunk(req, run.rid, run.created, run.usage()))
+    yield protocol.sse("[DONE]")
+
+
+class _EventStream(StreamingResponse):
+    """A streaming response that calls `on_close` however it ends (finished, client gone, cancelled)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _cancel_on_disconnect(http: HttpRequest, run: _Run) -> None:
+    """Waits for the client of a non-streaming request to go away, then cancels the request."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            run.close()
+            return
+
+
+# ---------------------------------------------------------------- runner
+def _uvicorn_server(config):
+    """uvicorn's server, except that SIGINT/SIGTERM/SIGHUP stop it gracefully and are not raised again.
+
+    (uvicorn re-raises a caught signal once it has shut down, so the process would die of it; a server
+    stopped on request exits 0 instead.)
+    """
+    import threading
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit)
+                        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
+def run_server(engine, tokenizer: Tokenizer, served_model_name: str | None, host: str, port: int,
+               graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S, log_level: str = "info") -> int:
+    """Serves a started `engine` until a signal (exit status 0) or the engine fails (1); stops the engine.
+
+    On SIGTERM/SIGINT the server stops accepting connections, lets running requests finish for up to
+    `graceful_shutdown_s` (then cancels them), and stops the engine.
+    """
+    import uvicorn
+
+    config = uvicorn.Config(make_app(engine, tokenizer, served_model_name), host=host, port=port,
+                            log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s,
+                            lifespan="off", access_log=False)
+    server = _uvicorn_server(config)
+
+    async def main() -> None:
+        async def watch() -> None:
+            while engine.healthy and not server.should_exit:
+                await asyncio.sleep(HEALTH_POLL_S)
+            server.should_exit = True
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+
+    try:
+        asyncio.run(main())
+    except SystemExit:  # uvicorn exits when it cannot listen (the reason is in its log)
+        raise OpWeaveError(f"cannot serve on {host}:{port} (see the log above)") from None
+    finally:
+        failed = not engine.healthy
+        engine.stop()
+    return 1 if failed else 0

@@ -1,0 +1,257 @@
+"""The OpenAI wire format: request validation, response bodies, and error bodies.
+
+`parse_completion` and `parse_chat` read a request's JSON body into a `Request` (prompt not yet
+tokenized) or raise `ApiError`, whose `body()` is an OpenAI-style error object
+(`{"error": {"message", "type", "param", "code"}}`) and `status` its HTTP status. Fields the server
+cannot honour yet (sampling with temperature > 0, n > 1, logprobs, echo, penalties) are refused with a
+400 naming the field, never ignored silently; fields that change nothing under greedy decoding
+(`top_p`, `seed`, `user`) are accepted.
+
+Note: OpenAI's default temperature is 1, but this server decodes greedily only, so a request that
+does not give `temperature` is decoded greedily (as if it had sent 0); an explicit temperature > 0
+is a 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import uuid
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TEMPERATURE = 2.0               # OpenAI's accepted range is [0, 2]
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP `status` and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or error_type(status)
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    if status == 404:
+        return "not_found_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A validated completion or chat request; exactly one of `text`, `token_ids`, `messages` is set."""
+
+    kind: str                                  # "completion" or "chat"
+    model: str
+    max_tokens: int | None                     # None: the default (chat: up to the context)
+    stream: bool
+    include_usage: bool                        # stream_options.include_usage
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    temperature: float
+    top_p: float
+    seed: int | None
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict, ...] | None = None
+
+
+def load_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_completion(body: dict) -> Request:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        text, ids = prompt, None
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        text, ids = None, tuple(int(t) for t in prompt)
+        if min(ids) < 0:
+            raise ApiError(400, f"'prompt' holds a negative token id ({min(ids)})", param="prompt")
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "one prompt per request is supported, got a batch of prompts", param="prompt")
+    else:
+        raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", param="prompt")
+    for name, default in (("echo", False), ("suffix", None), ("logprobs", None)):
+        if body.get(name, default) not in (default, 0):
+            raise ApiError(400, f"'{name}' is not supported", param=name)
+    if body.get("best_of", 1) not in (1, None):
+        raise ApiError(400, "'best_of' must be 1 (one sequence per request)", param="best_of")
+    return Request(kind="completion", text=text, token_ids=ids, **_common(body))
+
+
+def parse_chat(body: dict) -> Request:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    parsed = tuple(_message(m, i) for i, m in enumerate(messages))
+    for name in ("logprobs", "top_logprobs", "tools", "response_format"):
+        if body.get(name) not in (None, False, 0):
+            raise ApiError(400, f"'{name}' is not supported", param=name)
+    common = _common(body)
+    if "max_completion_tokens" in body and "max_tokens" not in body:
+        common["max_tokens"] = _max_tokens(body, "max_completion_tokens")
+    return Request(kind="chat", messages=parsed, **common)
+
+
+def _message(m, i: int) -> dict:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ApiError(400, f"{param} must be an object with a 'role'", param=param)
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text is understood
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ApiError(400, f"{param}.content: only text parts are supported", param=param)
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"{param}.content must be a string", param=param)
+    return {"role": m["role"], "content": content}
+
+
+def _common(body: dict) -> dict:
+    """The fields both endpoints share, checked."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required (a string)", param="model")
+    n = body.get("n", 1)
+    if n not in (1, None) or isinstance(n, bool):
+        raise ApiError(400, f"'n' must be 1 (one choice per request), got {n!r}", param="n")
+    temperature = _number(body, "temperature", 0.0)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ApiError(400, f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}",
+                       param="temperature")
+    if temperature != 0:
+        raise ApiError(400, "sampling (temperature > 0) is not supported yet: use temperature 0 (greedy)",
+                       param="temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p:g}", param="top_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0) != 0:
+            raise ApiError(400, f"'{name}' is not supported", param=name)
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise ApiError(400, "'stream' must be true or false", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        raise ApiError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
+    return dict(model=model, max_tokens=_max_tokens(body, "max_tokens"), stream=bool(stream),
+                include_usage=bool(options.get("include_usage")), stop=_stop(body.get("stop")),
+                stop_token_ids=tuple(int(t) for t in stop_ids), temperature=temperature, top_p=top_p,
+                seed=None if seed is None else int(seed))
+
+
+def _max_tokens(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise ApiError(400, f"'{name}' must be an integer, got {value!r}", param=name)
+    if value < 1:
+        raise ApiError(400, f"'{name}' must be at least 1, got {value}", param=name)
+    return int(value)
+
+
+def _stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    return tuple(s for s in stop if s)
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(400, f"'{name}' must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---------------------------------------------------------------- responses
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(req: Request, rid: str, created: int, text: str, finish: str, use: dict) -> dict:
+    """The whole (non-streaming) response."""
+    if req.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice], "usage": use}
+
+
+def chunk(req: Request, rid: str, created: int, text: str | None, finish: str | None,
+          role: bool = False) -> dict:
+    """One streamed chunk: new text and/or the finish reason (chat: `role` opens the message)."""
+    if req.kind == "chat":
+        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+
+
+def usage_chunk(req: Request, rid: str, created: int, use: dict) -> dict:
+    """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [], "usage": use}
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,513 @@
+"""The OpenAI-compatible HTTP front end (opweave.serve.app) against a fake engine, through the official client.
+
+A live uvicorn server runs in a thread on a free port over `serve_fixtures.FakeEngine` (the engine's
+interface, deterministic tokens: a reply repeats its prompt) and a real tokenizer built offline.
+Expected texts are decoded from the fake's tokens with the same tokenizer, independently of the
+server's streaming detokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from serve_fixtures import FakeEngine, write_tokenizer
+
+# The `serve` extra and the `openai` client (both in the `test` extra).
+for _module in ("fastapi", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_module)
+openai = pytest.importorskip("openai")
+
+PROMPT = "Hello world, how are you today?"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from opweave.serve.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(write_tokenizer(str(tmp_path_factory.mktemp("tok"))))
+
+
+@contextlib.contextmanager
+def serving(engine, tokenizer, name="tiny"):
+    """A live server over `engine` in a thread; yields its base URL."""
+    import uvicorn
+
+    from opweave.serve.app import make_app
+
+    engine.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(make_app(engine, tokenizer, name), log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.stop(timeout_s=5)
+        sock.close()
+
+
+@pytest.fixture
+def server(tokenizer):
+    engine = FakeEngine()
+    with serving(engine, tokenizer) as url:
+        yield engine, url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+def expected(tokenizer, prompt_ids, n):
+    return tokenizer.decode(FakeEngine.reply(prompt_ids, n))
+
+
+def http(url: str, method: str, path: str, body: bytes | None = None, headers=None):
+    """(status, headers, parsed JSON or text) of one plain HTTP request."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=20)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    try:
+        return resp.status, dict(resp.getheaders()), json.loads(raw)
+    except ValueError:
+        return resp.status, dict(resp.getheaders()), raw
+
+
+def wait_until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+# ---------------------------------------------------------------- happy paths
+def test_completion_text_and_usage(server, tokenizer):
+    engine, url = server
+    out = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, seed=7)
+    ids = tokenizer.encode(PROMPT)
+    assert engine.submitted[0][0] == ids and engine.submitted[0][1].max_tokens == 12
+    assert out.choices[0].text == expected(tokenizer, ids, 12)
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (len(ids), 12,
+                                                                                              len(ids) + 12)
+    assert out.model == "tiny" and out.object == "text_completion"
+
+
+def test_completion_token_ids_streamed_matches_whole(server, tokenizer):
+    _, url = server
+    ids = tokenizer.encode("One two three four five six seven")
+    whole = client(url).completions.create(model="tiny", prompt=ids, max_tokens=20)
+    chunks = list(client(url).completions.create(model="tiny", prompt=ids, max_tokens=20, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text == expected(tokenizer, ids, 20)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == len(ids)
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 5  # streamed, not in one piece
+
+
+def test_chat_uses_template_streaming_and_not(server, tokenizer):
+    engine, url = server
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
+    out = client(url).chat.completions.create(model="tiny", messages=messages, max_tokens=9)
+    prompt = engine.submitted[0][0]
+    assert prompt == tokenizer.encode_chat(messages)
+    assert tokenizer.hf.convert_ids_to_tokens(prompt)[-1] == "<|assistant|>"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected(tokenizer, prompt, 9)
+    assert out.usage.completion_tokens == 9 and out.usage.prompt_tokens == len(prompt)
+    stream = client(url).chat.completions.create(model="tiny", messages=messages, max_tokens=9, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_eos_finishes_stop_and_is_not_text(tokenizer):
+    engine = FakeEngine(eos_after=5)
+    with serving(engine, tokenizer) as url:
+        out = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=30)
+    ids = tokenizer.encode(PROMPT)
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == expected(tokenizer, ids, 5)
+    assert out.usage.completion_tokens == 6  # the EOS token counts, as it was generated
+
+
+def test_stop_token_ids_end_without_text(server, tokenizer):
+    _, url = server
+    ids = tokenizer.encode("One two three four five")
+    reply = FakeEngine.reply(ids, 20)
+    stop_id = reply[3]
+    out = client(url).completions.create(model="tiny", prompt=ids, max_tokens=20,
+                                         extra_body={"stop_token_ids": [stop_id]})
+    k = reply.index(stop_id)
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == k + 1
+    assert out.choices[0].text == tokenizer.decode(reply[:k])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_text_and_cancels(server, tokenizer, stream):
+    engine, url = server
+    prompt = "The quick brown fox jumps over the lazy dog."
+    ids = tokenizer.encode(prompt)
+    full = expected(tokenizer, ids, 40)
+    stop = "jumps"
+    out = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=40, stop=["zzz", stop],
+                                         stream=stream)
+    if stream:
+        chunks = list(out)
+        text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+    assert text == full[:full.index(stop)] and finish == "stop"
+    assert wait_until(lambda: engine.finished.get(0) == "cancelled")  # the engine stopped generating
+    assert 0 in engine.cancelled
+
+
+def test_models_health_metrics(server, tokenizer):
+    engine, url = server
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert http(url, "GET", "/health")[0] == 200
+    status, _, err = http(url, "GET", "/v1/nothing")
+    assert status == 404 and err["error"]["type"] == "not_found_error"
+    client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+    status, headers, text = http(url, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(lines["opweave_generation_tokens_total"]) == 4
+    assert float(lines['opweave_requests_total{finish_reason="length"}']) == 1
+    assert float(lines["opweave_time_to_first_token_seconds_count"]) == 1
+    assert float(lines["opweave_time_per_output_token_seconds_count"]) == 1
+    assert float(lines["opweave_prompt_tokens_total"]) == len(tokenizer.encode(PROMPT))
+    assert float(lines["opweave_generation_tokens_per_second"]) > 0
+    for name in ("opweave_requests_running", "opweave_requests_waiting", "opweave_queue_rejections_total",
+                 'opweave_round_seconds{quantile="0.5"}'):
+        assert name in lines
+
+
+def test_64_concurrent_streams(tokenizer):
+    engine = FakeEngine(max_batch=16, round_s=0.001)
+    prompts = [" ".join(["fox", "dog", "one", "two", "three"][: 1 + i % 5]) + f" {i}" for i in range(64)]
+
+    async def one(c, i):
+        n = 5 + i % 13
+        text, finish = "", None
+        stream = await c.completions.create(model="tiny", prompt=prompts[i], max_tokens=n, stream=True,
+                                            stream_options={"include_usage": True})
+        usage = None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+        return n, text, finish, usage
+
+    async def all_of(url):
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    with serving(engine, tokenizer) as url:
+        results = asyncio.run(all_of(url))
+        assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
+    for i, (n, text, finish, usage) in enumerate(results):
+        assert usage.completion_tokens == n and finish == "length", i
+        assert text == expected(tokenizer, tokenizer.encode(prompts[i]), n), i
+
+
+# ---------------------------------------------------------------- bad requests
+BAD = [
+    ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("missing prompt", {"model": "tiny", "max_tokens": 3}, 400, "prompt"),
+    ("missing model", {"prompt": "hi"}, 400, "model"),
+    ("negative max_tokens", {"model": "tiny", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("zero max_tokens", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("fractional max_tokens", {"model": "tiny", "prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("string max_tokens", {"model": "tiny", "prompt": "hi", "max_tokens": "4"}, 400, "max_tokens"),
+    ("temperature too high", {"model": "tiny", "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ("negative temperature", {"model": "tiny", "prompt": "hi", "temperature": -0.1}, 400, "temperature"),
+    ("sampling", {"model": "tiny", "prompt": "hi", "temperature": 0.7}, 400, "temperature"),
+    ("n > 1", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ("prompt too long", {"model": "tiny", "prompt": list(range(10, 74))}, 400, "prompt"),
+    ("output past context", {"model": "tiny", "prompt": "hi", "max_tokens": 64}, 400, "max_tokens"),
+    ("empty token list", {"model": "tiny", "prompt": []}, 400, "prompt"),
+    ("bad stop", {"model": "tiny", "prompt": "hi", "stop": 3}, 400, "stop"),
+    ("top_p zero", {"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p"),
+]
+
+
+@pytest.mark.parametrize("what,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_completion_requests(server, what, body, status, param):
+    engine, url = server
+    got, _, err = http(url, "POST", "/v1/completions", json.dumps(body).encode())
+    assert got == status, err
+    assert err["error"]["param"] == param and err["error"]["message"] and "\n" not in err["error"]["message"]
+    assert err["error"]["type"] in ("invalid_request_error", "not_found_error")
+    assert engine.submitted == {}
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""])
+def test_malformed_json(server, raw):
+    engine, url = server
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        got, _, err = http(url, "POST", path, raw)
+        assert got == 400 and err["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "tiny"}, "messages"),
+    ({"model": "tiny", "messages": []}, "messages"),
+    ({"model": "tiny", "messages": [{"content": "no role"}]}, "messages[0]"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, "messages[0]"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x " * 80}]}, "messages"),
+])
+def test_bad_chat_requests(server, body, param):
+    engine, url = server
+    got, _, err = http(url, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    assert got == 400 and err["error"]["param"] == param, err
+    assert engine.submitted == {}
+
+
+def test_client_raises_on_bad_request_and_others_still_run(server, tokenizer):
+    _, url = server
+    with pytest.raises(openai.BadRequestError, match="not supported yet"):
+        client(url).completions.create(model="tiny", prompt="hi", temperature=1.0)
+    with pytest.raises(openai.NotFoundError):
+        client(url).chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    out = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    assert out.choices[0].text == expected(tokenizer, tokenizer.encode(PROMPT), 3)
+
+
+def test_no_chat_template_is_400(tmp_path):
+    from opweave.serve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(write_tokenizer(str(tmp_path), chat_template=None))
+    engine = FakeEngine()
+    with serving(engine, tok) as url:
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert client(url).completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_tokenizer_folder_without_tokenizer(tmp_path):
+    from opweave.errors import OpWeaveError
+    from opweave.serve.tokenizer import Tokenizer
+
+    with pytest.raises(OpWeaveError, match="no tokenizer.json"):
+        Tokenizer.from_folder(str(tmp_path))
+
+
+# ---------------------------------------------------------------- load and faults
+def test_queue_full_is_429_with_retry_after(tokenizer):
+    engine = FakeEngine(max_queue=2)
+    with serving(engine, tokenizer) as url:
+        engine.pause()
+        held = [client(url).completions.create(model="tiny", prompt="hi", max_tokens=2, stream=True)
+                for _ in range(2)]
+        assert wait_until(lambda: engine.stats()["waiting"] == 2)
+        status, headers, err = http(url, "POST", "/v1/completions",
+                                    json.dumps({"model": "tiny", "prompt": "hi"}).encode())
+        assert status == 429 and int(headers["retry-after"]) >= 1
+        assert err["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            client(url).completions.create(model="tiny", prompt="hi")
+        engine.resume()
+        for stream in held:  # the waiting ones were not disturbed
+            assert [c.choices[0].finish_reason for c in stream][-1] == "length"
+        assert "opweave_queue_rejections_total 2.0" in http(url, "GET", "/metrics")[2]
+
+
+def test_stream_disconnect_cancels(tokenizer):
+    engine = FakeEngine(round_s=0.01)
+    with serving(engine, tokenizer) as url:
+        stream = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=60 - 10, stream=True)
+        for i, _ in zip(range(3), stream):
+            pass
+        stream.close()
+        assert wait_until(lambda: engine.finished.get(0) == "cancelled")
+        assert engine.stats()["running"] == 0
+
+
+def test_non_streaming_disconnect_cancels(tokenizer):
+    engine = FakeEngine()
+    with serving(engine, tokenizer) as url:
+        engine.pause()
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 5}).encode()
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert wait_until(lambda: len(engine.submitted) == 1)
+        assert wait_until(lambda: engine.cancelled == [0])
+        engine.resume()
+        assert wait_until(lambda: engine.finished.get(0) == "cancelled")
+
+
+def test_engine_failure_mid_request(tokenizer):
+    engine = FakeEngine(round_s=0.01)
+    with serving(engine, tokenizer) as url:
+        stream = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=50, stream=True)
+        got = []
+        with pytest.raises(openai.APIError, match="rank 1 died"):
+            for chunk in stream:
+                got.append(chunk)
+                if len(got) == 2:
+                    engine.fail("rank 1 died")
+        status, _, err = http(url, "GET", "/health")
+        assert status == 503 and "rank 1 died" in err["error"]["message"]
+        with pytest.raises(openai.InternalServerError):
+            client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=5)
+
+
+def test_engine_failure_non_streaming_is_500(tokenizer):
+    engine = FakeEngine()
+    with serving(engine, tokenizer) as url:
+        engine.pause()
+        result = {}
+
+        def call():
+            result["r"] = http(url, "POST", "/v1/completions",
+                               json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 5}).encode())
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert wait_until(lambda: len(engine.submitted) == 1)
+        engine.fail("rank 2 exited with status 1")
+        t.join(10)
+        status, _, err = result["r"]
+        assert status == 500 and "rank 2 exited" in err["error"]["message"]
+        assert err["error"]["type"] == "server_error"
+
+
+def test_run_server_exits_1_when_engine_dies(tokenizer):
+    from opweave.serve.app import run_server
+
+    engine = FakeEngine()
+    engine.start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = {}
+    t = threading.Thread(target=lambda: code.setdefault("rc", run_server(engine, tokenizer, "tiny", "127.0.0.1", port,
+                                                                         log_level="warning")))
+    t.start()
+    assert wait_until(lambda: http_ok(f"http://127.0.0.1:{port}"), timeout=10)
+    engine.fail("rank 0 died")
+    t.join(10)
+    assert code["rc"] == 1 and not t.is_alive()
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return http(url, "GET", "/health")[0] == 200
+    except OSError:
+        return False
+
+
+def test_text_stream_bytes_and_stop_across_tokens():
+    """Byte-level tokens: no half character is ever sent; a stop string split over tokens still matches."""
+    from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from opweave.serve.tokenizer import TextStream, Tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    raw = RawTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))  # a token per byte
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    tok = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw))
+    text = "héllo wörld ✓ done, déjà vu"
+    ids = tok.encode(text)
+    assert len(ids) > len(text)  # multi-byte characters take several tokens
+    stream = TextStream(tok)
+    pieces = [stream.add(t) for t in ids] + [stream.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    stream = TextStream(tok, stop=("déjà",))
+    pieces = [stream.add(t) for t in ids]
+    assert stream.stopped and "".join(pieces) + stream.flush() == "héllo wörld ✓ done, "
+
+
+def test_sigterm_stops_gracefully_exit_0(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from serve_fixtures import FakeEngine, write_tokenizer\n"
+        "from opweave.serve.app import run_server\n"
+        "from opweave.serve.tokenizer import Tokenizer\n"
+        f"tok = Tokenizer.from_folder(write_tokenizer({str(tmp_path / 'tok')!r}))\n"
+        "engine = FakeEngine()\n"
+        "engine.start()\n"
+        f"rc = run_server(engine, tok, 'tiny', '127.0.0.1', {port}, log_level='warning')\n"
+        "print('engine healthy after exit:', engine.healthy, flush=True)\n"
+        "sys.exit(rc)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_until(lambda: http_ok(f"http://127.0.0.1:{port}"), timeout=30), proc.stdout.read()
+        stream = client(f"http://127.0.0.1:{port}").completions.create(model="tiny", prompt="hi", max_tokens=30,
+                                                                       stream=True)
+        next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        chunks = list(stream)  # the running request finishes
+        assert chunks[-1].choices[0].finish_reason == "length"
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "engine healthy after exit: False" in out  # run_server stopped the engine
+
+
+def test_real_engine_greedy_text_equals_reference(tiny_checkpoint, tmp_path):
+    """Through the server over the real engine (CPU ranks of an AFD plan): the greedy tokens of `opweave
+    run` (the Hugging Face reference), as text, streamed or not, for prompts given as token ids."""
+    from opweave.serve.engine import Engine
+    from opweave.serve.tokenizer import Tokenizer
+    from hf_fixtures import hf_generate
+    from test_runtime import LAYERS, NEW_TOKENS, PROMPTS, compile_pinned
+
+    folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
+    tok_folder = str(tmp_path / "tok")
+    with open(os.path.join(folder, "config.json")) as f:
+        write_tokenizer(tok_folder, vocab_size=json.load(f)["vocab_size"])
+    tok = Tokenizer.from_folder(tok_folder)
+    art = str(tmp_path / "art")
+    compile_pinned(folder, "afd", art)
+    with serving(Engine(art, folder, max_queue=16), tok) as url:
+        for prompt in (PROMPTS[0], PROMPTS[2]):
+            want = hf_generate(folder, prompt, NEW_TOKENS)[1]
+            whole = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=NEW_TOKENS)
+            streamed = "".join(c.choices[0].text for c in client(url).completions.create(
+                model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, stream=True))
+            assert whole.choices[0].text == streamed == tok.decode(list(want))
+            assert whole.usage.completion_tokens == NEW_TOKENS and whole.choices[0].finish_reason == "length"
