@@ -72,13 +72,21 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _rms_row(x, w_ptr, cols, mask, H, eps, OFFSET, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_row(x, w_ptr, cols, mask, H, eps, OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """RMSNorm of one float32 row `x` (masked to `H` columns) by the weight at `w_ptr`, as the
+    reference rounds it: (1 + w) in float32 with OFFSET, else norm(x) rounded to `dtype`, then * w."""
     h = x * tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if OFFSET:
         y = h * (1.0 + w)
     else:
-        y = h.to(y_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y = h.to(dtype).to(tl.float32) * w
+    return y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
@@ -752,13 +760,7 @@ def _add_rms_norm_kernel(
     r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     s = (x + r).to(dtype)  # the new residual stream, in the model dtype like the reference's add
     tl.store(s_ptr + row * stride_s + cols, s, mask=mask)
-    s = s.to(tl.float32)
-    h = s * tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if OFFSET:
-        y = h * (1.0 + w)
-    else:
-        y = h.to(dtype).to(tl.float32) * w
+    y = _rms_row(s.to(tl.float32), w_ptr, cols, mask, H, eps, OFFSET, dtype)
     tl.store(y_ptr + row * stride_y + cols, y.to(dtype), mask=mask)
 
 
