@@ -25,6 +25,7 @@ rank programs in that form (`layout_to_json` / `layout_from_json`).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -52,11 +53,12 @@ def first_unit(units: int, tp: int, rank: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Layout:
+class Layout(abc.ABC):
     """How a TP group holds a tensor along one dimension (base of `Replicated` and `Split`)."""
 
+    @abc.abstractmethod
     def local_size(self, size: int, tp: int) -> int:
-        raise NotImplementedError
+        """Elements of a dimension of `size` that one rank of a TP group of `tp` holds."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
