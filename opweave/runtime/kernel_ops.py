@@ -84,19 +84,22 @@ KERNEL_KINDS = (OpKind.NORM, OpKind.FINAL_NORM, OpKind.QK_NORM, OpKind.ROPE, OpK
                 OpKind.MOE_EXPERTS, OpKind.SAMPLE, OpKind.ATTN_FULL, OpKind.ATTN_SLIDING, OpKind.ATTN_LINEAR)
 
 
-def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, device: torch.device
+def device_kernels(device: torch.device):
+    """The kernel backend module the runtime uses on `device` (resolved once per rank)."""
+    return get_backend(kernel_backend(device))
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, kernels
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual add and the RMSNorm op `norm` of the sum in one kernel (`add_rms_norm` of the
-    device's backend): (sum, normed), exactly what the two ops give on the torch backend."""
-    normed, summed = get_backend(kernel_backend(device)).add_rms_norm(
-        x, residual, norm.weight, norm.cfg.rms_norm_eps, norm.cfg.norm_offset)
+    backend module `kernels`): (sum, normed), exactly what the two ops give on the torch backend."""
+    normed, summed = kernels.add_rms_norm(x, residual, norm.weight, norm.cfg.rms_norm_eps, norm.cfg.norm_offset)
     return summed, normed
 
 
 def with_kernels(ops: dict[int, OpModule], device: torch.device) -> dict[int, nn.Module]:
     """The rank's operators, those with kernels wrapped when the backend is not plain torch."""
-    backend = kernel_backend(device)
-    if backend == "torch":
+    if kernel_backend(device) == "torch":
         return ops
-    k = get_backend(backend)
+    k = device_kernels(device)
     return {i: KernelOp(m, k) if m.kind in KERNEL_KINDS else m for i, m in ops.items()}

@@ -206,10 +206,10 @@ class MetaRuntime:
         return x
 
     def add_norm(self, norm, x, residual):
-        from opweave.codegen.kernels.reference import add_rms_norm
+        from opweave.codegen.kernels import reference
+        from opweave.runtime.kernel_ops import add_norm
 
-        normed, summed = add_rms_norm(x, residual, norm.weight, norm.cfg.rms_norm_eps, norm.cfg.norm_offset)
-        return summed, normed
+        return add_norm(norm, x, residual, reference)
 
     def tp_argmax(self, logits):
         last = logits[:, -1, :].float()

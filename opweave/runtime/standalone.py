@@ -69,9 +69,9 @@ class _LoneRuntime:
         return x
 
     def add_norm(self, norm, x, residual):
-        from opweave.runtime.kernel_ops import add_norm
+        from opweave.runtime.kernel_ops import add_norm, device_kernels
 
-        return add_norm(norm, x, residual, self.device)
+        return add_norm(norm, x, residual, device_kernels(self.device))
 
     def tp_argmax(self, logits):
         return logits[:, -1].argmax(-1)

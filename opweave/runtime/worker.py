@@ -34,7 +34,7 @@ from opweave.runtime.graphs import RoundRunner
 from opweave.runtime.channel import IDLE_WAIT_S
 from opweave.runtime.heartbeat import Phase, report
 from opweave.runtime.inputs import RowInputs, TokenCopies
-from opweave.runtime.kernel_ops import add_norm, with_kernels
+from opweave.runtime.kernel_ops import add_norm, device_kernels, with_kernels
 from opweave.runtime.manifest import VerifiedArtifact, load_artifact, load_program_source, rank_files
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import check_placement, materialize
@@ -69,6 +69,7 @@ class Runtime:
             {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device,
             names=op_names, who=f"rank {program.rank}")
         self.ops = with_kernels(self.modules, self.device)  # what the generated code calls
+        self.kernels = device_kernels(self.device)  # the backend of the fused ops the runtime calls itself
         self.rows = program.rows[1] - program.rows[0]
         m = program.num_microbatches
         self.state = RankState.allocate(self.modules, self.rows, m, program.context, self.device)
@@ -212,7 +213,7 @@ class Runtime:
 
     def add_norm(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A residual add fused with the RMSNorm of its sum: (sum, normed) (`kernel_ops.add_norm`)."""
-        return add_norm(norm, x, residual, self.device)
+        return add_norm(norm, x, residual, self.kernels)
 
     def tp_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sample over the vocabulary split across the TP group (`TPGroup.argmax`)."""
