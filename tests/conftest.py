@@ -20,8 +20,9 @@ def tiny_checkpoint(tmp_path_factory):
 
     def make(family: str, **overrides) -> str:
         key = (family, tuple(sorted(overrides.items())))
-        if key not in made:
-            folder = tmp_path_factory.mktemp(f"tiny_{family}")
+        if key not in made:  # the folder (the model's name) depends on the checkpoint only, not on test order
+            suffix = "_".join(f"{k}{v}" for k, v in key[1])
+            folder = tmp_path_factory.mktemp(f"tiny_{family}{'_' + suffix if suffix else ''}_", numbered=True)
             made[key] = make_tiny_checkpoint(family, str(folder), **overrides)
         return made[key]
 

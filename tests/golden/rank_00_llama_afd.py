@@ -6,8 +6,8 @@ name in a comment is escaped to one line.
 """
 
 OPWEAVE_VERSION = '0.1.0'
-MODEL = 'tiny_llama0'
-PLAN_HASH = '1a1f8e87bf1d961e7bc7608a0216dd887dbee74c5e449fd088b1ef73f9441cfe'  # sha256 of the artifact's plan.json
+MODEL = 'tiny_llama_num_hidden_layers3_0'
+PLAN_HASH = '6c4e888760683879387e7f1e03c1574781c1c1d8a472df97689b1cb5c42939ab'  # sha256 of the artifact's plan.json
 TEMPLATE = 'afd'
 NUM_STAGES = 6  # stages per token in the whole plan
 RANK = 0
