@@ -86,6 +86,7 @@ class Transport:
         self._tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
         self.inbox = Inbox(self.receive_slots(), self.device, comm=comm)
         self.widths: tuple[int, ...] = (1,) * m  # this round's tokens per row, per microbatch
+        self._second = (1,) * m  # round 1's widths, set by `agree`
 
     def per_token_bytes(self, transfer: Transfer) -> int:
         """Bytes of a transfer's values per token (positions not included)."""
@@ -176,7 +177,9 @@ class Transport:
         word = torch.tensor([w for ws in widths for w in ws], dtype=torch.long, device=self.device)
         self.comm.all_reduce(word, op=dist.ReduceOp.MAX)
         values = word.tolist()
-        return [tuple(values[i * m:(i + 1) * m]) for i in range(len(widths))]
+        agreed = [tuple(values[i * m:(i + 1) * m]) for i in range(len(widths))]
+        self._second = agreed[1]  # what the first `complete_round` answers (no word a round ago yet)
+        return agreed
 
     def complete_round(self, active: bool, widths_ahead: tuple[int, ...]) -> tuple[bool, tuple[int, ...]]:
         """Completes the previous round's sends (this round's token ids are only received at the
@@ -190,7 +193,7 @@ class Transport:
         word = torch.tensor([1 if active else 0, *widths_ahead], dtype=torch.long, device=self.device)
         previous, self._flag = self._flag, (self.comm.all_reduce(word, op=dist.ReduceOp.MAX, async_op=True), word)
         if previous is None:
-            return True, ()
+            return True, self._second
         previous[0].wait()
         values = previous[1].tolist()
         return bool(values[0]), tuple(values[1:])

@@ -91,8 +91,7 @@ class Runtime:
         self.channel = None      # serving: this scheduler leader's queues (`serve`)
         self.stopping = False
         first = [self.scheduler.plan() if self.scheduler else (1,) * m for _ in range(2)]
-        widths, self._next_widths = self.transport.agree(first)
-        self._start_round(0, widths)
+        self._start_round(0, self.transport.agree(first)[0])
 
     @property
     def is_leader(self) -> bool:
@@ -246,7 +245,6 @@ class Runtime:
         self._mark("sync")
         self.round_index += 1
         if more:
-            widths, self._next_widths = widths or self._next_widths, None
             self._start_round(self.round_index, widths)
         return more
 
