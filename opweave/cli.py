@@ -125,11 +125,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         if table.gpu == "cpu" and "cpu" in catalog:  # --cluster cpuxN then uses the measured figures
             catalog["cpu"] = cpu_gpu_spec(table, catalog["cpu"])
     cluster = detect_local(catalog) if args.cluster == "local" else parse_cluster(args.cluster, catalog)
-    batches = tuple(b for b in SearchOptions().batches if b <= args.max_batch)
-    if not batches:
+    if args.max_batch is not None and args.max_batch < 1:
         raise OpWeaveError(f"--max-batch must be at least 1, got {args.max_batch}")
     options = SearchOptions(templates=args.templates, pareto=not args.no_pareto, bnb=not args.no_bnb,
-                            batches=batches)
+                            objective=args.objective,
+                            **({} if args.max_batch is None else {"max_batch": args.max_batch}))
 
     def progress(message: str) -> None:
         if not args.quiet:
@@ -524,9 +524,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="replace -o even if it holds other files (never the model's folder or one above it)")
     comp.add_argument("--templates", choices=("all", "colocated", "afd", "cad"), default="all",
                       help="restrict the stage templates (baselines): default all")
+    comp.add_argument("--objective", choices=("cost", "throughput"), default="cost",
+                      help="cost: least $/Mtoken (default); throughput: most tokens/s on the given cluster, "
+                           "ties by cost; both at the TPOT SLO")
     comp.add_argument("--no-pareto", action="store_true", help="switch off per-owner Pareto pruning (ablation)")
     comp.add_argument("--no-bnb", action="store_true", help="switch off branch-and-bound (ablation)")
-    comp.add_argument("--max-batch", type=int, default=512, help="largest resident batch per replica set")
+    comp.add_argument("--max-batch", type=int, default=None,
+                      help="largest resident batch per replica set the search tries (default 4096, "
+                           "opweave.passes.search.DEFAULT_MAX_BATCH; the grid also stops where the cluster's memory does)")
     comp.add_argument("--format", choices=("text", "json"), default="text")
     comp.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
     comp.add_argument("--profile", metavar="PROFILE.json", help="measured op latencies from opweave profile")

@@ -100,7 +100,7 @@ def test_transfers_and_boundaries():
     inter = C.transfer_s(nbytes, h100, h100, inter_node=True)
     assert 0 < intra < inter
     assert C.transfer_s(nbytes, h100, l40s, inter_node=True) >= inter  # the slower end limits
-    assert C.boundary_s(nbytes, h100, h100, 4, False) > C.boundary_s(nbytes, h100, h100, 1, False)
+    assert C.boundary_s(1000, h100, 1000, h100, 1000, 4, False) > C.boundary_s(1000, h100, 1000, h100, 1000, 1, False)
     assert C.transfer_s(0, h100, h100, True) == 0
 
 

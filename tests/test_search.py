@@ -30,10 +30,10 @@ def tiny():
     return graph, find_blocks(graph)
 
 
-def gpu(name, bw, flops, mem, price, link=1e10):
+def gpu(name, bw, flops, mem, price, link=1e10, node=8):
     return GPUSpec(name=name, description=name, peak_flops=flops, mem_bandwidth=bw, memory_bytes=mem,
                    usable_memory_fraction=0.9, intra_link_bandwidth=link * 10, intra_link_latency=2e-6,
-                   inter_link_bandwidth=link, inter_link_latency=1e-5, gpus_per_node=8, gemm_efficiency=0.8,
+                   inter_link_bandwidth=link, inter_link_latency=1e-5, gpus_per_node=node, gemm_efficiency=0.8,
                    mem_efficiency=0.9, launch_overhead=2e-6, price_per_hour=price)
 
 
@@ -45,7 +45,7 @@ def hardware(draw):
     def one(name):
         return gpu(name, bw=draw(st.floats(5e9, 5e10)), flops=draw(st.floats(1e11, 1e13)),
                    mem=weights * draw(st.floats(0.7, 3.0)), price=draw(st.floats(0.5, 5.0)),
-                   link=draw(st.floats(1e9, 1e11)))
+                   link=draw(st.floats(1e9, 1e11)), node=draw(st.sampled_from([2, 4, 8])))
 
     return Cluster(pools=(Pool(gpu=one("fast"), count=4), Pool(gpu=one("cheap"), count=4)), spec="fastx4+cheapx4")
 
@@ -82,15 +82,53 @@ def test_pruned_search_matches_exhaustive(cluster, slo_ms, context, picks):
         assert pruned.counters.simulator_calls <= exhaustive.counters.simulator_calls
 
 
+@settings(max_examples=10, deadline=None)
+@given(cluster=hardware(), slo_ms=st.floats(0.05, 2.0), context=st.sampled_from([256, 2048, 16384]),
+       picks=st.lists(st.integers(0, 15), min_size=1, max_size=2))
+def test_throughput_objective_matches_exhaustive(cluster, slo_ms, context, picks):
+    """Most tokens/s on the cluster (replica sets that fit x tokens/s of one): the pruned search
+    finds the exhaustive optimum, and no feasible plan of the grid beats it."""
+    templates = chosen_templates(picks)
+    exhaustive = run(cluster, slo_ms / 1e3, context, templates, pareto=False, bnb=False, objective="throughput")
+    pruned = run(cluster, slo_ms / 1e3, context, templates, objective="throughput")
+    if exhaustive.best is None:
+        assert pruned.best is None
+        return
+    assert pruned.best.cluster_tokens_per_s == pytest.approx(exhaustive.best.cluster_tokens_per_s, rel=1e-9)
+    assert pruned.best.sets >= 1 and pruned.best.tpot_s <= slo_ms / 1e3
+    cheapest = run(cluster, slo_ms / 1e3, context, templates)
+    assert pruned.best.cluster_tokens_per_s >= cheapest.best.cluster_tokens_per_s * (1 - 1e-9)
+
+
+def test_batch_grid_reaches_what_memory_allows():
+    from opweave.passes.search import batch_grid, memory_batch_limit
+
+    assert batch_grid(24) == (1, 2, 3, 4, 6, 8, 12, 16, 24)
+    assert batch_grid(1) == (1,) and batch_grid(5) == (1, 2, 3, 4)
+    graph, blocks = tiny()
+    # GEMMs stay weight-bound up to b* = (W / B) / (f / F) ~ 10^4 tokens here, so larger batches are cheaper
+    big = Cluster(pools=(Pool(gpu=gpu("big", 4e10, 5e14, graph.weight_bytes * 1000, 3.0), count=8),), spec="bigx8")
+    limit = memory_batch_limit(graph, big, 16)
+    assert limit == int((8 * graph.weight_bytes * 1000 * 0.9 - graph.weight_bytes) // graph.state_bytes(16))
+    space = PlanSpace(graph=graph, blocks=blocks, cluster=big, context=16, tpot_slo_s=1.0)
+    options = SearchOptions(only_templates=("colocated",), microbatches=(1,), tp_degrees=(1,), replicas=(1, 8),
+                            max_batch=1 << 20)
+    best = search(space, options).best
+    assert best.batch > 512                       # the old fixed grid's ceiling
+    assert best.batch <= limit and best.batch in batch_grid(limit)
+    lowered = search(space, dataclasses.replace(options, max_batch=48)).best
+    assert lowered.batch == 48
+
+
 def test_reductions_cut_work_and_search_is_deterministic():
     cluster = Cluster(pools=(Pool(gpu=gpu("fast", 4e10, 5e12, 3e8, 3.0), count=4),
                              Pool(gpu=gpu("cheap", 1e10, 1e12, 3e8, 1.0), count=4)), spec="x")
     templates = chosen_templates([3, 9])
-    full = run(cluster, 0.01, 2048, templates, pareto=True, bnb=True)
-    none = run(cluster, 0.01, 2048, templates, pareto=False, bnb=False)
+    full = run(cluster, 0.01, 16, templates, pareto=True, bnb=True)
+    none = run(cluster, 0.01, 16, templates, pareto=False, bnb=False)
     assert full.best is not None and full.best.cost == pytest.approx(none.best.cost)
     assert full.counters.simulator_calls < none.counters.simulator_calls
-    again = run(cluster, 0.01, 2048, templates, pareto=True, bnb=True)
+    again = run(cluster, 0.01, 16, templates, pareto=True, bnb=True)
     assert again.best.owners == full.best.owners and again.best.batch == full.best.batch
     assert again.counters.simulator_calls == full.counters.simulator_calls
 
@@ -105,8 +143,13 @@ def test_dominance_is_network_and_capacity_safe():
     same = _config(a_gpu, 1, 1, 4, (1.0, 2.0))
     slower = _config(a_gpu, 1, 1, 4, (1.5, 2.0))
     assert dominates(same, slower, capacity_free=False) and not dominates(slower, same, capacity_free=False)
-    more_replicas = _config(a_gpu, 1, 2, 4, (1.5, 2.0))        # costs more, same share: dominated
-    assert dominates(same, more_replicas, capacity_free=False)
+    more_replicas = _config(a_gpu, 1, 2, 4, (1.5, 2.0))        # costs more, same share
+    # ... but with fewer GPUs than a node, another packing of the replica sets could put B's
+    # transfers inside a node where A's are not: not comparable
+    assert a_gpu.gpus_per_node > 2 and not dominates(same, more_replicas, capacity_free=False)
+    pair_gpu = dataclasses.replace(a_gpu, gpus_per_node=2)     # B fills a node: all its transfers leave it
+    assert dominates(_config(pair_gpu, 1, 1, 4, (1.0, 2.0)), _config(pair_gpu, 1, 2, 4, (1.5, 2.0)),
+                     capacity_free=False)
     other_tp = _config(a_gpu, 2, 1, 4, (1.5, 2.0))
     assert not dominates(same, other_tp, capacity_free=False)  # TP degrees never compared
     bigger_share = _config(a_gpu, 1, 1, 8, (0.5, 1.0))
@@ -115,16 +158,17 @@ def test_dominance_is_network_and_capacity_safe():
     cheaper_type = _config(b_gpu, 1, 1, 4, (1.0, 2.0))
     assert not dominates(cheaper_type, same, capacity_free=False)  # other type: cluster capacity differs
     assert dominates(cheaper_type, same, capacity_free=True)
-    assert pareto_frontier([slower, same, more_replicas, other_tp], capacity_free=False) == [same, other_tp]
+    assert pareto_frontier([slower, same, more_replicas, other_tp], capacity_free=False) == [same, more_replicas,
+                                                                                             other_tp]
 
 
 def test_no_plan_names_the_binding_constraint():
     cluster = Cluster(pools=(Pool(gpu=gpu("fast", 4e10, 5e12, 3e8, 3.0), count=2),), spec="fastx2")
-    result = run(cluster, 1e-6, 2048, ("colocated",))
+    result = run(cluster, 1e-6, 16, ("colocated",))
     assert result.best is None
     assert result.reason.startswith("best TPOT") and "> SLO 0.001 ms" in result.reason
     tiny_mem = Cluster(pools=(Pool(gpu=gpu("small", 4e10, 5e12, 1e3, 3.0), count=2),), spec="smallx2")
-    result = run(tiny_mem, 1.0, 2048, ("colocated",))
+    result = run(tiny_mem, 1.0, 16, ("colocated",))
     assert result.best is None and "does not fit" in result.reason
 
 
@@ -133,12 +177,13 @@ def test_closest_plan_is_the_fastest_one():
     cluster = Cluster(pools=(Pool(gpu=gpu("fast", 4e10, 5e12, 3e8, 3.0), count=4),
                              Pool(gpu=gpu("cheap", 1e10, 1e12, 3e8, 1.0), count=4)), spec="x")
     templates = chosen_templates([3, 9])
-    result = run(cluster, 1e-9, 2048, templates)
+    result = run(cluster, 1e-9, 16, templates)
     assert result.best is None
-    everything = run(cluster, math.inf, 2048, templates, pareto=False, bnb=False)
+    everything = run(cluster, math.inf, 16, templates, pareto=False, bnb=False)
     # exhaustively, the lowest TPOT of any plan that fits
     graph, blocks = tiny()
-    space = PlanSpace(graph=graph, blocks=blocks, cluster=cluster, context=2048, tpot_slo_s=math.inf)
+    # GEMMs stay weight-bound up to b* = (W / B) / (f / F) ~ 10^4 tokens here, so larger batches are cheaper
+    space = PlanSpace(graph=graph, blocks=blocks, cluster=cluster, context=16, tpot_slo_s=math.inf)
     from opweave.passes.search import _Search
     brute = _Search(space, SearchOptions(only_templates=templates, **SMALL, pareto=False, bnb=False), None,
                     fastest=True)

@@ -49,6 +49,8 @@ def pinned_plan(fe: FrontEnd, cluster: Cluster, template: str, owners: list[tupl
         if n > cluster.count(name):
             raise OpWeaveError(f"the owners need {n} {name} GPUs, the cluster {cluster.spec} has {cluster.count(name)}")
     problem = build_sim_problem(ev, plan, batch, microbatches, configs)
+    if problem is None:
+        raise OpWeaveError(f"the owners' TP groups do not fit inside the nodes of {cluster.spec}")
     cand = Candidate(stage_plan=plan, batch=batch, microbatches=microbatches, owners=configs,
                      problem=problem, result=simulate(problem))
     st = pipeline.State(model=fe.source.path, source=fe.source, graph=fe.graph, blocks=fe.blocks, cluster=cluster,

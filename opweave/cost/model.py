@@ -20,8 +20,9 @@ step, also carries the step's fixed costs: `step_overhead + b * sequence_overhea
 
 Ops whose output the table names a partial sum pay a ring all-reduce (routed experts followed by
 a shared expert: one, after the shared expert); every TP collective pays `collective_latency`
-besides the ring's hops; a stage boundary pays latency + bytes / link bandwidth, inter-node when
-the two groups are on different nodes.
+besides the ring's hops; a stage boundary pays latency + max(bytes a replica sends / its link, bytes a replica receives /
+its link), intra-node only when placement puts every pair of replicas that exchange rows in one
+node (`opweave.passes.placement.transfer_locality`).
 
 A profiled table (`CostModel(profile=...)`) replaces the analytic latency op by op where it has
 a figure (beyond its measured grid: the figure at the grid's edge, scaled by the analytic
@@ -293,25 +294,46 @@ def inter_bandwidth(gpu: GPUSpec) -> float:
     return gpu.inter_link_bandwidth * INTER_LINK_EFFICIENCY
 
 
-def transfer_s(nbytes: float, src: GPUSpec, dst: GPUSpec, inter_node: bool) -> float:
-    """Point-to-point transfer between two GPUs (latency + bytes / the slower end's bandwidth).
+def link_bandwidth(gpu: GPUSpec, inter_node: bool) -> float:
+    """Achieved point-to-point bandwidth of one GPU's link: its NIC share between nodes, NVLink
+    (or PCIe) inside a node."""
+    return inter_bandwidth(gpu) if inter_node else intra_bandwidth(gpu)
+
+
+def link_latency(src: GPUSpec, dst: GPUSpec, inter_node: bool) -> float:
+    """Small-message latency of a transfer: the slower end's NIC between nodes, the node's link inside."""
+    if inter_node:
+        return max(src.inter_link_latency, dst.inter_link_latency)
+    return max(src.intra_link_latency, dst.intra_link_latency)
+
+
+def transfer_s(sent: float, src: GPUSpec, dst: GPUSpec, inter_node: bool, received: float | None = None) -> float:
+    """One transfer step between two owners, seen from one replica of each (the network model,
+    docs/simulator.md): a sending replica pushes `sent` bytes through its link while a receiving
+    replica takes `received` bytes (default `sent`: one replica to one replica) through its own,
+    so the step takes latency + max(sent / sender's link, received / receiver's link). Fan-out (one
+    replica feeding several) and fan-in (several feeding one) enter through the two byte counts.
 
     GPUs of different types are never in one node, so their transfers are inter-node."""
-    if nbytes <= 0:
+    received = sent if received is None else received
+    if sent <= 0 and received <= 0:
         return 0.0
-    if inter_node or src.name != dst.name:
-        return max(src.inter_link_latency, dst.inter_link_latency) + nbytes / min(
-            inter_bandwidth(src), inter_bandwidth(dst))
-    return src.intra_link_latency + nbytes / intra_bandwidth(src)
+    inter = inter_node or src.name != dst.name
+    return link_latency(src, dst, inter) + max(sent / link_bandwidth(src, inter), received / link_bandwidth(dst, inter))
 
 
-def boundary_s(nbytes: float, src: GPUSpec, dst: GPUSpec, dst_tp: int, inter_node: bool) -> float:
-    """A stage boundary: the unsharded activation goes once to the destination group's leader,
-    which fans it out to its TP peers over the node's link (summary §6.2)."""
-    if nbytes <= 0:
+def boundary_s(per_token: float, src: GPUSpec, src_rows: int, dst: GPUSpec, dst_rows: int, dst_tp: int,
+               inter_node: bool) -> float:
+    """A stage boundary carrying `per_token` bytes per sequence from an owner whose replicas each
+    hold `src_rows` sequences of the microbatch to one whose replicas each hold `dst_rows`: every
+    sending replica sends its rows, every receiving replica takes its rows (from one or several
+    senders, `transfer_s`), and the receiving replica's port hands them to its TP peers over the
+    node's link (summary §6.2)."""
+    if per_token <= 0:
         return 0.0
-    fanout = 0.0 if dst_tp <= 1 else dst.intra_link_latency + nbytes / intra_bandwidth(dst)
-    return transfer_s(nbytes, src, dst, inter_node) + fanout
+    received = per_token * dst_rows
+    fanout = 0.0 if dst_tp <= 1 else dst.intra_link_latency + received / intra_bandwidth(dst)
+    return transfer_s(per_token * src_rows, src, dst, inter_node, received) + fanout
 
 
 def memory_per_gpu(ops: tuple[Op, ...] | list[Op], tp: int, slots: int, context: int,

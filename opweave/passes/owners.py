@@ -15,7 +15,12 @@ max-plus schedule), so A dominates B when
   - A's transfers are never slower: A's GPU type has link bandwidths >= and latencies <= B's,
     and A's replicas each send no more (per-replica microbatch share <= B's),
   - A never uses cluster GPUs that B would leave free: same GPU type and replicas <= B's, unless
-    the slot's GPU demand can never bind on this cluster (`capacity_free`).
+    the slot's GPU demand can never bind on this cluster (`capacity_free`),
+  - A's transfers are never placed worse: where placement could put B's replicas in one node with
+    another owner's (B uses fewer GPUs than a node holds), A has B's replica count, since fewer
+    replicas change how the replica sets pack into nodes (`placement.transfer_locality`); when B
+    fills a node or more, no replica pair of B and another owner shares every node, so B's
+    transfers are all inter-node and A's can only be as fast or faster.
 Ties (equal in every respect) keep the first in enumeration order.
 """
 
@@ -75,6 +80,8 @@ def dominates(a: OwnerConfig, b: OwnerConfig, capacity_free: bool) -> bool:
     if not _links_no_worse(a.gpu, b.gpu) or a.share > b.share:
         return False
     if not capacity_free and (a.gpu.name != b.gpu.name or a.replicas > b.replicas):
+        return False
+    if a.replicas != b.replicas and b.num_gpus < b.gpu.gpus_per_node:
         return False
     return True
 

@@ -258,3 +258,47 @@ def verify_placement(where: Placement, cluster) -> Placement:
                         raise IRError(f"GPU {x} of {here} is also listed idle")
                     taken[x] = here
     return where
+
+
+def _row_ranges(rows: int, replicas: int) -> list[tuple[int, int]]:
+    """The microbatch rows each replica holds (the lowering's split, `passes.lower.replica_rows`)."""
+    return [(i * rows // replicas, (i + 1) * rows // replicas) for i in range(replicas)]
+
+
+def simulated_sets(where: Placement) -> range | list[int]:
+    """Indices of the replica sets `place` simulated; the others repeat one of them shifted by whole
+    nodes of every pool, so which GPUs share a node is the same."""
+    j = where.jump
+    if j is None:
+        return range(where.num_sets)
+    return list(range(j.start)) + list(range(j.start + j.repeats * j.period, where.num_sets))
+
+
+def transfer_locality(where: Placement, cluster: Cluster, rows: int) -> dict[tuple[int, int], bool]:
+    """For every pair of owners (groups) (a, b), True when every transfer between them is inside a
+    node: in every replica set, each replica of `a` and each replica of `b` whose microbatch rows
+    overlap (a microbatch of `rows` sequences, split as the lowering splits it) sit in one node.
+    A replica's TP group never spans nodes, so any of its GPUs (the port of any cut) says where it
+    is. Pairs of different GPU types are never inside a node. Empty when no set is placed."""
+    groups = where.groups
+    splits = [_row_ranges(rows, g.replicas) for g in groups]
+    pairs = [(a, b) for a in range(len(groups)) for b in range(len(groups))
+             if a != b and groups[a].gpu == groups[b].gpu]
+    out = {(a, b): False for a in range(len(groups)) for b in range(len(groups)) if a != b}
+    if where.num_sets == 0:
+        return {}
+    for a, b in pairs:
+        out[(a, b)] = True
+    for k in simulated_sets(where):
+        nodes = [[cluster.locate(gpus[0]).node_index for gpus in replicas] for replicas in where.replica_set(k)]
+        for a, b in pairs:
+            if not out[(a, b)]:
+                continue
+            for ja, (lo_a, hi_a) in enumerate(splits[a]):
+                for jb, (lo_b, hi_b) in enumerate(splits[b]):
+                    if max(lo_a, lo_b) < min(hi_a, hi_b) and nodes[a][ja] != nodes[b][jb]:
+                        out[(a, b)] = False
+                        break
+                if not out[(a, b)]:
+                    break
+    return out

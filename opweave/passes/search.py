@@ -35,6 +35,7 @@ from opweave.ir.graph import OpGraph
 from opweave.ir.tp import legal_tp
 from opweave.passes.blocks import BlockedGraph
 from opweave.passes.owners import OwnerConfig, microbatch_share, pareto_frontier
+from opweave.passes.placement import Group, place, transfer_locality
 from opweave.passes.simulate import SimOwner, SimProblem, SimResult, SimStage, simulate
 from opweave.passes.templates import StagePlan, build_stages, enumerate_templates
 
@@ -42,17 +43,53 @@ TOKEN_ID_BYTES = 8
 """Bytes per sequence handed back from the last stage to the embedding owner (an int64 token id)."""
 
 
+OBJECTIVES = ("cost", "throughput")
+"""cost: the least $/Mtoken of one replica set (what a fleet of copies costs per token);
+throughput: the most tokens/s on the given cluster (replica sets that fit x tokens/s of one), ties
+broken by cost. Both subject to the TPOT SLO and memory."""
+
+DEFAULT_MAX_BATCH = 4096
+"""The batch grid's default ceiling per replica set (`--max-batch` raises or lowers it): above the
+compute-bound threshold of a dense model's GEMMs on every catalog GPU type (b* ~ 150-300 tokens per
+GEMM call, so 4096 leaves room for microbatches and replicas), and as far as the grid can go
+while planning a §7 setting stays well under a minute on a 2-core machine."""
+
+
+def batch_grid(limit: int) -> tuple[int, ...]:
+    """Powers of two and their midpoints (1, 2, 3, 4, 6, 8, 12, 16, 24 ...) up to `limit`."""
+    out, p = [], 1
+    while p <= limit:
+        out.append(p)
+        if p >= 2 and p + p // 2 <= limit:
+            out.append(p + p // 2)
+        p *= 2
+    return tuple(out)
+
+
+def memory_batch_limit(graph: OpGraph, cluster: Cluster, context: int) -> int:
+    """The most sequences one replica set could hold: every GPU of the cluster holding one copy of
+    the weights' share and the rest in per-sequence state (an upper bound: no plan fits more)."""
+    usable = sum(p.count * p.gpu.usable_memory_bytes for p in cluster.pools)
+    state = graph.state_bytes(context)
+    if state <= 0:
+        return 1 << 30
+    return max(1, int((usable - graph.weight_bytes) // state))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SearchOptions:
-    """The plan grid and the reductions. Allowed values: templates in all|colocated|afd|cad."""
+    """The plan grid, the objective and the reductions. Allowed values: templates in
+    all|colocated|afd|cad; objective in cost|throughput (`OBJECTIVES`)."""
 
     templates: str = "all"
     only_templates: tuple[str, ...] | None = None   # restrict to these template names (tests, users)
-    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    batches: tuple[int, ...] | None = None          # None: `batch_grid` up to what fits (and max_batch)
+    max_batch: int = DEFAULT_MAX_BATCH              # the auto grid's ceiling (the memory limit may be lower)
     microbatches: tuple[int, ...] = (1, 2, 4)
     tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
     replicas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     max_owners: int = 3
+    objective: str = "cost"                         # cost: least $/Mtoken; throughput: most tokens/s on the cluster
     pareto: bool = True
     bnb: bool = True
 
@@ -87,6 +124,7 @@ class Counters:
     pruned_slo: int = 0            # DFS prefixes cut: optimistic TPOT > SLO (or >= the fastest so far)
     pruned_cost: int = 0           # DFS prefixes cut: optimistic cost >= the incumbent's
     over_capacity: int = 0         # prefixes needing more GPUs of a type than the cluster has
+    unplaceable: int = 0           # complete plans whose TP groups do not fit in the cluster's nodes
     configs_over_node: int = 0     # (GPU type, TP) with TP above the node size or the pool
     configs_tp_indivisible: int = 0  # (GPU type, TP) where TP does not divide a sharded op
     configs_over_pool: int = 0     # replicas x TP above the pool, or more replicas than sequences
@@ -101,6 +139,11 @@ class Candidate:
     owners: tuple[OwnerConfig, ...]
     problem: SimProblem
     result: SimResult
+    sets: int = 1                   # replica sets of these owners that fit on the cluster
+
+    @property
+    def cluster_tokens_per_s(self) -> float:
+        return self.sets * self.result.tokens_per_s
 
     @property
     def cost(self) -> float:
@@ -135,6 +178,32 @@ class _Evaluator:
         self._footprint: dict[tuple, tuple[float, float] | None] = {}
         self._plans: dict[str, tuple[int, ...]] = {}
         self._slots: dict[tuple[str, int, int], tuple[list, tuple[int, ...], list]] = {}
+        self._placements: dict[tuple[Group, ...], object] = {}
+        self._locality: dict[tuple, dict[tuple[int, int], bool] | None] = {}
+        self._sent: dict[tuple[str, int], tuple[int, ...]] = {}
+
+    def locality(self, owners: tuple[OwnerConfig, ...], rows: int) -> dict[tuple[int, int], bool] | None:
+        """`placement.transfer_locality` of the owners' replica sets on the cluster (memoized), or
+        None when not one replica set fits in the cluster's nodes."""
+        groups = owner_groups(owners)
+        key = (groups, rows)
+        if key not in self._locality:
+            if groups not in self._placements:
+                self._placements[groups] = place(groups, self.space.cluster)
+            where = self._placements[groups]
+            self._locality[key] = transfer_locality(where, self.space.cluster, rows) if where.num_sets else None
+        return self._locality[key]
+
+    def sets(self, owners: tuple[OwnerConfig, ...]) -> int:
+        """Replica sets of the owners that fit on the cluster (after `locality` placed them)."""
+        return self._placements[owner_groups(owners)].num_sets
+
+    def send_bytes(self, plan: StagePlan, k: int) -> tuple[int, ...]:
+        """Bytes per sequence each stage sends to the next stage's owner with `k` owner slots."""
+        key = (plan.template.name, k)
+        if key not in self._sent:
+            self._sent[key] = tuple(s.out_bytes_per_token for s in plan.stages)
+        return self._sent[key]
 
     def sig_ids(self, plan: StagePlan) -> tuple[int, ...]:
         name = plan.template.name
@@ -297,37 +366,50 @@ def owner_config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, gpu: str, t
     return _config(ev, plan, k, slot, pool, tp, replicas, batch, n, mem)
 
 
+def owner_groups(owners: tuple[OwnerConfig, ...]) -> tuple[Group, ...]:
+    """What placement needs of a plan's owners: per owner, its replicas' TP groups."""
+    return tuple(Group(gpu=o.gpu.name, tp=o.tp, replicas=o.replicas) for o in owners)
+
+
 def build_sim_problem(ev: _Evaluator, plan: StagePlan, batch: int, n: int,
-                      owners: tuple[OwnerConfig, ...]) -> SimProblem:
-    """The simulator's view of a complete plan."""
+                      owners: tuple[OwnerConfig, ...]) -> SimProblem | None:
+    """The simulator's view of a complete plan, with every transfer costed where placement puts it
+    (`placement.transfer_locality`); None when not one replica set of the owners can be placed."""
     k = len(owners)
+    mb = math.ceil(batch / n)
+    local = ev.locality(owners, mb)
+    if local is None:
+        return None
     slots = [slot_of(s.index, plan.stages_per_block, k) for s in plan.stages]
+    sent = ev.send_bytes(plan, k)
     per_slot_index = [0] * k
     stages = []
-    mb = math.ceil(batch / n)
     for i, s in enumerate(plan.stages):
         o = owners[slots[i]]
         compute = o.latencies[per_slot_index[slots[i]]]
         per_slot_index[slots[i]] += 1
         send_s = send_bytes = 0.0
-        if i + 1 < len(plan.stages) and slots[i + 1] != slots[i]:
+        intra = False
+        if i + 1 < len(plan.stages) and slots[i + 1] != slots[i] and sent[i] > 0:
             dst = owners[slots[i + 1]]
-            share = microbatch_share(batch, n, o.replicas)
-            send_s = boundary_s(s.out_bytes_per_token * share, o.gpu, dst.gpu, dst.tp, inter_node=True)
-            send_bytes = s.out_bytes_per_token * mb
+            intra = local[(slots[i], slots[i + 1])]
+            send_s = boundary_s(sent[i], o.gpu, o.share, dst.gpu, dst.share, dst.tp, inter_node=not intra)
+            send_bytes = sent[i] * mb
         stages.append(SimStage(owner=slots[i], compute_s=compute, send_s=send_s, send_bytes=send_bytes,
-                               inter_node=send_s > 0, label=_label(ev.space.graph, s)))
+                               inter_node=send_s > 0 and not intra, label=_label(ev.space.graph, s)))
     last, first = owners[slots[-1]], owners[slots[0]]
     return_s = return_bytes = 0.0
+    intra = False
     if slots[-1] != slots[0]:
-        share = microbatch_share(batch, n, last.replicas)
-        return_s = transfer_s(TOKEN_ID_BYTES * share, last.gpu, first.gpu, inter_node=True)
+        intra = local[(slots[-1], slots[0])]
+        return_s = transfer_s(TOKEN_ID_BYTES * last.share, last.gpu, first.gpu, inter_node=not intra,
+                              received=TOKEN_ID_BYTES * first.share)
         return_bytes = TOKEN_ID_BYTES * mb
     sim_owners = tuple(SimOwner(name=f"o{o.slot} {o.describe()}", replicas=o.replicas, gpus_per_replica=o.tp,
                                 price_per_hour=o.gpu.price_per_hour, memory_per_gpu=o.memory_per_gpu)
                        for o in owners)
     return SimProblem(owners=sim_owners, stages=tuple(stages), return_s=return_s, batch=batch,
-                      num_microbatches=n, return_bytes=return_bytes, return_inter_node=return_s > 0)
+                      num_microbatches=n, return_bytes=return_bytes, return_inter_node=return_s > 0 and not intra)
 
 
 def _label(graph: OpGraph, stage) -> str:
@@ -345,10 +427,13 @@ class _Search:
         self.counters = Counters()
         self.best: Candidate | None = None
         self.closest: Candidate | None = None
-        self.min_link_latency = min(p.gpu.inter_link_latency for p in space.cluster.pools)
+        self.min_link_latency = min(min(p.gpu.inter_link_latency, p.gpu.intra_link_latency)
+                                    for p in space.cluster.pools)
         self.fits_anywhere = False
         self.min_gpus_needed = math.inf
         self._crossings: dict[tuple[str, int], int] = {}
+        self.batches = options.batches if options.batches is not None else batch_grid(
+            min(options.max_batch, memory_batch_limit(space.graph, space.cluster, space.context)))
 
     # ---- bounds
     def _bound(self, plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]) -> tuple[float, float]:
@@ -364,14 +449,31 @@ class _Search:
         cost_time = sum(c.cost_per_hour * n * c.busy_s for c in chosen) + sum(self._min_cost_time[len(chosen):])
         return tpot, max(rate * tpot, cost_time) / 3600.0 / batch * 1e6
 
-    def _prune(self, tpot_lb: float, cost_lb: float) -> str | None:
+    def _prune(self, tpot_lb: float, cost_lb: float, batch: int = 0, chosen: list[OwnerConfig] | None = None
+               ) -> str | None:
         """Which bound cuts: "slo" (TPOT; when searching the fastest plan, no faster than the best
-        so far), "cost", or None."""
+        so far), "cost" (the objective's bound: cost, or for throughput the most tokens/s any
+        completion could reach, `_sets_bound` sets of batch / TPOT bound each), or None."""
         if self.fastest:
             return "slo" if self.best is not None and tpot_lb >= self.best.tpot_s else None
         if tpot_lb > self.space.tpot_slo_s:
             return "slo"
-        return "cost" if self.best is not None and cost_lb >= self.best.cost else None
+        if self.best is None:
+            return None
+        if self.options.objective == "throughput":
+            if chosen is None:
+                return None
+            bound = self._sets_bound(chosen) * batch / tpot_lb
+            return "cost" if bound < self.best.cluster_tokens_per_s else None
+        return "cost" if cost_lb >= self.best.cost else None
+
+    def _sets_bound(self, chosen: list[OwnerConfig]) -> float:
+        """Replica sets any completion of `chosen` can place: no more than each GPU type's pool
+        holds of the GPUs the chosen owners already take per set."""
+        used: dict[str, int] = {}
+        for c in chosen:
+            used[c.gpu.name] = used.get(c.gpu.name, 0) + c.num_gpus
+        return min((self.space.cluster.count(name) // n for name, n in used.items()), default=math.inf)
 
     def _capacity_ok(self, chosen: list[OwnerConfig]) -> bool:
         used: dict[str, int] = {}
@@ -384,16 +486,26 @@ class _Search:
         self.counters.candidates += 1
         owners = tuple(chosen)
         problem = build_sim_problem(self.ev, plan, batch, n, owners)
+        if problem is None:
+            self.counters.unplaceable += 1
+            return
         self.counters.simulator_calls += 1
         result = simulate(problem)
-        cand = Candidate(stage_plan=plan, batch=batch, microbatches=n, owners=owners, problem=problem, result=result)
+        cand = Candidate(stage_plan=plan, batch=batch, microbatches=n, owners=owners, problem=problem, result=result,
+                         sets=self.ev.sets(owners))
         if self.closest is None or result.tpot_s < self.closest.tpot_s:
             self.closest = cand
         if self.fastest:
             if self.best is None or result.tpot_s < self.best.tpot_s:
                 self.best = cand
-        elif result.tpot_s <= self.space.tpot_slo_s and (self.best is None or cand.cost < self.best.cost):
+        elif result.tpot_s <= self.space.tpot_slo_s and (self.best is None or self._better(cand, self.best)):
             self.best = cand
+
+    def _better(self, a: Candidate, b: Candidate) -> bool:
+        if self.options.objective == "throughput":
+            ta, tb = a.cluster_tokens_per_s, b.cluster_tokens_per_s
+            return ta > tb or (ta == tb and a.cost < b.cost)
+        return a.cost < b.cost
 
     def _dfs(self, plan, k, batch, n, frontiers, chosen):
         if not self._capacity_ok(chosen):
@@ -401,7 +513,7 @@ class _Search:
             return
         if self.options.bnb:
             tpot_lb, cost_lb = self._bound(plan, k, batch, n, chosen)
-            why = self._prune(tpot_lb, cost_lb)
+            why = self._prune(tpot_lb, cost_lb, batch, chosen)
             if why:
                 self.counters.pruned_prefixes += 1
                 if why == "slo":
@@ -426,7 +538,7 @@ class _Search:
         self.counters.templates = len(templates)
         for ti, template in enumerate(templates):
             plan = build_stages(self.space.blocks, template)
-            for batch in self.options.batches:
+            for batch in self.batches:
                 for n in self.options.microbatches:
                     if n > batch:
                         continue
@@ -543,7 +655,7 @@ def format_search(result: SearchResult) -> str:
              f"{c.configs_over_pool} replicas above pool or batch, {c.configs_over_memory} over memory",
              f"  pruned: {c.pruned_root_slo} combinations by the TPOT bound and {c.pruned_root_cost} by the cost bound "
              f"before building owners; {c.pruned_slo} prefixes by the TPOT bound, {c.pruned_cost} by the cost bound, "
-             f"{c.over_capacity} over the cluster's GPUs",
+             f"{c.over_capacity} over the cluster's GPUs, {c.unplaceable} not placeable in its nodes",
              f"  {c.candidates} complete plans, {c.simulator_calls} simulator calls"]
     for what, cand in (("best", result.best), ("closest", result.closest)):
         if cand is None:
