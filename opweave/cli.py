@@ -144,10 +144,28 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     write_artifact(args.output, compiled, force=args.force, sign_key=sign_key)
     if table is not None:
         print(f"opweave: {table.usage_summary()}", file=sys.stderr)
+    fleet = None
+    if args.fleet:
+        from opweave.passes.fleet import plan_fleet
+        from opweave.passes.search import PlanSpace
+
+        fe = compiled.front_end
+        space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=context, tpot_slo_s=slo,
+                          cost_model=CostModel(profile=table), prefill_chunk=prefill_chunk)
+        fleet = plan_fleet(space, options, first=compiled.result, progress=progress)
     if args.format == "json":
-        print(json.dumps(plan_to_json(compiled.plan), indent=1))
+        data = plan_to_json(compiled.plan)
+        if fleet is not None:
+            from opweave.passes.fleet import fleet_to_json
+
+            data = {"plan": data, "fleet": fleet_to_json(fleet)}
+        print(json.dumps(data, indent=1))
     else:
         print(format_plan(compiled.plan, search_seconds=compiled.result.seconds))
+        if fleet is not None:
+            from opweave.passes.fleet import format_fleet
+
+            print(format_fleet(fleet))
         print(f"wrote {args.output}/ (plan.json, plan.txt, ir.txt, trace.json, gantt.png, "
               f"{compiled.plan.gpus_used // max(compiled.plan.replica_sets, 1)} rank modules, manifest.json, "
               "compile-info.json)")
@@ -527,6 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--objective", choices=("cost", "throughput"), default="cost",
                       help="cost: least $/Mtoken (default); throughput: most tokens/s on the given cluster, "
                            "ties by cost; both at the TPOT SLO")
+    comp.add_argument("--fleet", action="store_true",
+                      help="also plan the GPUs the plan leaves idle: further plans side by side (a fleet), "
+                           "each on what the earlier ones leave, with the idle GPUs reported; the artifact "
+                           "holds the first plan (compile the others with the --cluster each one names)")
     comp.add_argument("--no-pareto", action="store_true", help="switch off per-owner Pareto pruning (ablation)")
     comp.add_argument("--no-bnb", action="store_true", help="switch off branch-and-bound (ablation)")
     comp.add_argument("--max-batch", type=int, default=None,

@@ -436,7 +436,8 @@ class _Search:
             min(options.max_batch, memory_batch_limit(space.graph, space.cluster, space.context)))
 
     # ---- bounds
-    def _bound(self, plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]) -> tuple[float, float]:
+    def _bound(self, plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]
+               ) -> tuple[float, float, float]:
         """Optimistic (TPOT, $/Mtok) of any completion of `chosen` (C.1).
 
         TPOT >= one microbatch's round trip (every stage once, plus the least link latency at each
@@ -447,13 +448,22 @@ class _Search:
         tpot = max(path, n * max(busy))
         rate = sum(c.cost_per_hour for c in chosen) + sum(self._min_rate[len(chosen):])
         cost_time = sum(c.cost_per_hour * n * c.busy_s for c in chosen) + sum(self._min_cost_time[len(chosen):])
-        return tpot, max(rate * tpot, cost_time) / 3600.0 / batch * 1e6
+        gpu_time = sum(c.num_gpus * n * c.busy_s for c in chosen) + sum(self._min_gpu_time[len(chosen):])
+        return tpot, max(rate * tpot, cost_time) / 3600.0 / batch * 1e6, self._tokens_bound(batch, tpot, gpu_time, chosen)
 
-    def _prune(self, tpot_lb: float, cost_lb: float, batch: int = 0, chosen: list[OwnerConfig] | None = None
-               ) -> str | None:
+    def _tokens_bound(self, batch: int, tpot: float, gpu_time: float, chosen: list[OwnerConfig]) -> float:
+        """Most tokens/s on the cluster any completion could reach: sets x batch / TPOT with sets at
+        most `_sets_bound`, and at most (all GPUs / GPUs per set) x batch / TPOT <= all GPUs x batch
+        / (GPUs x TPOT) <= all GPUs x batch / sum over owners of GPUs x n x busy (TPOT >= n x busy
+        of every owner)."""
+        by_sets = self._sets_bound(chosen) * batch / tpot if tpot > 0 else math.inf
+        by_gpus = self.space.cluster.total_gpus * batch / gpu_time if gpu_time > 0 else math.inf
+        return min(by_sets, by_gpus)
+
+    def _prune(self, tpot_lb: float, cost_lb: float, tokens_ub: float) -> str | None:
         """Which bound cuts: "slo" (TPOT; when searching the fastest plan, no faster than the best
         so far), "cost" (the objective's bound: cost, or for throughput the most tokens/s any
-        completion could reach, `_sets_bound` sets of batch / TPOT bound each), or None."""
+        completion could reach, `_tokens_bound`), or None."""
         if self.fastest:
             return "slo" if self.best is not None and tpot_lb >= self.best.tpot_s else None
         if tpot_lb > self.space.tpot_slo_s:
@@ -461,10 +471,7 @@ class _Search:
         if self.best is None:
             return None
         if self.options.objective == "throughput":
-            if chosen is None:
-                return None
-            bound = self._sets_bound(chosen) * batch / tpot_lb
-            return "cost" if bound < self.best.cluster_tokens_per_s else None
+            return "cost" if tokens_ub < self.best.cluster_tokens_per_s else None
         return "cost" if cost_lb >= self.best.cost else None
 
     def _sets_bound(self, chosen: list[OwnerConfig]) -> float:
@@ -512,8 +519,7 @@ class _Search:
             self.counters.over_capacity += 1
             return
         if self.options.bnb:
-            tpot_lb, cost_lb = self._bound(plan, k, batch, n, chosen)
-            why = self._prune(tpot_lb, cost_lb, batch, chosen)
+            why = self._prune(*self._bound(plan, k, batch, n, chosen))
             if why:
                 self.counters.pruned_prefixes += 1
                 if why == "slo":
@@ -543,8 +549,7 @@ class _Search:
                     if n > batch:
                         continue
                     if self.options.bnb:
-                        tpot_lb, cost_lb = self._root_bound(plan, batch, n)
-                        why = self._prune(tpot_lb, cost_lb)
+                        why = self._prune(*self._root_bound(plan, batch, n))
                         if why:
                             self.counters.pruned_prefixes += 1
                             if why == "slo":
@@ -562,16 +567,16 @@ class _Search:
         return SearchResult(best=self.best, closest=self.closest, counters=self.counters,
                             reason="" if self.best else self._reason(), seconds=time.perf_counter() - start)
 
-    def _root_bound(self, plan: StagePlan, batch: int, n: int) -> tuple[float, float]:
+    def _root_bound(self, plan: StagePlan, batch: int, n: int) -> tuple[float, float, float]:
         """Optimistic (TPOT, $/Mtok) of any plan with this stage plan, batch and microbatch count,
         whatever its owners: each stage at its fastest, and at its cheapest GPU-time
         (rate x TPOT >= sum over owners of rate_o x n x busy_o, since TPOT >= n x busy_o)."""
         counts: dict[int, int] = {}
         for sig in self.ev.sig_ids(plan):
             counts[sig] = counts.get(sig, 0) + 1
-        tpot = cost_time = 0.0
+        tpot = cost_time = gpu_time = 0.0
         for sig, count in counts.items():
-            best_lat = best_ct = math.inf
+            best_lat = best_ct = best_gt = math.inf
             for p, pool in enumerate(self.space.cluster.pools):
                 for tp in self.options.tp_degrees:
                     if tp > pool.gpu.gpus_per_node or tp > pool.count:
@@ -582,9 +587,11 @@ class _Search:
                         lat = self.ev.latency(sig, p, tp, microbatch_share(batch, n, r))
                         best_lat = min(best_lat, lat)
                         best_ct = min(best_ct, r * tp * pool.gpu.price_per_hour * n * lat)
+                        best_gt = min(best_gt, r * tp * n * lat)
             tpot += count * best_lat
             cost_time += count * best_ct
-        return tpot, cost_time / 3600.0 / batch * 1e6
+            gpu_time += count * best_gt
+        return tpot, cost_time / 3600.0 / batch * 1e6, self._tokens_bound(batch, tpot, gpu_time, [])
 
     def _owner_counts(self, plan: StagePlan) -> list[int]:
         if plan.stages_per_block <= 1 and len(plan.stages) == 1:
@@ -613,6 +620,7 @@ class _Search:
         self._min_busy = [min(c.busy_s for c in f) for f in frontiers]
         self._min_rate = [min(c.cost_per_hour for c in f) for f in frontiers]
         self._min_cost_time = [min(c.cost_per_hour * n * c.busy_s for c in f) for f in frontiers]
+        self._min_gpu_time = [min(c.num_gpus * n * c.busy_s for c in f) for f in frontiers]
         self._dfs(plan, k, batch, n, frontiers, [])
 
     def _reason(self) -> str:
