@@ -47,7 +47,10 @@ def hardware(draw):
                    mem=weights * draw(st.floats(0.7, 3.0)), price=draw(st.floats(0.5, 5.0)),
                    link=draw(st.floats(1e9, 1e11)), node=draw(st.sampled_from([2, 4, 8])))
 
-    return Cluster(pools=(Pool(gpu=one("fast"), count=4), Pool(gpu=one("cheap"), count=4)), spec="fastx4+cheapx4")
+    # 4 per type: the pools bind; 16: they cannot (capacity-free frontiers compare GPU types)
+    count = draw(st.sampled_from([4, 16]))
+    return Cluster(pools=(Pool(gpu=one("fast"), count=count), Pool(gpu=one("cheap"), count=count)),
+                   spec=f"fastx{count}+cheapx{count}")
 
 
 SMALL = dict(batches=(1, 4, 16), microbatches=(1, 2), tp_degrees=(1, 2), replicas=(1, 2), max_owners=2)
@@ -160,6 +163,11 @@ def test_dominance_is_network_and_capacity_safe():
     assert dominates(cheaper_type, same, capacity_free=True)
     assert pareto_frontier([slower, same, more_replicas, other_tp], capacity_free=False) == [same, more_replicas,
                                                                                              other_tp]
+    # TP degrees compare when the groups cannot pack differently (B fills a node) and A's fan-out is no dearer
+    tp2_pair = _config(pair_gpu, 2, 1, 4, (1.5, 2.0))
+    assert dominates(_config(pair_gpu, 1, 1, 4, (1.0, 2.0)), tp2_pair, capacity_free=False)
+    assert not dominates(_config(pair_gpu, 2, 1, 4, (1.0, 2.0)), _config(pair_gpu, 1, 2, 4, (1.5, 2.0)),
+                         capacity_free=False)  # TP 2 fans out where TP 1 does not
 
 
 def test_no_plan_names_the_binding_constraint():

@@ -11,16 +11,17 @@ Network-safe Pareto frontiers (§5.2): configuration A dominates B only if no co
 prefer B. The simulator's TPOT is monotone in every stage and transfer duration (fixed-order
 max-plus schedule), so A dominates B when
   - A's latency vector is <= B's element-wise and A's cost rate is <= B's,
-  - their TP degree is equal (transfer fan-out and volume depend on it non-monotonically),
-  - A's transfers are never slower: A's GPU type has link bandwidths >= and latencies <= B's,
-    and A's replicas each send no more (per-replica microbatch share <= B's),
-  - A never uses cluster GPUs that B would leave free: same GPU type and replicas <= B's, unless
-    the slot's GPU demand can never bind on this cluster (`capacity_free`),
-  - A's transfers are never placed worse: where placement could put B's replicas in one node with
-    another owner's (B uses fewer GPUs than a node holds), A has B's replica count, since fewer
-    replicas change how the replica sets pack into nodes (`placement.transfer_locality`); when B
-    fills a node or more, no replica pair of B and another owner shares every node, so B's
-    transfers are all inter-node and A's can only be as fast or faster.
+  - A's transfers are never slower: A's GPU type has link bandwidths >= and latencies <= B's;
+    A's replicas each send and receive no more (per-replica microbatch share <= B's); A's TP
+    fan-out inside the receiving group is no dearer (A has TP 1, or B has TP > 1: the fan-out
+    costs the node link's latency plus the received bytes once, whatever the degree above 1),
+  - A never uses cluster GPUs that B would leave free: same GPU type and no more GPUs than B,
+    unless the slot's GPU demand can never bind on this cluster (`capacity_free`),
+  - A's transfers are never placed worse: A's TP groups are B's (same TP and replicas), or B
+    takes a node's worth of GPUs or more. Other group shapes pack differently into nodes
+    (`placement.transfer_locality`), but a B that fills a node cannot have every replica beside its
+    partners: first fit places owner after owner, so some replica of B lands where no replica of
+    the owner it exchanges rows with is, and B's transfers are inter-node whatever A's are.
 Ties (equal in every respect) keep the first in enumeration order.
 """
 
@@ -73,15 +74,15 @@ def _links_no_worse(a: GPUSpec, b: GPUSpec) -> bool:
 
 def dominates(a: OwnerConfig, b: OwnerConfig, capacity_free: bool) -> bool:
     """True when `a` can replace `b` in every complete plan without making it worse (module docstring)."""
-    if a.tp != b.tp or a.cost_per_hour > b.cost_per_hour:
+    if a.cost_per_hour > b.cost_per_hour or (a.tp > 1 and b.tp == 1):
         return False
     if len(a.latencies) != len(b.latencies) or any(x > y for x, y in zip(a.latencies, b.latencies)):
         return False
     if not _links_no_worse(a.gpu, b.gpu) or a.share > b.share:
         return False
-    if not capacity_free and (a.gpu.name != b.gpu.name or a.replicas > b.replicas):
+    if not capacity_free and (a.gpu.name != b.gpu.name or a.num_gpus > b.num_gpus):
         return False
-    if a.replicas != b.replicas and b.num_gpus < b.gpu.gpus_per_node:
+    if (a.tp, a.replicas) != (b.tp, b.replicas) and b.num_gpus < b.gpu.gpus_per_node:
         return False
     return True
 

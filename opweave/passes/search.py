@@ -125,6 +125,7 @@ class Counters:
     pruned_cost: int = 0           # DFS prefixes cut: optimistic cost >= the incumbent's
     over_capacity: int = 0         # prefixes needing more GPUs of a type than the cluster has
     unplaceable: int = 0           # complete plans whose TP groups do not fit in the cluster's nodes
+    capacity_free_plans: int = 0   # (template, owners, batch, microbatches) whose pools cannot bind
     configs_over_node: int = 0     # (GPU type, TP) with TP above the node size or the pool
     configs_tp_indivisible: int = 0  # (GPU type, TP) where TP does not divide a sharded op
     configs_over_pool: int = 0     # replicas x TP above the pool, or more replicas than sequences
@@ -266,6 +267,20 @@ class _Evaluator:
             else:
                 self._footprint[full] = Footprint.of(ops, tp, self.space.context, self.space.prefill_chunk)
         return self._footprint[full]
+
+
+def _capacity_free(slots: list[list[OwnerConfig]], cluster: Cluster) -> bool:
+    """Whether no choice of one configuration per slot can need more GPUs of a type than the
+    cluster has: then the pools cannot bind and Pareto may compare configurations across GPU
+    types (`owners.dominates`)."""
+    demand: dict[str, int] = {}
+    for configs in slots:
+        most: dict[str, int] = {}
+        for c in configs:
+            most[c.gpu.name] = max(most.get(c.gpu.name, 0), c.num_gpus)
+        for name, n in most.items():
+            demand[name] = demand.get(name, 0) + n
+    return all(n <= cluster.count(name) for name, n in demand.items())
 
 
 def slot_of(stage_index: int, stages_per_block: int, k: int) -> int:
@@ -600,16 +615,21 @@ class _Search:
 
     def _plan(self, plan: StagePlan, k: int, batch: int, n: int) -> None:
         self.counters.stage_plans += 1
-        frontiers = []
+        slots = []
         for slot in range(k):
             configs = _owner_configs(self.ev, plan, k, slot, batch, n, self.options, self.counters)
             self.counters.owner_configs += len(configs)
             if not configs:
                 return
+            slots.append(configs)
+        free = self.options.pareto and _capacity_free(slots, self.space.cluster)
+        frontiers = []
+        for configs in slots:
             if self.options.pareto:
-                configs = pareto_frontier(configs, capacity_free=False)
+                configs = pareto_frontier(configs, capacity_free=free)
             self.counters.frontier_configs += len(configs)
             frontiers.append(configs)
+        self.counters.capacity_free_plans += free
         self.fits_anywhere = True
         self.min_gpus_needed = min(self.min_gpus_needed, sum(min(c.num_gpus for c in f) for f in frontiers))
         key = (plan.template.name, k)
