@@ -38,8 +38,8 @@ def pinned_plan(fe: FrontEnd, cluster: Cluster, template: str, owners: list[tupl
     if (k > 1 and plan.stages_per_block % k) or (k == 1 and len(plan.stages) > 1 and plan.stages_per_block > 1):
         raise OpWeaveError(f"template {template} has {plan.stages_per_block} stages per block: "
                            f"{k} owner(s) cannot take them round-robin")
-    if not 1 <= microbatches <= batch:
-        raise OpWeaveError(f"microbatches {microbatches} must be between 1 and the batch {batch}")
+    if not 1 <= microbatches <= batch or batch % microbatches:
+        raise OpWeaveError(f"microbatches {microbatches} must be between 1 and the batch {batch} and divide it")
     configs = tuple(owner_config(ev, plan, k, slot, gpu, tp, replicas, batch, microbatches)
                     for slot, (gpu, tp, replicas) in enumerate(owners))
     used: dict[str, int] = {}

@@ -561,7 +561,7 @@ class _Search:
             plan = build_stages(self.space.blocks, template)
             for batch in self.batches:
                 for n in self.options.microbatches:
-                    if n > batch:
+                    if n > batch or batch % n:  # microbatches of equal rows (the lowering)
                         continue
                     if self.options.bnb:
                         why = self._prune(*self._root_bound(plan, batch, n))
