@@ -78,3 +78,67 @@ def test_locality_looks_only_at_replicas_that_exchange_rows():
     assert _local("h100x16", groups, 8)[(0, 1)] is False
     small = [Group(gpu="h100", tp=2, replicas=2), Group(gpu="h100", tp=2, replicas=2)]
     assert _local("h100x8", small, 8)[(0, 1)] is True
+
+
+# ---------------------------------------------------------------- placement and cost agree, through the lowering
+
+
+def lowered_crossings(compiled, cluster) -> tuple[dict[int, bool], bool]:
+    """What the deployed plan really does: per stage that sends, whether any of its sends in any
+    replica set crosses nodes, and the same for the token ids' return; from the lowered rank
+    programs (ports and peers) and every replica set `place()` puts on the cluster."""
+    from opweave.compiler.compile import lower_plan
+    from opweave.passes.lower import rank_layout
+    from opweave.passes.placement import simulated_sets
+
+    plan = compiled.plan
+    groups = tuple(Group(gpu=o.gpu, tp=o.tp, replicas=o.replicas) for o in plan.owners)
+    where = place(groups, cluster)
+    programs = lower_plan(plan, compiled.front_end, "0" * 64)
+    layout = rank_layout(plan)
+    sends: dict[int, bool] = {}
+    ret = False
+    for k in simulated_sets(where):
+        gpus = where.replica_set(k)
+
+        def node(rank):
+            o, j, t = layout[rank]
+            return cluster.locate(gpus[o][j][t]).node_index
+
+        for prog in programs:
+            for sp in prog.stages:
+                if sp.send is not None:
+                    crossed = any(node(prog.rank) != node(p.rank) for p in sp.send.peers)
+                    sends[sp.stage] = sends.get(sp.stage, False) or crossed
+                ret = ret or any(node(prog.rank) != node(p.rank) for p in sp.returns)
+    return sends, ret
+
+
+def assert_placement_agrees(compiled, cluster):
+    plan = compiled.plan
+    sends, ret = lowered_crossings(compiled, cluster)
+    for s in plan.stages:
+        if s.index in sends:
+            assert s.send_s > 0, f"stage {s.index} sends at run time but is charged no transfer"
+            assert s.send_inter_node == sends[s.index], (s.index, s.send_inter_node, sends[s.index])
+        else:
+            assert s.send_s == 0, f"stage {s.index} is charged a transfer the runtime does not make"
+    if plan.return_s > 0:
+        assert plan.return_inter_node == ret
+
+
+@pytest.mark.parametrize("spec,owners,template", [
+    ("h100x8", [("h100", 4, 1), ("h100", 4, 1)], "afd"),                 # one node: every hop inside it
+    ("h100x16", [("h100", 2, 1), ("h100", 4, 1)], "afd"),                # 6 GPUs per set: set 1 straddles
+    ("h100x16", [("h100", 1, 2), ("h100", 2, 2)], "cad"),                # 6 per set, replicas matched
+    ("h100x16+a100x16", [("a100", 2, 4), ("h100", 1, 1)], "afd"),        # two types: always between nodes
+    ("h100x24", [("h100", 2, 1), ("h100", 1, 4), ("h100", 2, 1)], "F:pre_attn+post_attn+mid"),
+])
+def test_place_and_cost_agree_on_hand_plans(spec, owners, template):
+    from opweave.compiler.frontend import run_front_end
+    from opweave.compiler.pinned import pinned_plan
+
+    fe = run_front_end("llama-3.1-8b")
+    cluster = parse_cluster(spec, CATALOG)
+    compiled = pinned_plan(fe, cluster, template, owners, batch=16, microbatches=2, context=8192)
+    assert_placement_agrees(compiled, cluster)
