@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -63,6 +64,9 @@ from common import RunClock, emit, git_commit, header_lines  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "paper_eval.md")
+PLANS_OUT = os.path.join(REPO, "bench", "results", "paper_eval_plans.json")
+"""Every plan of the full grid (template, owners, batch, microbatches, cluster, context): tests/test_network.py
+replays them through the lowering and checks that placement and the cost model agree on every boundary."""
 
 MODELS = {
     "gemma-3-27b": dict(label="Gemma-3-27B", strict_ms=10.0, relaxed_ms=100.0),
@@ -75,8 +79,13 @@ CLUSTERS = (  # (label, spec, homogeneous H100 sub-cluster or None)
     ("H100+L40S", "h100x32+l40sx32", "h100x32"),
 )
 SYSTEMS = ("opweave", "colocated", "afd", "cad")
-SYSTEM_LABEL = {"opweave": "OpWeave", "colocated": "colocated", "afd": "AFD", "cad": "CAD"}
-FAMILY = {"opweave": "all", "colocated": "colocated", "afd": "afd", "cad": "cad"}
+SYSTEM_LABEL = {"opweave": "OpWeave", "colocated": "colocated", "afd": "AFD", "cad": "CAD",
+                "fixed_tp": "colocated, fixed TP"}
+FAMILY = {"opweave": "all", "colocated": "colocated", "afd": "afd", "cad": "cad", "fixed_tp": "colocated"}
+FIXED_TP_WEIGHT_SHARE = 0.5
+"""The fixed-TP colocated reference ("vLLM-style"): per GPU type, the smallest power-of-two TP whose
+group holds the weights in at most this share of its usable memory (the rest for KV cache), as an
+operator sizing a vLLM deployment by hand would pick it; replicas and batch are still searched."""
 BASELINES = ("colocated", "afd", "cad")
 PLANNING_LIMIT_S = 60.0
 REL_TOL = 1e-9
@@ -110,6 +119,7 @@ class Run:
     gpu_types: tuple[str, ...] = ()
     note: str = ""                 # why infeasible
     counters: dict | None = None
+    plan: dict | None = None       # template, owners, batch, microbatches: what tests/test_network.py replays
 
     @property
     def per_gpu_batch(self) -> float:
@@ -126,6 +136,13 @@ class Setting:
     slo_ms: float
     runs: dict[str, Run]
     homog: Run | None = None        # OpWeave on the H100 pool alone (heterogeneous clusters)
+    fixed: Run | None = None        # colocated at a fixed TP per GPU type (`FIXED_TP_WEIGHT_SHARE`)
+
+    def gain_fixed(self) -> float | None:
+        ow = self.runs["opweave"]
+        if self.fixed is None or not self.fixed.feasible or not ow.feasible:
+            return None
+        return self.fixed.cost / ow.cost
 
     def feasible_baselines(self) -> dict[str, Run]:
         return {s: self.runs[s] for s in BASELINES if self.runs[s].feasible}
@@ -139,10 +156,32 @@ class Setting:
         return min(costs) / ow.cost
 
 
-def plan_one(fe, cluster, context: int, slo_ms: float, system: str) -> Run:
+def fixed_tp(fe, gpu) -> int:
+    """`FIXED_TP_WEIGHT_SHARE`'s TP for one GPU type (at most the node size)."""
+    tp = 1
+    while tp < gpu.gpus_per_node and fe.graph.weight_bytes > FIXED_TP_WEIGHT_SHARE * tp * gpu.usable_memory_bytes:
+        tp *= 2
+    return tp
+
+
+def plan_fixed_tp(fe, cluster, context: int, slo_ms: float) -> Run:
+    """Colocated at the fixed TP of each GPU type, on each pool alone; the cheapest pool's plan."""
+    from opweave.hardware.cluster import Cluster
+
+    runs = []
+    for pool in cluster.pools:
+        sub = Cluster(pools=(pool,), spec=f"{pool.gpu.name}x{pool.count}")
+        runs.append(plan_one(fe, sub, context, slo_ms, "fixed_tp", tp_degrees=(fixed_tp(fe, pool.gpu),)))
+    seconds = sum(r.seconds for r in runs)
+    feasible = [r for r in runs if r.feasible]
+    best = min(feasible, key=lambda r: r.cost) if feasible else runs[0]
+    return dataclasses.replace(best, seconds=seconds)
+
+
+def plan_one(fe, cluster, context: int, slo_ms: float, system: str, **options) -> Run:
     space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=context, tpot_slo_s=slo_ms / 1e3)
     start = time.perf_counter()
-    result = search(space, SearchOptions(templates=FAMILY[system]))
+    result = search(space, SearchOptions(templates=FAMILY[system], **options))
     seconds = time.perf_counter() - start
     b = result.best
     if b is None:
@@ -161,7 +200,10 @@ def plan_one(fe, cluster, context: int, slo_ms: float, system: str) -> Run:
                occupancy=sum(o.occupancy for o in sim.owners) / len(sim.owners),
                template=b.stage_plan.template.name, owners=" + ".join(o.describe() for o in b.owners),
                gpu_types=tuple(sorted({o.gpu.name for o in b.owners})),
-               counters=dataclasses.asdict(result.counters))
+               counters=dataclasses.asdict(result.counters),
+               plan={"template": b.stage_plan.template.name, "batch": b.batch, "microbatches": b.microbatches,
+                     "owners": [[o.gpu.name, o.tp, o.replicas] for o in b.owners], "cluster": cluster.spec,
+                     "context": context, "system": system, "cost_per_mtok_usd": b.cost})
 
 
 # ---------------------------------------------------------------------------- formatting
@@ -225,18 +267,27 @@ def report(settings: list[Setting], quick: bool) -> tuple[str, list[str]]:
             gtxt = "only OpWeave feasible"
         else:
             gtxt = f"{g:.2f}x"
+        gf = s.gain_fixed()
+        fx = s.fixed
         rows.append([MODELS[s.model]["label"], s.cluster_label, ctx_text(s.context), f"{s.slo_ms:g} ms",
-                     *(money(s.runs[k]) for k in SYSTEMS), gtxt,
+                     *(money(s.runs[k]) for k in SYSTEMS),
+                     (money(fx) + (f" ({fx.owners})" if fx.feasible else "")) if fx else "-", gtxt,
                      f"{gd:.2f}x" if gd is not None else ("no AFD/CAD plan" if ow.feasible else "-"),
+                     f"{gf:.2f}x" if gf is not None else "-",
+                     ", ".join(ow.gpu_types) if ow.feasible else "-",
                      f"`{md_escape(ow.template)}`" if ow.feasible else "-", f"{ow.seconds:.1f}"])
     lines += ["## Cost per Mtoken", "",
               "Gain = best feasible baseline's $/Mtoken / OpWeave's (baselines: colocated, AFD, CAD); "
-              "the next column compares with the disaggregated baselines only (AFD, CAD). "
+              "the next column compares with the disaggregated baselines only (AFD, CAD), the one after with "
+              "colocated serving at a fixed vLLM-style TP (per GPU type, the smallest power-of-two TP whose "
+              f"group holds the weights in at most {FIXED_TP_WEIGHT_SHARE:.0%} of its usable memory, on the "
+              "cheaper pool; replicas and batch searched). "
               "Plan time = wall time of OpWeave's search (Pareto + branch-and-bound on). \"closest TPOT found\" is "
               "the lowest TPOT among the plans the search simulated (its `closest`), not necessarily the lowest "
               "TPOT the system can reach.", "",
               table(["model", "cluster", "context", "TPOT SLO", "OpWeave", "colocated", "AFD", "CAD",
-                     "gain vs best baseline", "gain vs best of AFD/CAD", "OpWeave template", "plan time (s)"], rows), ""]
+                     "colocated, fixed TP", "gain vs best baseline", "gain vs best of AFD/CAD",
+                     "gain vs colocated, fixed TP", "OpWeave GPU types", "OpWeave template", "plan time (s)"], rows), ""]
 
     # ---- table 2: structure
     rows = []
@@ -440,8 +491,11 @@ def main(argv: list[str] | None = None) -> int:
                 cache[key] = plan_one(fe, clusters.get(homog_spec) or parse_cluster(homog_spec, catalog),
                                       context, slo_ms, "opweave")
             homog = cache[key]
+        key = (model, spec, context, slo_ms, "fixed_tp")
+        if key not in cache:
+            cache[key] = plan_fixed_tp(fe, clusters[spec], context, slo_ms)
         s = Setting(model=model, cluster_label=cl_label, cluster=spec, context=context, slo_kind=kind,
-                    slo_ms=slo_ms, runs=runs, homog=homog)
+                    slo_ms=slo_ms, runs=runs, homog=homog, fixed=cache[key])
         settings.append(s)
         g = s.gain()
         print(f"[{i}/{len(grid)}] {model} {spec} {ctx_text(context)} SLO {slo_ms:g} ms: "
@@ -451,6 +505,12 @@ def main(argv: list[str] | None = None) -> int:
               + f"; elapsed {clock.elapsed():.0f} s", file=sys.stderr, flush=True)
 
     body, violations = report(settings, args.quick)
+    if not args.quick:
+        plans = [r.plan for s in settings for r in (*s.runs.values(), s.fixed) if r is not None and r.plan]
+        unique = {json.dumps(p, sort_keys=True): p for p in plans}
+        with open(PLANS_OUT, "w", encoding="utf-8") as f:
+            json.dump(sorted(unique.values(), key=lambda p: json.dumps(p, sort_keys=True)), f, indent=1)
+            f.write("\n")
     argv_shown = ["python", "bench/paper_eval.py"] + (sys.argv[1:] if argv is None else argv)
     text = "\n".join(header_lines("OpWeave §7 evaluation grid" + (" (quick)" if args.quick else ""), argv_shown,
                                   clock, commit)) + "\n" + body
