@@ -76,7 +76,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
         check_output_file(args.plot, "--plot", inputs=(args.model, args.catalog))
     contexts = parse_contexts(args.context)
-    catalog = load_catalog(args.catalog)
+    catalog = load_catalog(args.catalog, prices=args.prices,
+                           warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr))
     names = [n for n in args.gpus.split(",") if n.strip()]
     if not names:
         raise OpWeaveError("--gpus needs at least one GPU type, e.g. --gpus h100,l40s")
@@ -113,7 +114,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     slo = parse_duration(args.tpot_slo)
     context = parse_tokens(args.context)
     prefill_chunk = PREFILL_CHUNK if args.prefill_chunk is None else parse_tokens(args.prefill_chunk, "--prefill-chunk")
-    catalog = load_catalog(args.catalog)
+    catalog = load_catalog(args.catalog, prices=args.prices,
+                           warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr))
     table = None
     if args.profile:
         from opweave.compiler.frontend import run_front_end
@@ -436,7 +438,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     tps = _positive_ints(args.tp, "--tp")
     batches = _positive_ints(args.batch, "--batch")
     contexts = parse_contexts(args.context)
-    gpu = get_gpu(args.gpu, load_catalog(args.catalog))
+    gpu = get_gpu(args.gpu, load_catalog(args.catalog, prices=args.prices,
+                                         warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr)))
     graph = run_front_end(args.model).graph
     points = estimate(graph, gpu, tps, batches, contexts, CostModel(cuda_graphs=not args.eager))
     print(json.dumps(estimate_to_json(graph.model, points), indent=1) if args.format == "json"
@@ -486,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --what plan: simulate the plan's schedule again and draw its Gantt chart (PNG) in FILE")
     dump.set_defaults(func=_cmd_dump)
 
-    analyze = sub.add_parser("analyze", help="closed-form cost analysis of colocated vs disaggregated decode (§3)")
+    analyze = sub.add_parser("analyze", help="cost analysis of colocated vs disaggregated decode (§3) on the cost "
+                             "model, with a TP scan and Theorem 3.1/3.2's closed forms")
     analyze.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
     analyze.add_argument("--gpus", default="h100", help="comma-separated GPU types from the catalog (default h100)")
     analyze.add_argument("--context", default="1k..128k",
@@ -494,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--format", choices=("text", "json"), default="text")
     analyze.add_argument("--plot", metavar="FILE.png", help="write cost and gain against context length")
     analyze.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    analyze.add_argument("--prices", metavar="NAME",
+                         help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
+                              "GPUs it does not list keep the catalog price (a warning names them)")
     analyze.set_defaults(func=_cmd_analyze)
 
     est = sub.add_parser("estimate", help="TPOT, tokens/s and memory fit of colocated decode at given points, "
@@ -505,6 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--context", default="1536",
                      help="context lengths: 1536,32k or a doubling range 1k..32k (default 1536)")
     est.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    est.add_argument("--prices", metavar="NAME",
+                     help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
+                          "GPUs it does not list keep the catalog price (a warning names them)")
     est.add_argument("--format", choices=("text", "json"), default="text")
     est.add_argument("--eager", action="store_true",
                      help="ops launched one by one instead of a replayed CUDA graph (eager launch overhead)")
@@ -556,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "opweave.passes.search.DEFAULT_MAX_BATCH; the grid also stops where the cluster's memory does)")
     comp.add_argument("--format", choices=("text", "json"), default="text")
     comp.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    comp.add_argument("--prices", metavar="NAME",
+                      help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
+                           "GPUs it does not list keep the catalog price (a warning names them)")
     comp.add_argument("--profile", metavar="PROFILE.json", help="measured op latencies from opweave profile")
     comp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     comp.add_argument("--allow-long-context", action="store_true",

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from opweave.hardware.catalog import (
     FRACTION_FIELDS, NUMERIC_FIELDS, REQUIRED_FIELDS, ZERO_FIELDS, format_catalog, get_gpu, load_catalog,
 )
 from opweave.hardware.cluster import Cluster, Pool, parse_cluster
+from opweave.hardware.networks import network_figures, profiles_for
 
 CATALOG = load_catalog()
 EXPECTED = ("h100", "h100-pcie", "h200", "a100", "a100-40gb", "l40s", "l4", "a10g", "b200", "cpu")
@@ -34,10 +36,16 @@ def test_every_number_has_a_source_and_a_sane_value(name):
     assert spec.description
 
 
-def test_sources_cite_refdata_or_say_assumption():
+def test_sources_cite_a_public_source_or_say_assumption():
     for spec in CATALOG.values():
         for field, text in spec.sources.items():
-            assert text.startswith(("refdata ", "assumption", "placeholder", "fit: ")), (spec.name, field, text)
+            if field in ("inter_link_bandwidth", "inter_link_latency"):  # from the entry's network profile
+                figures = network_figures(spec.network, spec.name)
+                assert text == f"network profile '{spec.network}' ({figures.nic}): {figures.sources[field]}"
+                text = figures.sources[field]
+            cited = text.startswith(("refdata ", "assumption", "placeholder", "fit: ")) or re.search(r"https?://", text)
+            assert cited, (spec.name, field, text)
+            assert "/work/" not in text and "refdata.json" not in text, (spec.name, field, text)  # public sources only
     assert all("placeholder until `opweave profile`" in s for s in CATALOG["cpu"].sources.values())
 
 
@@ -119,6 +127,22 @@ def test_override_changes_a_price_and_adds_a_gpu(tmp_path, ext):
     assert cluster.price_per_hour == pytest.approx(6 * 1.25 + 8 * 2.5)
 
 
+def test_override_file_network_field(tmp_path):
+    path = _write(tmp_path, "hw.yaml", {"a100": {"network": "dgx"}, "l4": {"inter_link_bandwidth": 3e9},
+                                        "mygpu": {**{k: v for k, v in NEW_GPU.items() if not k.startswith("inter")},
+                                                  "inter_link_bandwidth": 3e9, "inter_link_latency": 30e-6}})
+    cat = load_catalog(path)
+    assert (cat["a100"].network, cat["a100"].inter_link_bandwidth) == ("dgx", 25e9)
+    assert parse_cluster("a100x8", cat).canonical_spec == "a100x8@dgx"  # not the built-in default: named
+    assert (cat["l4"].network, cat["l4"].inter_link_bandwidth) == (None, 3e9)  # figures given: no profile
+    assert cat["mygpu"].network is None and "| mygpu " in format_catalog(cat)
+    bad = _write(tmp_path, "bad.yaml", {"mygpu": {**{k: v for k, v in NEW_GPU.items() if not k.startswith("inter")},
+                                                  "network": "dgx"}})
+    with pytest.raises(OpWeaveError, match=r"entry 'mygpu', field 'network': network profile 'dgx' has no figures "
+                                           r"for mygpu \(.*no profile covers mygpu\)$"):
+        load_catalog(bad)
+
+
 def test_yaml_exponent_without_a_dot_is_read_as_a_number(tmp_path):
     path = tmp_path / "hw.yaml"
     path.write_text("h100:\n  peak_flops: 1e15\n")  # YAML 1.1 reads this as text
@@ -189,12 +213,19 @@ def test_parse_cluster(spec, pools):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(EXPECTED), st.integers(1, 64)), min_size=1, max_size=4,
+@given(st.lists(st.tuples(st.sampled_from(EXPECTED), st.integers(1, 64), st.integers(0, 8)), min_size=1, max_size=4,
                 unique_by=lambda t: t[0]))
 def test_canonical_spec_round_trips(pools):
-    cluster = parse_cluster("+".join(f"{g}x{n}" for g, n in pools), CATALOG)
+    """Pools with and without a network profile (index 0: none; past the last: the last)."""
+    def pool(g, n, k):
+        profiles = profiles_for(g)
+        return f"{g}x{n}" + (f"@{profiles[min(k, len(profiles)) - 1]}" if k else "")
+
+    cluster = parse_cluster("+".join(pool(*t) for t in pools), CATALOG)
     again = parse_cluster(cluster.canonical_spec, CATALOG)
     assert again.pools == cluster.pools and again.canonical_spec == cluster.canonical_spec
+    for p, (g, n, k) in zip(cluster.pools, pools):  # a non-default profile is named, the default is not
+        assert (f"{g}x{n}@{p.gpu.network}" in cluster.canonical_spec) == (p.gpu.network != CATALOG[g].network)
     layout = cluster.physical_gpus()
     assert [g.global_index for g in layout] == list(range(cluster.total_gpus))
     assert len({g.node_index for g in layout}) == cluster.num_nodes
@@ -219,11 +250,38 @@ def test_canonical_spec_round_trips(pools):
     ("h100x8+H100x4", r"GPU type 'h100' appears more than once; write it once \(h100x12\)"),
     ("h100x8+a100-80gbx2+a100x2", "GPU type 'a100' appears more than once"),
     ("missing.yaml", "cluster file 'missing.yaml' not found"),
+    ("h100x8@", r"pool 'h100x8@' has no network profile after '@' \(profiles: dgx, aws-p4d, "),
+    ("h100x8@dgz", r"unknown network profile 'dgz' \(did you mean: dgx\?; profiles: dgx, "),
+    ("h100x8@aws-p4de", r"network profile 'aws-p4de' has no figures for h100 \(it covers a100; "
+                        r"profiles for h100: dgx, aws-p5, gcp-a3-high, azure-nd-h100-v5\)"),
+    ("cpux2@dgx", r"network profile 'dgx' has no figures for cpu .*profiles for cpu: loopback"),
+    ("@dgx", r"pool '@dgx' has no GPUs before '@'"),
+    ("h100x8@dgx@dgx", r"malformed pool 'h100x8@dgx@dgx' \(one '@' before a network profile"),
+    ("h10x8@dgx", r"unknown GPU type 'h10'"),
+    ("h100x8@dgx+h100x8@aws-p5", r"GPU type 'h100' appears more than once, with network profiles dgx, aws-p5; "
+                                 r"a cluster holds one pool per GPU type whatever its network: write it once "
+                                 r"\(h100x16@dgx\)"),
+    ("h100x8@dgx+h100x4@DGX", r"GPU type 'h100' appears more than once; write it once \(h100x12@dgx\)"),
 ])
 def test_bad_cluster_specs(spec, fragment):
     with pytest.raises(OpWeaveError, match=fragment) as info:
         parse_cluster(spec, CATALOG)
     assert "\n" not in str(info.value)
+
+
+def test_network_profiles_per_pool():
+    cluster = parse_cluster("h100x16@dgx+a100x16@aws-p4de", CATALOG)
+    h100, a100 = (p.gpu for p in cluster.pools)
+    assert (h100.network, h100.inter_link_bandwidth) == ("dgx", 50e9)
+    assert (a100.network, a100.inter_link_bandwidth) == ("aws-p4de", 6.25e9) and a100 == CATALOG["a100"]
+    assert cluster.canonical_spec == "h100x16@dgx+a100x16"  # aws-p4de is the A100's default
+    assert cluster.spec == "h100x16@dgx+a100x16@aws-p4de"
+    dgx_a100 = parse_cluster("a100x16@dgx", CATALOG).pools[0].gpu
+    assert dgx_a100.inter_link_bandwidth == 4 * CATALOG["a100"].inter_link_bandwidth  # 8x200G vs 4x100G per node
+    assert dgx_a100.peak_flops == CATALOG["a100"].peak_flops and dgx_a100.price_per_hour == CATALOG["a100"].price_per_hour
+    assert dgx_a100.sources["inter_link_bandwidth"].startswith("network profile 'dgx' (8x 200 Gb/s HDR")
+    assert parse_cluster("l40s:4@eth-1x100", CATALOG).canonical_spec == "l40sx4@eth-1x100"
+    assert parse_cluster("h100@aws-p5", CATALOG).canonical_spec == "h100x1"
 
 
 def test_physical_layout_and_direct_construction():
@@ -237,6 +295,20 @@ def test_physical_layout_and_direct_construction():
         Cluster(pools=(Pool(gpu=CATALOG["h100"], count=0),), spec="x")
     with pytest.raises(OpWeaveError, match="has no GPUs"):
         Cluster(pools=(), spec="")
+
+
+@pytest.mark.parametrize("ext", ["yaml", "json"])
+def test_cluster_file_with_network_profiles(tmp_path, ext):
+    path = _write(tmp_path, f"cluster.{ext}", {"pools": [
+        {"gpu": "h100", "count": 16, "network": "dgx", "price_per_hour": 2.49},
+        {"gpu": "a100", "count": 8, "network": "dgx"},
+        {"gpu": "l40s", "count": 8},
+    ]})
+    cluster = parse_cluster(path, CATALOG)
+    assert cluster.canonical_spec == "h100x16@dgx+a100x8@dgx+l40sx8"
+    assert [p.gpu.inter_link_bandwidth for p in cluster.pools] == [50e9, 25e9, CATALOG["l40s"].inter_link_bandwidth]
+    assert parse_cluster(cluster.canonical_spec, CATALOG).pools[1] == cluster.pools[1]
+    assert cluster.pools[0].gpu.price_per_hour == 2.49
 
 
 @pytest.mark.parametrize("ext", ["yaml", "json"])
@@ -261,6 +333,13 @@ def test_cluster_file_with_pool_overrides(tmp_path, ext):
     ({"pools": [{"gpu": "h100", "count": 1, "price_per_hour": -3}]}, "pool 0 \\(h100\\), field 'price_per_hour': must be a positive"),
     ({"pools": [{"gpu": "h100", "count": 1, "colour": "red"}]}, "unknown field 'colour'"),
     ({"pools": [{"gpu": "h100", "count": 1}, {"gpu": "h100-sxm", "count": 1}]}, "appears more than once"),
+    ({"pools": [{"gpu": "h100", "count": 1, "network": "aws-p4de"}]},
+     r"pool 0 \(h100\), field 'network': network profile 'aws-p4de' has no figures for h100"),
+    ({"pools": [{"gpu": "h100", "count": 1, "network": 3}]}, r"field 'network': must be a network profile name"),
+    ({"pools": [{"gpu": "h100", "count": 1, "network": "dgx", "inter_link_latency": 5e-6}]},
+     r"give either 'network' \(a profile\) or inter_link_latency, not both"),
+    ({"pools": [{"gpu": "h100", "count": 8, "network": "dgx"}, {"gpu": "h100", "count": 8}]},
+     r"appears more than once, with network profiles dgx, aws-p5; a cluster holds one pool per GPU type"),
 ])
 def test_bad_cluster_files(tmp_path, data, fragment):
     path = _write(tmp_path, "cluster.yaml", data)

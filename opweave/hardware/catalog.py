@@ -1,10 +1,12 @@
 """The GPU catalog: `catalog.json` loaded into `GPUSpec`s, with an optional override file.
 
 Note: every number is in SI units (FLOP/s, bytes/s, bytes, seconds, USD per GPU-hour) and has a
-source string in the entry's `sources` map (refdata citation and confidence, or "assumption: why").
+source string in the entry's `sources` map (the public source and its confidence, or "assumption: why").
 Link bandwidths are one-direction line rates per GPU; the cost model applies its own factors.
-An override file (YAML or JSON, same layout as `catalog.json`) may change any field of an entry or
-add an entry with every field; docs/hardware.md has the price policy and an example.
+The inter-node figures come from the entry's `network` profile (`networks.py`: they belong to the
+node, not the GPU). An override file (YAML or JSON, same layout as `catalog.json`) may change any
+field of an entry or add an entry with every field; a price table (`prices.py`, `--prices NAME`)
+replaces the prices it lists. docs/hardware.md has the price policy, the profiles and an example.
 """
 
 import dataclasses
@@ -14,8 +16,11 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 
 from opweave.errors import OpWeaveError
+from opweave.hardware.networks import FIGURE_FIELDS, network_figures
+from opweave.hardware.prices import apply_prices
 
 CATALOG_PATH = os.path.join(os.path.dirname(__file__), "catalog.json")
 PRESETS = {"roofline": os.path.join(os.path.dirname(__file__), "roofline.json")}
@@ -49,6 +54,7 @@ class GPUSpec:
     step_overhead: float = 0.0  # s per decode step (scheduling, input preparation, sampling launch)
     sequence_overhead: float = 0.0  # s per sequence per decode step (its metadata, sampling, output)
     collective_latency: float = 0.0  # s of fixed cost per TP collective, beyond the ring's link hops
+    network: str | None = None  # network profile the inter_link figures come from (None: given directly)
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -90,15 +96,16 @@ FRACTION_FIELDS = ("usable_memory_fraction", "gemm_efficiency", "mem_efficiency"
                    "serial_fraction")
 INT_FIELDS = ("gpus_per_node",)
 NUMERIC_FIELDS = tuple(
-    f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "description", "sources")
+    f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "description", "network", "sources")
 )
 OPTIONAL_FIELDS = ("kv_efficiency", "serial_fraction", "eager_launch_overhead", "step_overhead",
                    "sequence_overhead", "collective_latency")
 """Fields a new entry may leave out (their defaults leave the ideal roofline)."""
 ZERO_FIELDS = ("serial_fraction", "step_overhead", "sequence_overhead", "collective_latency")
 """Fields that may be 0 (a term that is absent)."""
-VALUE_FIELDS = ("description",) + NUMERIC_FIELDS  # what a file may give
-REQUIRED_FIELDS = tuple(f for f in VALUE_FIELDS if f not in OPTIONAL_FIELDS)  # what a new entry must give
+VALUE_FIELDS = ("description", "network") + NUMERIC_FIELDS  # what a file may give
+REQUIRED_FIELDS = tuple(f for f in VALUE_FIELDS if f not in OPTIONAL_FIELDS + ("network",))
+"""What a new entry must give (`network` may stand for the two inter_link figures)."""
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 # Other spellings of catalog names, after normalisation (lower case, '_' and ' ' -> '-', no
@@ -148,17 +155,26 @@ def unknown_gpu_message(name: str, catalog: dict[str, GPUSpec]) -> str:
     return f"unknown GPU type '{name}' ({hint}known: {', '.join(catalog)})"
 
 
-def load_catalog(override_path: str | None = None) -> dict[str, GPUSpec]:
-    """The built-in catalog, then `override_path` (YAML or JSON) applied on top.
+def load_catalog(override_path: str | None = None, prices: str | None = None,
+                 warn: Callable[[str], None] | None = None) -> dict[str, GPUSpec]:
+    """The built-in catalog, then price table `prices`, then `override_path` (YAML or JSON) on top.
 
     Args:
         override_path: a file mapping entry names to fields; an existing entry (or alias) takes
             the given fields, a new name needs every field. Validated field by field. A name in
-            `PRESETS` ("roofline") stands for that built-in file.
+            `PRESETS` ("roofline") stands for that built-in file. Applied last, so its prices win.
+        prices: a built-in price table (`prices.price_table_names()`: "aws", "lambda"); the GPUs
+            it lists take its prices, the others keep the catalog's.
+        warn: called with one line naming the GPUs `prices` does not list (if any).
     Returns:
         name -> GPUSpec, built-in entries first in file order, new entries after.
     """
     catalog = dict(_builtin_catalog())
+    if prices is not None:
+        catalog, missing = apply_prices(catalog, prices)
+        if missing and warn is not None:
+            warn(f"price table '{prices.strip().lower()}' has no price for {', '.join(missing)}: "
+                 "they keep the catalog price")
     if override_path is not None:
         path = PRESETS.get(override_path, override_path)
         catalog = _apply_entries(read_data_file(path, "catalog override"), catalog, path)
@@ -173,6 +189,21 @@ def _builtin_catalog() -> dict[str, GPUSpec]:
         if missing:
             raise OpWeaveError(f"{CATALOG_PATH}: entry '{spec.name}' has no source for {', '.join(missing)}")
     return catalog
+
+
+def default_network(name: str) -> str | None:
+    """The network profile built-in entry `name` names (None for a name not built in)."""
+    spec = _builtin_catalog().get(name)
+    return None if spec is None else spec.network
+
+
+def with_network(spec: GPUSpec, profile: str, where: str) -> GPUSpec:
+    """`spec` with network profile `profile`'s inter-node figures (OpWeaveError prefixed by `where`)."""
+    try:
+        figures = network_figures(profile, spec.name)
+    except OpWeaveError as err:
+        raise OpWeaveError(f"{where}: {err}") from None
+    return override_spec(spec, {"network": figures.profile}, where)
 
 
 def read_data_file(path: str, what: str) -> dict:
@@ -202,9 +233,44 @@ def read_data_file(path: str, what: str) -> dict:
 
 
 def override_spec(spec: GPUSpec, fields: dict, where: str) -> GPUSpec:
-    """`spec` with `fields` (validated; `where` prefixes errors and becomes the default source)."""
+    """`spec` with `fields` (validated; `where` prefixes errors and becomes the default source).
+
+    A `network` field sets both inter_link figures from that profile (and their sources); giving
+    inter_link figures directly leaves the entry with no profile (`network` None).
+    """
+    fields, network = _expand_network(fields, spec.name, where)
     values, sources = _check_fields(fields, where, default_source=f"override: {where}")
+    if network is not _UNSET:
+        values["network"] = network
     return dataclasses.replace(spec, **values, sources={**spec.sources, **sources})
+
+
+_UNSET = object()
+
+
+def _expand_network(fields: dict, gpu: str, where: str) -> tuple[dict, object]:
+    """`fields` with a `network` profile's figures (and sources) for GPU `gpu` in place of its name,
+    and the profile the entry ends with: the name; None when the entry gives inter_link figures
+    itself; `_UNSET` when it gives neither."""
+    given = [f for f in FIGURE_FIELDS if f in fields]
+    if "network" not in fields:
+        return fields, (None if given else _UNSET)
+    name = fields["network"]
+    if given:
+        raise OpWeaveError(f"{where}: give either 'network' (a profile) or {' and '.join(given)}, not both")
+    if not isinstance(name, str) or not name.strip():
+        raise OpWeaveError(f"{where}, field 'network': must be a network profile name, got {name!r}")
+    try:
+        figures = network_figures(name, gpu)
+    except OpWeaveError as err:
+        raise OpWeaveError(f"{where}, field 'network': {err}") from None
+    out = {k: v for k, v in fields.items() if k != "network"}
+    out.update({f: getattr(figures, f) for f in FIGURE_FIELDS})
+    given_sources = fields.get("sources", {})
+    if isinstance(given_sources, dict):  # anything else: _check_fields reports it
+        out["sources"] = {**given_sources, **{f: f"network profile '{figures.profile}' ({figures.nic}): {text}"
+                                             for f, text in figures.sources.items()}}
+    return out, figures.profile
 
 
 def _apply_entries(raw: dict, catalog: dict[str, GPUSpec], path: str) -> dict[str, GPUSpec]:
@@ -222,11 +288,12 @@ def _apply_entries(raw: dict, catalog: dict[str, GPUSpec], path: str) -> dict[st
         name = normalize_name(str(key))
         if not NAME_RE.fullmatch(name) or name == "local":
             raise OpWeaveError(f"{where}: a GPU name is letters, digits, '.', '_' or '-' (and not 'local')")
+        fields, network = _expand_network(fields, name, where)
         missing = [f for f in REQUIRED_FIELDS if f not in fields]
         if missing:
             raise OpWeaveError(f"{where}: not in the catalog, so it needs every field; missing: {', '.join(missing)}")
         values, sources = _check_fields(fields, where, default_source=f"{path} (no source given)")
-        out[name] = GPUSpec(name=name, **values, sources=sources)
+        out[name] = GPUSpec(name=name, **values, network=None if network is _UNSET else network, sources=sources)
     return out
 
 
@@ -291,7 +358,7 @@ def _one_line(err: Exception) -> str:
 
 def format_catalog(catalog: dict[str, GPUSpec]) -> str:
     """A Markdown table of the catalog, one row per entry, aligned for a terminal."""
-    header = ("name", "BF16 TFLOP/s", "mem GB/s", "memory GB", "usable GB", "intra GB/s",
+    header = ("name", "BF16 TFLOP/s", "mem GB/s", "memory GB", "usable GB", "intra GB/s", "network",
               "inter GB/s", "GPUs/node", "GEMM eff", "mem eff", "KV eff", "launch us", "step us", "seq us",
               "coll. us", "$/GPU-h")
     rows = [header]
@@ -299,15 +366,17 @@ def format_catalog(catalog: dict[str, GPUSpec]) -> str:
         kv = s.mem_efficiency if s.kv_efficiency is None else s.kv_efficiency
         rows.append((s.name, f"{s.peak_flops / 1e12:g}", f"{s.mem_bandwidth / 1e9:g}", f"{s.memory_bytes / 1e9:g}",
                      f"{s.usable_memory_bytes / 1e9:.1f}", f"{s.intra_link_bandwidth / 1e9:g}",
-                     f"{s.inter_link_bandwidth / 1e9:g}", str(s.gpus_per_node), f"{s.gemm_efficiency:g}",
+                     s.network or "-", f"{s.inter_link_bandwidth / 1e9:g}", str(s.gpus_per_node),
+                     f"{s.gemm_efficiency:g}",
                      f"{s.mem_efficiency:g}", f"{kv:g}", f"{s.launch_overhead * 1e6:.3g}",
                      f"{s.step_overhead * 1e6:.0f}", f"{s.sequence_overhead * 1e6:.3g}",
                      f"{s.collective_latency * 1e6:.3g}", f"{s.price_per_hour:g}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    text = (0, header.index("network"))  # left-aligned columns
 
     def line(cells):
-        padded = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        padded = [c.ljust(w) if i in text else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
         return "| " + " | ".join(padded) + " |"
 
-    rule = "|" + "|".join("-" * (w + 1) + ":" if i else ":" + "-" * (w + 1) for i, w in enumerate(widths)) + "|"
+    rule = "|" + "|".join(":" + "-" * (w + 1) if i in text else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
     return "\n".join([line(rows[0]), rule] + [line(r) for r in rows[1:]])

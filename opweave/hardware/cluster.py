@@ -1,9 +1,12 @@
 """Cluster specs: `--cluster` text, a YAML/JSON pool file, or `local` (NVML) -> `Cluster`.
 
-Grammar (docs/hardware.md): SPEC := POOL ('+' POOL)* ; POOL := TYPE [('x' | ':') COUNT].
-A pool without a count is one GPU (`h100` == `h100x1`). A GPU type may appear once per cluster:
-`h100x8+h100x4` is refused (write `h100x12`), because two pools of one type would be a
-distinction the planner cannot see (same GPUSpec) while changing the node layout silently.
+Grammar (docs/hardware.md): SPEC := POOL ('+' POOL)* ; POOL := TYPE [('x' | ':') COUNT] ['@' NETWORK].
+A pool without a count is one GPU (`h100` == `h100x1`). NETWORK names a network profile
+(`networks.json`) for the pool's inter-node figures instead of the GPU's default one
+(`h100x16@dgx+a100x16@aws-p4de`). A GPU type may appear once per cluster: `h100x8+h100x4` is
+refused (write `h100x12`), because two pools of one type would be a distinction the planner cannot
+see (same GPUSpec) while changing the node layout silently; two network profiles for one type
+(`h100x8@dgx+h100x8@aws-p5`) are refused too (one pool per type).
 Nodes are filled in pool order, `gpus_per_node` GPUs of one type per node (h100x12 -> 8 + 4).
 
 A cluster is described per pool (`PoolLayout`: first GPU, first node, node size), never per GPU:
@@ -16,7 +19,10 @@ import os
 import re
 
 from opweave.errors import OpWeaveError
-from opweave.hardware.catalog import GPUSpec, find_gpu_name, get_gpu, override_spec, read_data_file
+from opweave.hardware.catalog import (
+    GPUSpec, default_network, find_gpu_name, get_gpu, override_spec, read_data_file, with_network,
+)
+from opweave.hardware.networks import load_networks
 
 EXAMPLE = "h100x8+l40sx8"
 _POOL_RE = re.compile(r"(?P<name>.*?)(?P<sep>[x:])(?P<count>[^x:]*)")
@@ -98,9 +104,15 @@ class Cluster:
         names = [p.gpu.name for p in self.pools]
         for name in names:
             if names.count(name) > 1:
-                total = sum(p.count for p in self.pools if p.gpu.name == name)
+                same = [p for p in self.pools if p.gpu.name == name]
+                total = sum(p.count for p in same)
+                networks = list(dict.fromkeys(p.gpu.network or "custom" for p in same))
+                if len(networks) > 1:
+                    raise OpWeaveError(f"cluster '{self.spec}': GPU type '{name}' appears more than once, with "
+                                       f"network profiles {', '.join(networks)}; a cluster holds one pool per GPU "
+                                       f"type whatever its network: write it once ({name}x{total}{_tag(same[0].gpu)})")
                 raise OpWeaveError(f"cluster '{self.spec}': GPU type '{name}' appears more than once; "
-                                   f"write it once ({name}x{total})")
+                                   f"write it once ({name}x{total}{_tag(same[0].gpu)})")
 
     @property
     def gpu_types(self) -> tuple[str, ...]:
@@ -117,8 +129,9 @@ class Cluster:
 
     @property
     def canonical_spec(self) -> str:
-        """`h100x8+l40sx8`: parses back to the same pools (file overrides aside)."""
-        return "+".join(f"{p.gpu.name}x{p.count}" for p in self.pools)
+        """`h100x8+l40sx8`, `h100x16@dgx` (a profile other than the GPU's default): parses back to the
+        same pools (file overrides aside)."""
+        return "+".join(f"{p.gpu.name}x{p.count}{_tag(p.gpu)}" for p in self.pools)
 
     @property
     def num_nodes(self) -> int:
@@ -160,8 +173,14 @@ class Cluster:
         return tuple(self.locate(i) for i in range(self.total_gpus))
 
 
+def _tag(gpu: GPUSpec) -> str:
+    """`@PROFILE` when `gpu` uses a network profile other than its built-in entry's default, else ''."""
+    return f"@{gpu.network}" if gpu.network is not None and gpu.network != default_network(gpu.name) else ""
+
+
 def parse_cluster(spec: str, catalog: dict[str, GPUSpec]) -> Cluster:
-    """A Cluster from `h100x8+l40sx8`, `h100:8`, `a100` (one GPU), a .yaml/.json pool file, or `local`.
+    """A Cluster from `h100x8+l40sx8`, `h100:8`, `a100` (one GPU), `h100x16@dgx` (a network profile),
+    a .yaml/.json pool file, or `local`.
 
     Args:
         spec: the --cluster text.
@@ -189,6 +208,24 @@ def _parse_pool(part: str, text: str, catalog: dict[str, GPUSpec]) -> Pool:
     where = f"cluster '{_clip(text)}'"
     if not part:
         raise OpWeaveError(f"{where}: empty pool ('+' needs a pool on each side, e.g. {EXAMPLE})")
+    if "@" not in part:
+        return _parse_gpus(part, where, catalog)
+    gpus, _, network = (s.strip() for s in part.partition("@"))
+    if "@" in network:
+        raise OpWeaveError(f"{where}: malformed pool '{_clip(part)}' (one '@' before a network profile, "
+                           "e.g. h100x16@dgx)")
+    if not gpus:
+        raise OpWeaveError(f"{where}: pool '{_clip(part)}' has no GPUs before '@' (e.g. h100x16@dgx)")
+    pool = _parse_gpus(gpus, where, catalog)
+    if not network:
+        raise OpWeaveError(f"{where}: pool '{_clip(part)}' has no network profile after '@' "
+                           f"(profiles: {', '.join(load_networks())})")
+    gpu = with_network(pool.gpu, network, f"{where}, pool '{_clip(part)}'")
+    return Pool(gpu=gpu, count=pool.count)
+
+
+def _parse_gpus(part: str, where: str, catalog: dict[str, GPUSpec]) -> Pool:
+    """`TYPE [('x' | ':') COUNT]` (no network profile)."""
     if find_gpu_name(part, catalog) is not None:
         return Pool(gpu=get_gpu(part, catalog), count=1)
     m = _POOL_RE.fullmatch(part)
@@ -223,7 +260,7 @@ def _unknown(name: str, catalog: dict[str, GPUSpec]) -> str:
 
 
 def _cluster_from_file(path: str, catalog: dict[str, GPUSpec]) -> Cluster:
-    """pools: [{gpu: h100, count: 8, <any GPUSpec field>: override for this pool}, ...]."""
+    """pools: [{gpu: h100, count: 8, network: dgx, <any other GPUSpec field>: override for this pool}, ...]."""
     data = read_data_file(path, "cluster")
     extra = set(data) - {"pools"}
     if extra or not isinstance(data.get("pools"), list) or not data["pools"]:

@@ -91,7 +91,8 @@ def _sub_cluster(cluster: Cluster, counts: dict[str, int]) -> Cluster | None:
     pools = tuple(Pool(gpu=p.gpu, count=counts[p.gpu.name]) for p in cluster.pools if counts.get(p.gpu.name, 0) > 0)
     if not pools:
         return None
-    return Cluster(pools=pools, spec="+".join(f"{p.gpu.name}x{p.count}" for p in pools))
+    sub = Cluster(pools=pools, spec="")
+    return dataclasses.replace(sub, spec=sub.canonical_spec)
 
 
 def plan_fleet(space: PlanSpace, options: SearchOptions = SearchOptions(), first: SearchResult | None = None,
