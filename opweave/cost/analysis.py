@@ -1,29 +1,51 @@
-"""The closed-form analysis of summary §3 and appendices A.1–A.6 (derivation: docs/analysis.md).
+"""The analysis of summary §3 and appendices A.1–A.6 on the cost model (derivation: docs/analysis.md).
 
-Notation, per GPU type (effective figures: catalog peak × efficiency factor):
-    c  price per GPU-second            B  memory bandwidth        F  GEMM FLOP/s
-    (the state m is read at the KV/state bandwidth, weights W stream at B: `GPUSpec`)
-    M  usable memory per GPU            t  TP degree the weights need (smallest power of 2 with t·M > M_w)
-Per model (from the IR): M_w all weight bytes, W GEMM weight bytes (what a step reads at large
-batch), f GEMM FLOPs per token, m(s) per-sequence state bytes at context s.
+Two layers.
 
-    b_rel(s) = (t·M − M_w) / m(s)            relaxed colocated batch; b_max = floor(b_rel)
+The scalar closed-form core (`relaxed_batch`, `b_star`, `colocated_time`, `hom_time`, `het_cost`,
+`g_het`, and the price-ratio forms `price_crossing`, `g_het_at_price`) takes plain numbers, so the
+theorems can be checked on random inputs. In the paper's notation, per device of bandwidth B (the
+state read at B_kv), FLOP/s F, usable memory M and price c, a model of M_w weight bytes, W GEMM
+weight bytes, f GEMM FLOPs per token and m(s) state bytes per sequence:
+
+    b_rel(s) = (M − M_w) / m(s)              relaxed colocated batch; b_max = floor(b_rel)
     b*       = (W / B) / (f / F)              GEMM compute-bound threshold
-    colocated per token    c·[m/B + max(W/(b·B), f/F)]   at b = b_rel
-    homogeneous ODS        c·[m/B + f/F]                  (attention memory-bound, GEMM compute-bound)
-    heterogeneous ODS      min_a(c_a/B_a)·m + min_g(c_g/F_g)·f
-    G_hom = colocated / homogeneous ODS ≤ t·M / (t·M − M_w);  G_hom = 1 when b_rel ≥ b*
-    G_het = min_k homogeneous_k / heterogeneous ≥ 1;  unimodal in m, peak where the k's cross
+    colocated per token    c·[m/B_kv + max(W/(b·B), f/F)]   at b = b_rel
+    homogeneous ODS        c·[m/B_kv + f/F]
+    heterogeneous ODS      min_a(c_a·m/B_a) + min_g(c_g·f/F_g)
+    G_hom = colocated / homogeneous ODS ≤ M / (M − M_w);  G_hom = 1 when b_rel ≥ b*
+    G_het = min_k homogeneous_k / heterogeneous ≥ 1;  unimodal in m (and in a price ratio), peak where
+            the cheapest homogeneous type changes
 
-The scalar core (`colocated_cost`, `hom_cost`, `het_cost`, `g_hom`, `g_het`) takes plain numbers
-so the theorems can be checked on random inputs; `analyze()` feeds it the IR and the catalog.
+`analyze()` feeds that core terms the cost model computes on the IR (`ods_terms`: the same per-op
+functions the planner and the simulator call), per GPU type, TP degree and context:
+
+    x  the step's added time per sequence of the memory-bound ops (every op but the GEMMs: ≈ m/B_kv)
+    y  the added time per token of the GEMM ops at a batch where they are compute-bound (≈ f/F)
+    r  the added time per token of the GEMMs' TP collectives (0 at TP 1): paid at any batch, so the
+       closed form adds it to x in the colocated and homogeneous costs and to y on the GEMM side of
+       heterogeneous ODS
+    w  the GEMM weights each GPU of the group streams per step (W / shards / B)
+    weights, state + activations per sequence: the memory accounting (`opweave.cost.memory`)
+
+and reports the cost model's own figures: colocated cost at b_max, with every fixed cost and TP
+collective, on the TP degree the colocated baseline would use (the one of `TP_SCAN` with the least
+cost per token at its memory-limited batch: `colocated_choice`), and homogeneous ODS as the cost
+model's marginal cost per token on the TP degree where it is least (`ods_choice`: ODS spreads the
+ops over stages, so the weights need not fit on that group). Theorem 3.1's closed form on the
+colocated group's own terms is reported beside them (`*_closed`): it compares one device with
+itself, leaves out the fixed costs and takes one max over the whole step instead of one per op.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
+from opweave.cost import memory
+from opweave.cost.estimate import estimate_point, tp_problem
+from opweave.cost.model import CostModel, shards
 from opweave.hardware.catalog import GPUSpec
 from opweave.ir.graph import OpGraph
 from opweave.ir.kinds import OpClass
@@ -31,7 +53,18 @@ from opweave.ir.kinds import OpClass
 NUM_MICROBATCHES_CAD = 2
 """CAD pipelines at least two microbatches so that one computes while the other moves."""
 
-MAX_TP = 64
+TP_SCAN = (1, 2, 4, 8)
+"""TP degrees the analysis scans: the planner's (`opweave.passes.search.SearchOptions.tp_degrees`)."""
+
+MARGINAL_BATCH = 1 << 14
+"""Batch at which `ods_terms` measures the cost model's added time per sequence, (T(2b) − T(b)) / b:
+far above every catalog GPU type's GEMM threshold b* (≈ 150–600), so every GEMM op is compute-bound
+there and every op's time is linear in the batch; the step's fixed costs cancel in the difference."""
+
+CROSSING_REL_TOL = 0.02
+"""The context crossing is bisected (geometrically) to this relative width."""
+
+PER_MTOK = 1e6
 
 
 # ---------------------------------------------------------------- scalar core
@@ -66,56 +99,194 @@ def het_cost(state: float, gemm_flops: float, gpus: list[tuple[float, float, flo
 
 
 def g_het(state: float, gemm_flops: float, gpus: list[tuple[float, float, float]]) -> float:
+    """Best homogeneous ODS cost over heterogeneous ODS cost (Theorem 3.2: ≥ 1)."""
     best_hom = min(c * hom_time(state, gemm_flops, b, f) for c, b, f in gpus)
     return best_hom / het_cost(state, gemm_flops, gpus)
 
 
-# ---------------------------------------------------------------- model terms from the IR
+def unit_triple(price: float, memory_s: float, gemm_s: float) -> tuple[float, float, float]:
+    """A GPU type as the scalar core's (price, B, F) for one sequence (state = 1) and one token
+    (gemm_flops = 1): B = 1 / its memory-bound seconds per token, F = 1 / its GEMM seconds per token."""
+    return price, (1.0 / memory_s if memory_s > 0 else math.inf), (1.0 / gemm_s if gemm_s > 0 else math.inf)
+
+
+def price_crossing(first: tuple[float, float], second: tuple[float, float]) -> float:
+    """The price ratio (second's price / first's) at which two GPU types' homogeneous-ODS costs are
+    equal; each type is (memory-bound, GEMM) GPU-seconds per token. Below it the second type is the
+    cheaper homogeneous choice, above it the first."""
+    return (first[0] + first[1]) / (second[0] + second[1])
+
+
+def g_het_at_price(first: tuple[float, float], second: tuple[float, float], ratio: float) -> float:
+    """G_het of two GPU types (as in `price_crossing`) when the second costs `ratio` times the first.
+
+    Theorem 3.2 in the price ratio ρ: the best homogeneous cost is min(T1, ρ·T2) and the
+    heterogeneous one min(x1, ρ·x2) + min(y1, ρ·y2), concave in ρ; so G_het ≥ 1, rises up to
+    `price_crossing` and falls after it."""
+    return g_het(1.0, 1.0, [unit_triple(1.0, *first), unit_triple(ratio, *second)])
+
+
+# ---------------------------------------------------------------- terms from the cost model
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ModelTerms:
-    weight_bytes: float        # M_w
-    gemm_weight_bytes: float   # W
-    gemm_flops: float          # f, per token
-    num_layers: int
+class ODSTerms:
+    """The closed form's terms for one GPU type, TP degree and context, from the cost model.
 
-    @staticmethod
-    def of(graph: OpGraph) -> "ModelTerms":
-        gemm = [op for op in graph.ops if op.cls == OpClass.GEMM]
-        return ModelTerms(weight_bytes=graph.weight_bytes, gemm_weight_bytes=sum(op.weight_bytes for op in gemm),
-                          gemm_flops=sum(op.flops_per_token for op in gemm), num_layers=graph.num_layers)
+    Times are seconds on the TP group (each of its `tp` GPUs is busy that long); bytes are per GPU."""
+
+    tp: int
+    memory_s: float       # x: added step time per sequence of every op but the GEMMs (attention, light ops)
+    gemm_s: float         # y: added step time per token of the GEMM ops, compute-bound
+    comm_s: float         # r: added step time per token of the GEMM ops' TP collectives
+    weights_s: float      # w: streaming the GEMM weights once per step
+    weight_bytes: float   # what one GPU holds of the weights
+    sequence_bytes: float  # one GPU's state of one sequence + one row of step activations
+    usable_bytes: float
+    price_per_s: float    # of the whole group
+
+    @property
+    def b_rel(self) -> float:
+        return relaxed_batch(self.usable_bytes, self.weight_bytes, self.sequence_bytes)
+
+    @property
+    def b_star(self) -> float:
+        return b_star(self.weights_s, self.gemm_s, 1.0, 1.0) if self.gemm_s > 0 else math.inf
+
+    def colocated_cost(self, batch: float) -> float:
+        """$ per token of the closed form at `batch` (one max over the step, no fixed costs)."""
+        return self.price_per_s * colocated_time(batch, self.memory_s + self.comm_s, self.weights_s, self.gemm_s,
+                                                 1.0, 1.0)
+
+    @property
+    def hom_cost(self) -> float:
+        """$ per token of ideal homogeneous ODS on this group: the cost model's marginal cost."""
+        return self.price_per_s * hom_time(self.memory_s + self.comm_s, self.gemm_s, 1.0, 1.0)
+
+    @property
+    def gpu_seconds(self) -> tuple[float, float]:
+        """(memory-bound side, GEMM side with its collectives) GPU-seconds per token: what
+        `price_crossing` and `unit_triple` take."""
+        return self.tp * self.memory_s, self.tp * (self.gemm_s + self.comm_s)
+
+    @property
+    def g_hom_bound(self) -> float:
+        """Theorem 3.1's bound M / (M − M_w) with one GPU's share of the weights."""
+        free = self.usable_bytes - self.weight_bytes
+        return self.usable_bytes / free if free > 0 else math.inf
 
 
-def weights_tp(gpu: GPUSpec, weight_bytes: float) -> int:
-    """Smallest power-of-two group whose usable memory exceeds the weights."""
-    t = 1
-    while t * gpu.usable_memory_bytes <= weight_bytes and t < MAX_TP:
-        t *= 2
-    return t
+def _hidden_bytes(graph: OpGraph) -> int:
+    return graph.cuts[0].bytes_per_token if graph.cuts else 0
+
+
+def ods_terms(graph: OpGraph, gpu: GPUSpec, tp: int, context: int, cost_model: CostModel | None = None) -> ODSTerms:
+    """The closed form's terms for `graph` on a TP group of `tp` GPUs of `gpu` at `context`, from
+    `CostModel.op_costs` (the added time per sequence at `MARGINAL_BATCH`), `shards` and the
+    effective bandwidth (the GEMM weight stream) and the memory accounting."""
+    cost_model = cost_model or CostModel()
+    hidden = _hidden_bytes(graph)
+    lo = cost_model.op_costs(graph.ops, gpu, tp, MARGINAL_BATCH, context, hidden)
+    hi = cost_model.op_costs(graph.ops, gpu, tp, 2 * MARGINAL_BATCH, context, hidden)
+    gemm = [op.cls == OpClass.GEMM for op in graph.ops]
+    compute = [(b.compute_s - a.compute_s) / MARGINAL_BATCH for a, b in zip(lo, hi)]
+    comm = [(b.comm_s - a.comm_s) / MARGINAL_BATCH for a, b in zip(lo, hi)]
+    footprint = memory.Footprint.of(graph.ops, tp, context)
+    return ODSTerms(
+        tp=tp, memory_s=sum(c + r for c, r, g in zip(compute, comm, gemm) if not g),
+        gemm_s=sum(c for c, g in zip(compute, gemm) if g), comm_s=sum(r for r, g in zip(comm, gemm) if g),
+        weights_s=sum(op.weight_bytes / shards(op, tp) for op in graph.ops if op.cls == OpClass.GEMM)
+        / gpu.effective_bandwidth,
+        weight_bytes=footprint.weights, sequence_bytes=footprint.per_slot + footprint.per_row,
+        usable_bytes=gpu.usable_memory_bytes, price_per_s=tp * gpu.price_per_second)
+
+
+def scan_tps(graph: OpGraph, gpu: GPUSpec) -> tuple[int, ...]:
+    """The degrees of `TP_SCAN` one TP group of `gpu` can run the whole model on (TP 1 always)."""
+    return tuple(tp for tp in TP_SCAN if tp_problem(graph, gpu, tp) is None)
 
 
 # ---------------------------------------------------------------- the analysis
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class GPUPoint:
-    """One GPU type at one context length."""
+class TPPoint:
+    """Colocated decode of the whole model on one TP group, at its memory-limited batch."""
 
-    gpu: str
     tp: int
     b_rel: float
     b_max: int
     b_star: float
-    regime: str                    # compute-bound | memory-bound | infeasible
-    cost_colocated: float | None   # $/Mtoken at b_rel (None: not even one sequence fits)
-    cost_colocated_int: float | None  # $/Mtoken at the integer b_max
-    cost_hom_ods: float
-    g_hom: float | None
+    cost_colocated: float | None         # $/Mtoken, cost model at b_max (None: not one sequence fits)
+    cost_colocated_closed: float | None  # $/Mtoken, closed form at b_rel
+    cost_hom_ods: float                  # $/Mtoken, the cost model's marginal cost on this group
+    g_hom: float | None                  # cost_colocated / the scan's least cost_hom_ods (ideal ODS, `ods_choice`)
+    g_hom_closed: float | None           # cost_colocated_closed / cost_hom_ods: Theorem 3.1 on this group
     g_hom_bound: float
+    terms: ODSTerms
+
+
+def _tp_row(graph: OpGraph, gpu: GPUSpec, tp: int, context: int, cost_model: CostModel) -> TPPoint:
+    """One row of the TP scan, without `g_hom` (which needs the whole scan)."""
+    terms = ods_terms(graph, gpu, tp, context, cost_model)
+    b_rel = terms.b_rel
+    b_max = math.floor(b_rel)
+    hom = terms.hom_cost * PER_MTOK
+    col = estimate_point(graph, gpu, tp, b_max, context, cost_model).cost_per_mtok_usd if b_max >= 1 else None
+    closed = terms.colocated_cost(b_rel) * PER_MTOK if b_rel > 0 else None
+    return TPPoint(tp=tp, b_rel=b_rel, b_max=b_max, b_star=terms.b_star, cost_colocated=col,
+                   cost_colocated_closed=closed, cost_hom_ods=hom, g_hom=None,
+                   g_hom_closed=None if closed is None else closed / hom, g_hom_bound=terms.g_hom_bound, terms=terms)
+
+
+def tp_scan(graph: OpGraph, gpu: GPUSpec, context: int, cost_model: CostModel | None = None) -> tuple[TPPoint, ...]:
+    """Colocated decode and ideal homogeneous ODS of `graph` on every degree of `scan_tps`, each
+    row's G_hom against the least ODS cost of the scan."""
+    cost_model = cost_model or CostModel()
+    rows = [_tp_row(graph, gpu, tp, context, cost_model) for tp in scan_tps(graph, gpu)]
+    best = min(r.cost_hom_ods for r in rows)
+    return tuple(dataclasses.replace(r, g_hom=None if r.cost_colocated is None else r.cost_colocated / best)
+                 for r in rows)
+
+
+def ods_choice(scan: Sequence[TPPoint]) -> TPPoint:
+    """The TP degree ideal homogeneous ODS uses: the least marginal cost per token (ties: the
+    smaller TP; usually TP 1, which has no all-reduces and replicates nothing). ODS spreads the ops
+    over stages, so the whole model's weights need not fit on one such group."""
+    return min(scan, key=lambda p: (p.cost_hom_ods, p.tp))
+
+
+def colocated_choice(scan: Sequence[TPPoint]) -> TPPoint:
+    """The TP the colocated baseline would use: least cost per token at its memory-limited batch
+    (ties: the smaller TP); when no degree fits one sequence, the one with the most room (b_rel)."""
+    feasible = [p for p in scan if p.cost_colocated is not None]
+    if feasible:
+        return min(feasible, key=lambda p: (p.cost_colocated, p.tp))
+    return max(scan, key=lambda p: (p.b_rel, -p.tp))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GPUPoint:
+    """One GPU type at one context length: colocated serving on the TP degree it would use (`tp`),
+    ideal homogeneous ODS on its own (`ods_tp`)."""
+
+    gpu: str
+    tp: int
+    ods_tp: int
+    b_rel: float
+    b_max: int
+    b_star: float
+    regime: str                    # compute-bound | memory-bound | infeasible (at `tp`)
+    cost_colocated: float | None   # $/Mtoken, cost model at b_max
+    cost_colocated_closed: float | None  # $/Mtoken, closed form at b_rel
+    cost_hom_ods: float            # $/Mtoken, cost model's marginal cost on `ods_tp`
+    g_hom: float | None            # cost model: cost_colocated / cost_hom_ods
+    g_hom_closed: float | None     # closed form (Theorem 3.1) on the colocated group `tp`
+    g_hom_bound: float             # M / (M − M_w) at `tp`
+    tp_scan: tuple[TPPoint, ...]
     cad_feasible: bool
     cad_attn_max_s: float          # attention stage, per step, at its largest microbatch
-    cad_rest_floor_s: float        # rest-of-model stage, per step, weight-loading floor
+    cad_rest_floor_s: float        # rest-of-model stage, per step, at batch 1 (its fastest)
     cad_reason: str
 
 
@@ -126,7 +297,7 @@ class ContextPoint:
     gpus: tuple[GPUPoint, ...]
     cost_het_ods: float | None = None  # $/Mtoken (two or more GPU types)
     g_het: float | None = None
-    het_attention_gpu: str | None = None
+    het_attention_gpu: str | None = None  # where the memory-bound ops go
     het_gemm_gpu: str | None = None
 
 
@@ -139,65 +310,90 @@ class Analysis:
     hybrid_note: str | None          # CAD layer-type imbalance of hybrid-attention models
 
 
-PER_MTOK = 1e6
+def _fitting_batch(footprint: memory.Footprint, usable: float, slots_per_row: int) -> int:
+    """Most rows of a step whose `slots_per_row` state slots each fit beside the weights."""
+    per_row = slots_per_row * footprint.per_slot + footprint.per_row
+    return math.floor(max(usable - footprint.weights, 0.0) / per_row) if per_row > 0 else 0
 
 
-def _cad(gpu: GPUSpec, rest: GPUSpec, terms: ModelTerms, state: float) -> tuple[bool, float, float, str]:
-    """A.6: the attention stage's longest feasible latency vs the rest-of-model weight floor."""
-    per_mb = math.floor(gpu.usable_memory_bytes / (NUM_MICROBATCHES_CAD * state)) if state > 0 else 0
-    attn_max = per_mb * state / gpu.effective_kv_bandwidth
-    t_rest = weights_tp(rest, terms.weight_bytes)
-    floor = terms.gemm_weight_bytes / (t_rest * rest.effective_bandwidth)
+def _cad(graph: OpGraph, gpu: GPUSpec, rest: GPUSpec, context: int,
+         cost_model: CostModel) -> tuple[bool, float, float, str]:
+    """A.6 on the cost model: the attention stage's longest feasible step (one `gpu` holding the
+    state of `NUM_MICROBATCHES_CAD` microbatches, at the largest microbatch that fits) against the
+    rest-of-model stage's fastest step (batch 1, on the TP degree of `TP_SCAN` that fits its
+    weights and is fastest)."""
+    attn = [op for op in graph.ops if op.cls == OpClass.ATTN]
+    others = [op for op in graph.ops if op.cls != OpClass.ATTN]
+    hidden = _hidden_bytes(graph)
+    per_mb = _fitting_batch(memory.Footprint.of(attn, 1, context), gpu.usable_memory_bytes, NUM_MICROBATCHES_CAD)
+    attn_max = cost_model.ops_latency(attn, gpu, 1, per_mb, context, hidden) if per_mb >= 1 else 0.0
+    floors = [(cost_model.ops_latency(others, rest, tp, 1, context, hidden), tp) for tp in scan_tps(graph, rest)
+              if _fitting_batch(memory.Footprint.of(others, tp, context), rest.usable_memory_bytes, 0) >= 1]
+    if not floors:
+        return False, attn_max, math.inf, f"the rest of the model does not fit on {max(TP_SCAN)}x{rest.name}"
+    floor, t_rest = min(floors)
     if per_mb < 1:
         return False, 0.0, floor, f"{NUM_MICROBATCHES_CAD} microbatches of one sequence do not fit on one {gpu.name}"
     if attn_max >= floor:
         return True, attn_max, floor, (f"attention can take up to {attn_max * 1e3:.3g} ms/step "
-                                       f"(microbatch {per_mb}) >= weight floor {floor * 1e3:.3g} ms")
+                                       f"(microbatch {per_mb}) >= rest-of-model floor {floor * 1e3:.3g} ms "
+                                       f"on {t_rest}x{rest.name}")
     return False, attn_max, floor, (f"attention takes at most {attn_max * 1e3:.3g} ms/step (microbatch {per_mb}) "
-                                    f"< rest-of-model weight floor {floor * 1e3:.3g} ms on {t_rest}x{rest.name}")
+                                    f"< rest-of-model floor {floor * 1e3:.3g} ms on {t_rest}x{rest.name}")
 
 
-def _gpu_point(gpu: GPUSpec, terms: ModelTerms, state: float) -> GPUPoint:
-    t = weights_tp(gpu, terms.weight_bytes)
-    mem, bw, fl, price = t * gpu.usable_memory_bytes, t * gpu.effective_bandwidth, t * gpu.effective_flops, \
-        t * gpu.price_per_second
-    bw_kv = t * gpu.effective_kv_bandwidth
-    b_rel = relaxed_batch(mem, terms.weight_bytes, state)
-    bstar = b_star(terms.gemm_weight_bytes, terms.gemm_flops, bw, fl)
-    hom = price * hom_time(state, terms.gemm_flops, bw_kv, fl)
-    bound = mem / (mem - terms.weight_bytes) if mem > terms.weight_bytes else math.inf
-    col = col_int = g = None
-    b_max = math.floor(b_rel) if math.isfinite(b_rel) else 10**9
-    if b_rel > 0:
-        col = price * colocated_time(b_rel, state, terms.gemm_weight_bytes, terms.gemm_flops, bw, fl, bw_kv)
-        g = col / hom
-    if b_max >= 1:
-        col_int = price * colocated_time(b_max, state, terms.gemm_weight_bytes, terms.gemm_flops, bw, fl, bw_kv)
-    regime = "infeasible" if b_max < 1 else ("compute-bound" if b_rel >= bstar else "memory-bound")
-    ok, attn_max, floor, why = _cad(gpu, gpu, terms, state)
-    return GPUPoint(gpu=gpu.name, tp=t, b_rel=b_rel, b_max=b_max, b_star=bstar, regime=regime,
-                    cost_colocated=None if col is None else col * PER_MTOK,
-                    cost_colocated_int=None if col_int is None else col_int * PER_MTOK,
-                    cost_hom_ods=hom * PER_MTOK, g_hom=g, g_hom_bound=bound, cad_feasible=ok,
-                    cad_attn_max_s=attn_max, cad_rest_floor_s=floor, cad_reason=why)
+def _tp_scan(graph: OpGraph, gpu: GPUSpec, context: int, cost_model: CostModel,
+             memo: dict | None = None) -> tuple[TPPoint, ...]:
+    """`tp_scan`, kept per (GPU type, context) in `memo` within one analysis."""
+    key = (gpu.name, context)
+    if memo is not None and key in memo:
+        return memo[key]
+    scan = tp_scan(graph, gpu, context, cost_model)
+    if memo is not None:
+        memo[key] = scan
+    return scan
 
 
-def _triples(gpus: list[GPUSpec]) -> list[tuple[float, float, float]]:
-    return [(g.price_per_second, g.effective_kv_bandwidth, g.effective_flops) for g in gpus]
+def _gpu_point(graph: OpGraph, gpu: GPUSpec, context: int, cost_model: CostModel, memo: dict) -> GPUPoint:
+    scan = _tp_scan(graph, gpu, context, cost_model, memo)
+    p, ods = colocated_choice(scan), ods_choice(scan)
+    regime = "infeasible" if p.b_max < 1 else ("compute-bound" if p.b_rel >= p.b_star else "memory-bound")
+    ok, attn_max, floor, why = _cad(graph, gpu, gpu, context, cost_model)
+    return GPUPoint(gpu=gpu.name, tp=p.tp, ods_tp=ods.tp, b_rel=p.b_rel, b_max=p.b_max, b_star=p.b_star,
+                    regime=regime, cost_colocated=p.cost_colocated, cost_colocated_closed=p.cost_colocated_closed,
+                    cost_hom_ods=ods.cost_hom_ods, g_hom=p.g_hom, g_hom_closed=p.g_hom_closed,
+                    g_hom_bound=p.g_hom_bound, tp_scan=scan, cad_feasible=ok, cad_attn_max_s=attn_max,
+                    cad_rest_floor_s=floor, cad_reason=why)
 
 
-def _crossing(graph: OpGraph, terms: ModelTerms, gpus: list[GPUSpec], lo: int, hi: int) -> float | None:
-    """Context where the cheapest homogeneous-ODS GPU type changes, by bisection on s (None: none)."""
-    def best(s: float) -> str:
-        m = graph.state_bytes(int(s))
-        return min(gpus, key=lambda g: g.price_per_second * hom_time(m, terms.gemm_flops, g.effective_kv_bandwidth,
-                                                                   g.effective_flops)).name
-    if len(gpus) < 2 or best(lo) == best(hi):
+def _het(points: Sequence[GPUPoint], gpus: Sequence[GPUSpec]) -> tuple[float, float, str, str]:
+    """($ per token of heterogeneous ODS, G_het, memory-bound side's type, GEMM side's type), each
+    type on its ODS TP degree."""
+    terms = [next(s.terms for s in p.tp_scan if s.tp == p.ods_tp) for p in points]
+    triples = [unit_triple(t.price_per_s, t.memory_s, t.gemm_s + t.comm_s) for t in terms]
+    attn = min(range(len(terms)), key=lambda i: triples[i][0] / triples[i][1])
+    gemm = min(range(len(terms)), key=lambda i: triples[i][0] / triples[i][2])
+    return het_cost(1.0, 1.0, triples), g_het(1.0, 1.0, triples), gpus[attn].name, gpus[gemm].name
+
+
+def _best_hom(graph: OpGraph, gpus: Sequence[GPUSpec], context: int, cost_model: CostModel, memo: dict) -> str:
+    """The GPU type with the cheapest homogeneous ODS at `context` (each on its ODS TP degree)."""
+    return min(gpus, key=lambda g: ods_choice(_tp_scan(graph, g, context, cost_model, memo)).cost_hom_ods).name
+
+
+def _crossing(graph: OpGraph, gpus: Sequence[GPUSpec], lo: int, hi: int, cost_model: CostModel,
+              memo: dict) -> float | None:
+    """Context where the cheapest homogeneous-ODS GPU type changes, by geometric bisection on s
+    (None: the same type at both ends)."""
+    if len(gpus) < 2:
+        return None
+    first = _best_hom(graph, gpus, lo, cost_model, memo)
+    if first == _best_hom(graph, gpus, hi, cost_model, memo):
         return None
     a, b = float(lo), float(hi)
-    while b - a > 1:
-        mid = (a + b) / 2
-        a, b = (mid, b) if best(mid) == best(lo) else (a, mid)
+    while b - a > 1 and b / a > 1 + CROSSING_REL_TOL:
+        mid = math.sqrt(a * b)
+        a, b = (mid, b) if _best_hom(graph, gpus, round(mid), cost_model, memo) == first else (a, mid)
     return b
 
 
@@ -213,22 +409,60 @@ def _hybrid_note(graph: OpGraph, context: int) -> str | None:
             f"of one {lo} layer, so a single rest-of-model CAD stage cannot match both (bubbles)")
 
 
-def analyze(graph: OpGraph, gpus: list[GPUSpec], contexts: list[int]) -> Analysis:
+def analyze(graph: OpGraph, gpus: list[GPUSpec], contexts: list[int], cost_model: CostModel | None = None) -> Analysis:
     """The §3 quantities for `graph` on each GPU type at each context length."""
-    terms = ModelTerms.of(graph)
+    cost_model = cost_model or CostModel()
+    memo: dict = {}
     points = []
     for s in contexts:
-        state = float(graph.state_bytes(s))
-        per_gpu = tuple(_gpu_point(g, terms, state) for g in gpus)
-        point = ContextPoint(context=s, state_bytes=state, gpus=per_gpu)
+        per_gpu = tuple(_gpu_point(graph, g, s, cost_model, memo) for g in gpus)
+        point = ContextPoint(context=s, state_bytes=float(graph.state_bytes(s)), gpus=per_gpu)
         if len(gpus) >= 2:
-            triples = _triples(gpus)
-            attn = min(gpus, key=lambda g: g.price_per_second / g.effective_kv_bandwidth)
-            gemm = min(gpus, key=lambda g: g.price_per_second / g.effective_flops)
-            point = dataclasses.replace(point, cost_het_ods=het_cost(state, terms.gemm_flops, triples) * PER_MTOK,
-                                        g_het=g_het(state, terms.gemm_flops, triples),
-                                        het_attention_gpu=attn.name, het_gemm_gpu=gemm.name)
+            het, gain, attn, gemm = _het(per_gpu, gpus)
+            point = dataclasses.replace(point, cost_het_ods=het * PER_MTOK, g_het=gain, het_attention_gpu=attn,
+                                        het_gemm_gpu=gemm)
         points.append(point)
-    crossing = _crossing(graph, terms, gpus, min(contexts), max(contexts)) if contexts else None
+    crossing = _crossing(graph, gpus, min(contexts), max(contexts), cost_model, memo) if contexts else None
     return Analysis(model=graph.model, gpu_names=tuple(g.name for g in gpus), points=tuple(points),
                     crossing_context=crossing, hybrid_note=_hybrid_note(graph, max(contexts)))
+
+
+# ---------------------------------------------------------------- price sensitivity (Theorem 3.2 in a price ratio)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PriceSweep:
+    """G_het of two GPU types as the second's price per GPU-hour is `ratio` × the first's."""
+
+    model: str
+    context: int
+    first: str
+    second: str
+    first_tp: int                 # each type's ODS TP degree (`ods_choice`)
+    second_tp: int
+    ratios: tuple[float, ...]
+    g_het: tuple[float, ...]
+    best_hom: tuple[str, ...]     # the cheaper homogeneous-ODS type at each ratio
+    crossing_ratio: float         # where the best homogeneous type changes: G_het peaks here
+    peak_g_het: float             # G_het at the crossing
+
+
+def price_sweep(graph: OpGraph, context: int, first: GPUSpec, second: GPUSpec, ratios: Sequence[float],
+                cost_model: CostModel | None = None) -> PriceSweep:
+    """Predicted G_het (`g_het_at_price`) of `first` + `second` at `context` for each price ratio
+    second / first (positive), and the crossing ratio where the best homogeneous type changes.
+
+    Each type runs on its ODS TP degree (`ods_choice`; a price scale does not change it), with the
+    terms of `ods_terms`. Prices per GPU-hour are taken from `first` only: `second`'s own price does
+    not enter."""
+    if not ratios or any(not (r > 0 and math.isfinite(r)) for r in ratios):
+        raise ValueError(f"price ratios must be positive and finite, got {list(ratios)}")
+    cost_model = cost_model or CostModel()
+    one = ods_choice(_tp_scan(graph, first, context, cost_model))
+    two = ods_choice(_tp_scan(graph, second, context, cost_model))
+    x1, x2 = one.terms.gpu_seconds, two.terms.gpu_seconds
+    cross = price_crossing(x1, x2)
+    return PriceSweep(model=graph.model, context=context, first=first.name, second=second.name, first_tp=one.tp,
+                      second_tp=two.tp, ratios=tuple(ratios), g_het=tuple(g_het_at_price(x1, x2, r) for r in ratios),
+                      best_hom=tuple(second.name if r * sum(x2) < sum(x1) else first.name for r in ratios),
+                      crossing_ratio=cross, peak_g_het=g_het_at_price(x1, x2, cross))

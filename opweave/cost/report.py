@@ -31,23 +31,41 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return out + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+FIGURES_NOTE = ("colocated: the cost model (fixed costs and TP collectives included) at the memory-limited batch "
+                "b_max, on the TP degree (tp) with the least cost per token in the TP scan; hom-ODS: the cost "
+                "model's marginal cost per token, on the TP degree where it is least (ODS tp); G_hom = colocated / "
+                "hom-ODS; closed: Theorem 3.1's closed form on the colocated group alone (b_rel, no fixed costs); "
+                "bound: M / (M - M_w) on that group")
+"""Which figure each column reports (the closed form and the cost model differ: docs/analysis.md)."""
+
+
 def format_analysis(a: Analysis) -> str:
-    header = ("context", "state/seq", "gpu", "tp", "regime", "b_max", "b*", "colocated", "hom-ODS",
-              "G_hom", "bound", "CAD")
+    header = ("context", "state/seq", "gpu", "tp", "regime", "b_max", "b*", "colocated", "ODS tp", "hom-ODS",
+              "G_hom", "closed", "bound", "CAD")
     rows = []
     for p in a.points:
         for g in p.gpus:
             rows.append((context_label(p.context), human_bytes(p.state_bytes), g.gpu, str(g.tp), g.regime,
-                         str(g.b_max), f"{g.b_star:.0f}", _money(g.cost_colocated), _money(g.cost_hom_ods),
-                         _num(g.g_hom), _num(g.g_hom_bound), "yes" if g.cad_feasible else "no"))
-    lines = [f"Decode cost analysis of {a.model} on {', '.join(a.gpu_names)} ($ per million output tokens; "
-             "colocated at the relaxed batch b_rel, ideal ODS as in summary §3)"]
+                         str(g.b_max), f"{g.b_star:.0f}", _money(g.cost_colocated), str(g.ods_tp),
+                         _money(g.cost_hom_ods),
+                         _num(g.g_hom), _num(g.g_hom_closed), _num(g.g_hom_bound), "yes" if g.cad_feasible else "no"))
+    lines = [f"Decode cost analysis of {a.model} on {', '.join(a.gpu_names)} ($ per million output tokens)",
+             FIGURES_NOTE]
     lines += _table(header, rows)
+    scan_header = ("context", "gpu", "tp", "b_max", "colocated", "hom-ODS", "G_hom", "closed", "bound", "")
+    scan_rows = [(context_label(p.context), g.gpu, str(t.tp), str(t.b_max), _money(t.cost_colocated),
+                  _money(t.cost_hom_ods), _num(t.g_hom), _num(t.g_hom_closed), _num(t.g_hom_bound),
+                  " ".join(m for m, on in (("<- colocated", t.tp == g.tp), ("<- ODS", t.tp == g.ods_tp)) if on))
+                 for p in a.points for g in p.gpus for t in g.tp_scan]
+    lines += ["", "TP scan (per TP degree: colocated at its memory-limited batch b_max, hom-ODS on that degree; "
+                  "G_hom against the least hom-ODS of the scan)"]
+    lines += _table(scan_header, scan_rows)
     if a.points[0].g_het is not None:
         het_header = ("context", "attention on", "GEMM on", "het-ODS", "best hom-ODS", "G_het")
         het_rows = [(context_label(p.context), p.het_attention_gpu, p.het_gemm_gpu, _money(p.cost_het_ods),
                      _money(min(g.cost_hom_ods for g in p.gpus)), f"{p.g_het:.3g}") for p in a.points]
-        lines += ["", "Heterogeneous ODS (attention on the cheapest bytes/s, GEMMs on the cheapest FLOP/s)"]
+        lines += ["", "Heterogeneous ODS (memory-bound ops on the type cheapest for them, GEMMs on the type cheapest "
+                      "for them; each type on its ODS TP)"]
         lines += _table(het_header, het_rows)
     lines.append("")
     if a.crossing_context is not None:
@@ -74,20 +92,25 @@ def _clean(x: Any) -> Any:
 
 
 def analysis_to_json(a: Analysis) -> dict[str, Any]:
-    """Per context: the first GPU type's figures at top level, every type under `gpus`."""
+    """Per context: the first GPU type's figures at top level, every type under `gpus` (with its
+    `tp_scan` and each scanned TP's cost-model `terms`); `figures` says which figure each key reports."""
     points = []
     for p in a.points:
         first = p.gpus[0]
-        entry = {"context": p.context, "state_bytes": p.state_bytes, "b_max": first.b_max, "b_rel": first.b_rel,
-                 "b_star": first.b_star, "regime": first.regime, "g_hom": first.g_hom,
-                 "g_hom_bound": first.g_hom_bound, "cost_colocated_per_mtok": first.cost_colocated,
+        entry = {"context": p.context, "state_bytes": p.state_bytes, "tp": first.tp, "ods_tp": first.ods_tp,
+                 "b_max": first.b_max,
+                 "b_rel": first.b_rel, "b_star": first.b_star, "regime": first.regime, "g_hom": first.g_hom,
+                 "g_hom_closed": first.g_hom_closed, "g_hom_bound": first.g_hom_bound,
+                 "cost_colocated_per_mtok": first.cost_colocated,
+                 "cost_colocated_closed_per_mtok": first.cost_colocated_closed,
                  "cost_hom_ods_per_mtok": first.cost_hom_ods, "cad_feasible": first.cad_feasible,
                  "gpus": {g.gpu: dataclasses.asdict(g) for g in p.gpus}}
         if p.g_het is not None:
             entry.update(g_het=p.g_het, cost_het_ods_per_mtok=p.cost_het_ods,
                          het_attention_gpu=p.het_attention_gpu, het_gemm_gpu=p.het_gemm_gpu)
         points.append(entry)
-    return _clean({"model": a.model, "gpus": list(a.gpu_names), "crossing_context": a.crossing_context,
+    return _clean({"model": a.model, "gpus": list(a.gpu_names), "figures": FIGURES_NOTE,
+                   "crossing_context": a.crossing_context,
                    "hybrid_note": a.hybrid_note, "points": points})
 
 
@@ -104,11 +127,12 @@ def plot_analysis(a: Analysis, path: str) -> None:
         col = [p.gpus[i].cost_colocated for p in a.points]
         ax_cost.plot(xs, [math.nan if c is None else c for c in col], "o-", label=f"colocated {name}")
         ax_cost.plot(xs, [p.gpus[i].cost_hom_ods for p in a.points], "s--", label=f"hom-ODS {name}")
-        ax_gain.plot(xs, [math.nan if p.gpus[i].g_hom is None else p.gpus[i].g_hom for p in a.points], "o-",
-                     label=f"G_hom {name}")
-        bound = [p.gpus[i].g_hom_bound for p in a.points]
-        ax_gain.axhline(bound[0], linestyle=":", color="gray")
-        ax_gain.annotate(f"bound {name} {bound[0]:.3g}", (xs[0], bound[0]), fontsize=8)
+        line, = ax_gain.plot(xs, [math.nan if p.gpus[i].g_hom is None else p.gpus[i].g_hom for p in a.points],
+                             "o-", label=f"G_hom {name} (cost model)")
+        ax_gain.plot(xs, [math.nan if p.gpus[i].g_hom_closed is None else p.gpus[i].g_hom_closed for p in a.points],
+                     "x--", color=line.get_color(), label=f"G_hom {name} (closed form)")
+        ax_gain.plot(xs, [p.gpus[i].g_hom_bound if math.isfinite(p.gpus[i].g_hom_bound) else math.nan
+                          for p in a.points], ":", color=line.get_color(), label=f"bound {name} (at its TP)")
     if a.points[0].g_het is not None:
         ax_cost.plot(xs, [p.cost_het_ods for p in a.points], "k^-", label="het-ODS")
         ax_gain.plot(xs, [p.g_het for p in a.points], "k^-", label="G_het")
