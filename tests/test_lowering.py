@@ -10,6 +10,8 @@ import pytest
 
 from test_runtime import compile_pinned
 from opweave.codegen.render import fused_add_norm
+from opweave.compiler.frontend import run_front_end
+from opweave.passes.carry import carry
 from opweave.ir.plan import plan_from_json
 from opweave.ir.program import format_program, program_from_json, program_to_json
 
@@ -34,9 +36,11 @@ def load(folder):
 
 
 @pytest.mark.parametrize("plan_name", ["afd", "cad", "opweave"])
-def test_programs_match_the_plan(artifacts, plan_name):
+def test_programs_match_the_plan(artifacts, tiny_checkpoint, plan_name):
     plan, programs = load(artifacts[plan_name])
     assert len(programs) == sum(o.tp * o.replicas for o in plan.owners)
+    graph = run_front_end(tiny_checkpoint("llama", num_hidden_layers=3)).graph
+    sent = carry(graph, [(s.first_op, s.last_op) for s in plan.stages], [s.owner for s in plan.stages]).sent
     for p in programs:
         assert program_from_json(program_to_json(p)) == p
         mine = [s for s in plan.stages if s.owner == p.owner]
@@ -45,6 +49,10 @@ def test_programs_match_the_plan(artifacts, plan_name):
         # one receive per stage whose predecessor has another owner; one send per stage but the last
         assert sum(s.recv is not None for s in p.stages) == sum(1 for s in mine if s.index > 0)
         assert sum(s.send is not None for s in p.stages) == sum(1 for s in mine if s.index < plan.num_stages - 1)
+        for s in p.stages:  # what crosses a cut is what the carry pass sends (passes/carry.py)
+            if s.send is not None:
+                end = next(x.index for x in mine if x.last_op == s.launches[-1].op)  # a run's last plan stage
+                assert s.send.values == sent[end]
         assert "launch op" in format_program(p)
 
 
@@ -79,7 +87,7 @@ def test_every_send_has_its_receive(artifacts, plan_name):
 
 def test_generated_module_lines_name_stage_block_layer_and_op(artifacts):
     _, programs = load(artifacts["cad"])
-    fused_total = 0
+    fused_total = kept_total = 0
     for p in programs:
         source = open(os.path.join(artifacts["cad"], f"rank_{p.rank:02d}.py")).read()
         compile(source, "rank", "exec")
@@ -91,7 +99,14 @@ def test_generated_module_lines_name_stage_block_layer_and_op(artifacts):
         fused_total += len(fused)
         assert all("# stage " in line and " · block " in line and " · layer " in line for line in calls)
         assert source.count("rt.allreduce(") == sum(l.allreduce for s in p.stages for l in s.launches)
+        # values kept on this owner between its stages (passes/carry.py): one store and one read-back each
+        stores = [line for line in source.splitlines() if "self.held[mb][" in line and "] = v" in line]
+        loads = [line for line in source.splitlines() if "= self.held[mb]" in line]
+        assert len(stores) == sum(len(s.keeps) for s in p.stages) and all("(not sent)" in x for x in stores)
+        assert len(loads) == sum(len(s.takes) for s in p.stages) and all("kept on this owner since" in x for x in loads)
+        kept_total += len(stores)
     assert fused_total > 0  # llama: every layer's post-attention residual feeds the pre-FFN norm
+    assert kept_total > 0  # CAD: the dense owner keeps the residual across core attention
 
 
 def test_golden_module(artifacts):

@@ -125,16 +125,50 @@ def _peers(peers) -> str:
     return ", ".join(f"rank {p.rank} rows {p.lo}..{p.hi - 1}" for p in peers)
 
 
-def _stage_lines(program: RankProgram, st: StageProgram, names: _Names) -> dict:
-    used = {v for l in st.launches for v in l.inputs} | set(st.send.values if st.send else ())
+def _held_key(names: _Names, value: str) -> str:
+    """The key of a kept value in `self.held[mb]`: its variable name, as a literal."""
+    return literal(names.var(value))
+
+
+def _held_links(program: RankProgram) -> tuple[dict, dict, dict]:
+    """(value -> stage that keeps it, value -> stages that take it, in order) and, per stage, the
+    later stages reading back what it keeps: for the provenance comments and to pop a kept value
+    at its last reading."""
+    kept_by: dict[str, int] = {}
+    taken_by: dict[str, list[int]] = {}
+    for st in program.stages:
+        for v in st.takes:
+            taken_by.setdefault(v, []).append(st.stage)
+        for v in st.keeps:
+            kept_by[v] = st.stage
+    readers = {st.stage: {v: [s for s in taken_by.get(v, []) if s > st.stage] for v in st.keeps}
+               for st in program.stages}
+    return kept_by, taken_by, readers
+
+
+def _stage_lines(program: RankProgram, st: StageProgram, names: _Names, links: tuple[dict, dict, dict]) -> dict:
+    kept_by, taken_by, readers = links
+    used = ({v for l in st.launches for v in l.inputs} | set(st.send.values if st.send else ()) | set(st.keeps))
     if st.recv is None:
         head = _statement("ids, positions = rt.begin(mb)", "scheduler: this step's tokens and positions for my rows")
+    elif not st.recv.values:
+        head = _statement(f"positions, () = rt.recv({int(st.stage)}, mb)",
+                          f"after op {st.recv.cut}, from {_peers(st.recv.peers)}: positions only, "
+                          "every value this stage reads is kept here")
     else:
         received = ", ".join(names.var(v) for v in st.recv.values)
         head = _statement(f"positions, ({received},) = rt.recv({int(st.stage)}, mb)",
                           f"after op {st.recv.cut}, from {_peers(st.recv.peers)}")
+    takes = []
+    for v in st.takes:
+        source = f"self.held[mb][{_held_key(names, v)}]"
+        if taken_by[v][-1] == st.stage:   # its last reading on this rank
+            source = f"self.held[mb].pop({_held_key(names, v)})"
+        takes.append(_statement(f"{names.var(v)} = {source}", f"stage {st.stage}",
+                                f"{v}, kept on this owner since stage {kept_by[v]} (not sent)"))
     last_use = {names.var(v): k for k, l in enumerate(st.launches) for v in l.inputs}
-    keep = {"ids", "positions"} | {names.var(v) for v in (st.send.values if st.send else ())}
+    keep = ({"ids", "positions"} | {names.var(v) for v in (st.send.values if st.send else ())}
+            | {names.var(v) for v in st.keeps})
     if st.returns:
         keep.add(names.var(st.launches[-1].output))
     lines = []
@@ -165,6 +199,10 @@ def _stage_lines(program: RankProgram, st: StageProgram, names: _Names) -> dict:
                 if last_use.get(v, -1) <= k and v not in keep]
         if dead:
             lines.append(_statement(f"del {', '.join(dead)}", f"stage {st.stage}", "values not used again this step"))
+    for v in st.keeps:   # the owner of its next reader holds it: it stays here instead of going round
+        later = ", ".join(map(str, readers[st.stage][v]))
+        lines.append(_statement(f"self.held[mb][{_held_key(names, v)}] = {names.var(v)}", f"stage {st.stage}",
+                                f"keep {v} for stage {later} of this owner (not sent)"))
     tail = None
     if st.send is not None:
         sent = ", ".join(names.var(v) for v in st.send.values)
@@ -173,7 +211,8 @@ def _stage_lines(program: RankProgram, st: StageProgram, names: _Names) -> dict:
     elif st.returns:
         tail = _statement(f"rt.finish(mb, {names.var(st.launches[-1].output)})",
                           f"new token ids to {_peers(st.returns)}")
-    return {"title": comment(f"---- stage {st.stage}: {_where(st)}"), "head": head, "lines": lines, "tail": tail}
+    return {"title": comment(f"---- stage {st.stage}: {_where(st)}"), "head": head, "lines": takes + lines,
+            "tail": tail}
 
 
 def render_rank(program: RankProgram, op_names: list[str], template: str, num_stages: int) -> str:
@@ -182,10 +221,17 @@ def render_rank(program: RankProgram, op_names: list[str], template: str, num_st
     binds = [{"op": int(l.op), "note": comment(l.name), "state": stateful(l),
               "state_note": comment(l.name, "its state, one view per microbatch")}
              for st in program.stages for l in st.launches if not (l.kind == "sample" and program.tp > 1)]
+    held = None
+    if any(st.keeps for st in program.stages):
+        held = _statement("self.held = [{} for _ in range(NUM_MICROBATCHES)]",
+                          "per microbatch: values this owner keeps for its later stages instead of sending them "
+                          "(passes/carry.py)")
+    links = _held_links(program)
     return _ENV.get_template("rank.py.j2").render(
         version=__version__, model=program.model, plan_hash=program.plan_hash, template=template,
         num_stages=num_stages, rank=program.rank, world_size=program.world_size, owner=program.owner,
         replica=program.replica, tp_rank=program.tp_rank, tp=program.tp, tp_group=tuple(program.tp_group),
         rows=tuple(program.rows), num_microbatches=program.num_microbatches,
         microbatch_size=program.microbatch_size, stage_indices=tuple(st.stage for st in program.stages),
-        ops=tuple(program.ops), binds=binds, stages=[_stage_lines(program, st, names) for st in program.stages])
+        ops=tuple(program.ops), binds=binds, held=held,
+        stages=[_stage_lines(program, st, names, links) for st in program.stages])

@@ -25,6 +25,7 @@ from opweave.ir.plan import PLAN_FORMAT, Plan, PlanOwner, PlanStage, Predicted, 
 from opweave.ir.program import RankProgram, program_to_json
 from opweave.outputs import check_artifact_dir, make_public, remove_tree, replace_folder
 from opweave.passes import placement
+from opweave.passes.carry import round_robin, send_bytes_per_token
 from opweave.passes.lower import lower
 from opweave.passes.placement import Placement
 from opweave.passes.search import Candidate, SearchOptions, SearchResult, slot_of
@@ -68,9 +69,10 @@ def make_plan(fe: FrontEnd, cluster: Cluster, context: int, tpot_slo_s: float, r
     set0 = where.replica_set(0)  # what the runtime deploys; set k is where.replica_set(k)
     k = len(cand.owners)
     sim, problem = cand.result, cand.problem
+    sent = send_bytes_per_token(cand.stage_plan, round_robin(cand.stage_plan, k))
     stages = tuple(PlanStage(index=s.index, first_op=s.first, last_op=s.last,
                              owner=slot_of(s.index, cand.stage_plan.stages_per_block, k), slot=s.slot,
-                             label=problem.stages[s.index].label, out_bytes_per_token=s.out_bytes_per_token,
+                             label=problem.stages[s.index].label, out_bytes_per_token=sent[s.index],
                              compute_s=problem.stages[s.index].compute_s, send_s=problem.stages[s.index].send_s,
                              send_bytes=problem.stages[s.index].send_bytes,
                              send_inter_node=problem.stages[s.index].inter_node)

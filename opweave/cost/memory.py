@@ -249,11 +249,17 @@ def plan_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: in
     """The planned breakdown of the GPU at (owner, replica, TP rank) of a plan."""
     from opweave.passes.lower import replica_rows
 
+    from opweave.passes.carry import held_peak
+
     o = plan.owners[owner]
     lo, hi = replica_rows(plan.batch // plan.microbatches, o.replicas)[replica]
     ops = owner_ops(plan, graph, owner)
+    owners = [st.owner for st in plan.stages]
+    held = held_peak(graph, [(st.first_op, st.last_op) for st in plan.stages], owners).get(owner, 0) \
+        if len(set(owners)) > 1 else 0
     return MemoryBreakdown(
         weights=weight_bytes(ops, o.tp),
         state=plan.microbatches * (hi - lo) * state_bytes_per_slot(ops, o.tp, plan.context),
-        activations=activation_bytes(ops, o.tp, hi - lo, width, plan.context),
+        activations=activation_bytes(ops, o.tp, hi - lo, width, plan.context)
+        + plan.microbatches * (hi - lo) * width * held,
         buffers=buffer_bytes(plan, owner, replica, width, tp_rank))

@@ -2,8 +2,10 @@
 
 One decode round of a rank is, for every stage its owner runs (in token order) and every
 microbatch: receive the stage's inputs (from the previous owner's replicas whose rows overlap,
-fanned out to the TP peers), launch its ops (with an all-reduce after the partial sums the TP
-table names), and send its outputs on (or, at the last stage, the new token ids back to the embedding owner).
+fanned out to the TP peers) and take back what the owner kept for it, launch its ops (with an
+all-reduce after the partial sums the TP table names), keep what a later stage of the owner reads,
+and send on what the next owners need (`passes/carry.py`; at the last stage, the new token ids back
+to the embedding owner).
 Every rank follows the same global order (round, stage, microbatch), so blocking receives and
 non-blocking sends never deadlock, and there is no coordinator between stages.
 """
@@ -64,6 +66,11 @@ class StageProgram:
     # returns the token ids): the group's ranks take the cuts in turn (`passes.lower.port`)
     recv_port: int | None = None
     send_port: int | None = None
+    # values the owner keeps between its own stage programs instead of sending them round
+    # (`passes/carry.py`): `keeps` are stored per microbatch at the end of this one (every TP rank
+    # its own copy, in the value's layout), `takes` read back at the start of this one
+    keeps: tuple[str, ...] = ()
+    takes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -132,7 +139,8 @@ def program_from_json(d: dict[str, Any]) -> RankProgram:
                                 recv=_transfer(s["recv"]), send=_transfer(s["send"]),
                                 launches=tuple(Launch(**{**l, "inputs": tuple(l["inputs"])}) for l in s["launches"]),
                                 returns=tuple(Peer(**p) for p in s["returns"]),
-                                recv_port=s.get("recv_port"), send_port=s.get("send_port"))
+                                recv_port=s.get("recv_port"), send_port=s.get("send_port"),
+                                keeps=tuple(s.get("keeps", ())), takes=tuple(s.get("takes", ())))
                    for s in d["stages"])
     return RankProgram(**{**d, "tp_group": tuple(d["tp_group"]), "tp_groups": _tuples(d["tp_groups"]),
                           "rows": tuple(d["rows"]), "scheduler_leaders": tuple(d["scheduler_leaders"]),
@@ -152,8 +160,12 @@ def format_program(program: RankProgram) -> str:
         if s.recv:
             lines.append(f"    recv after op {s.recv.cut} {list(s.recv.values)} from "
                          + ", ".join(f"r{q.rank}[{q.lo}:{q.hi}]" for q in s.recv.peers))
+        if s.takes:
+            lines.append(f"    take kept {list(s.takes)}")
         for l in s.launches:
             lines.append(f"    launch op {l.op} {l.kind} ({l.name})" + (" + all-reduce" if l.allreduce else ""))
+        if s.keeps:
+            lines.append(f"    keep {list(s.keeps)} for a later stage of this owner")
         if s.send:
             lines.append(f"    send {list(s.send.values)} to " + ", ".join(f"r{q.rank}[{q.lo}:{q.hi}]" for q in s.send.peers))
         if s.returns:

@@ -74,10 +74,49 @@ def _describe(m: tuple) -> str:
     return f"{what} rows {lo}..{hi - 1} ({(hi - lo) * sum(math.prod(s) for s in shapes)} elements)"
 
 
+def _base(value: str) -> str:
+    return value.split("[")[0]
+
+
+def verify_dataflow(p: RankProgram) -> None:
+    """Within one rank, every value is there when it is used: a stage program's ops read, and it
+    sends and keeps, only what it made itself, received at its start, or took back from what an
+    earlier stage program of the rank kept; every kept value is taken back by a later one (a
+    kept value nobody reads would be a lost send)."""
+    held: dict[str, int] = {}     # kept value -> the stage program that kept it
+    taken: set[str] = set()
+    for s in p.stages:
+        # the step's positions come with every start (`rt.begin` / `rt.recv`), its token ids with `rt.begin`
+        here = {"positions"} | (set(s.recv.values) if s.recv else {"ids"})
+        for v in s.takes:
+            if v not in held:
+                raise IRError(f"rank {p.rank} stage {s.stage} takes back {v}, which no earlier stage of the rank kept")
+            here.add(v)
+            taken.add(v)
+        made: set[str] = set()
+        for l in s.launches:
+            missing = [v for v in l.inputs if v not in here and _base(v) not in made]
+            if missing:
+                raise IRError(f"rank {p.rank} stage {s.stage}: op {l.op} ({l.name}) reads {missing}, which the "
+                              "stage neither makes, receives nor takes back from what its owner kept")
+            made.add(l.output)
+        for name, values in (("sends", s.send.values if s.send else ()), ("keeps", s.keeps)):
+            missing = [v for v in values if v not in here and _base(v) not in made]
+            if missing:
+                raise IRError(f"rank {p.rank} stage {s.stage} {name} {missing}, which it does not have")
+        for v in s.keeps:
+            held[v] = s.stage
+            taken.discard(v)
+    lost = sorted(set(held) - taken)
+    if lost:
+        raise IRError(f"rank {p.rank} keeps {lost}, which no later stage of the rank takes back")
+
+
 def verify_programs(programs: Sequence[RankProgram]) -> Sequence[RankProgram]:
     """Rank programs agree with each other: ranks are 0..world-1 with one world size; every TP
-    group's members agree on it; every send has its receive, in the same order, with the same
-    values, shapes and rows (so the same bytes), and every receive its send."""
+    group's members agree on it; every rank's values are there when used (`verify_dataflow`);
+    every send has its receive, in the same order, with the same values, shapes and rows (so the
+    same bytes), and every receive its send."""
     world = len(programs)
     for i, p in enumerate(programs):
         if p.rank != i or p.world_size != world:
@@ -98,6 +137,7 @@ def verify_programs(programs: Sequence[RankProgram]) -> Sequence[RankProgram]:
                 if needed and rank not in p.tp_group:
                     raise IRError(f"rank {p.rank} stage {s.stage}: {name} port {rank} is not in its TP group "
                                   f"{list(p.tp_group)}")
+        verify_dataflow(p)
     sent, received = _messages(programs)
     for src, dst in sorted(set(sent) | set(received)):
         out, inn = sent.get((src, dst), []), received.get((src, dst), [])

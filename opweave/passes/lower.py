@@ -4,10 +4,15 @@ Ranks are numbered owner by owner, replica by replica, TP rank by TP rank; globa
 leader of owner 0's first replica, which runs stage 0 (the embedding) and so schedules requests.
 Every microbatch has `microbatch_size` rows; replica j of an owner with r replicas processes the
 contiguous rows [floor(j·m/r), floor((j+1)·m/r)). A stage boundary becomes, for each pair
-of replicas whose rows overlap, one packed send of the overlapping rows of the cut's live values
-from the source replica's port to the destination replica's port, which fans them out to its TP
-peers. A replica's port for the cut after plan stage c is rank c mod TP of its group (`port`):
-the TP ranks take the cuts in turn, so a replica's transfers spread over its GPUs' links. The last
+of replicas whose rows overlap, one packed send of the overlapping rows of the values the carry
+pass sends there (`passes/carry.py`: the cut's live values that the owner of their next reader
+does not hold yet) from the source replica's port to the destination replica's port, which fans
+them out to its TP peers. The cut's other live values stay on the owners that hold them: an
+owner keeps such a value per microbatch (`StageProgram.keeps`, every TP rank its own copy) and
+reads it back in its later stage program (`StageProgram.takes`; `passes/carry.held_values`); a
+replica's rows are the same in all its owner's stages, so the kept rows are the ones it reads.
+A replica's port for the cut after plan stage c is rank c mod TP of its group (`port`): the TP
+ranks take the cuts in turn, so a replica's transfers spread over its GPUs' links. The last
 stage returns the new token ids to the embedding owner's leaders (TP rank 0: the scheduler).
 Consecutive stages of one owner (one owner taking every stage of a template) are one stage
 program: nothing crosses between them.
@@ -25,6 +30,7 @@ from opweave.ir.graph import OpGraph
 from opweave.ir.plan import Plan
 from opweave.ir.program import Launch, Peer, RankProgram, StageProgram, Transfer
 from opweave.ir.tp import allreduce_after, value_layout
+from opweave.passes.carry import carry, held_values
 
 
 def replica_rows(microbatch_size: int, replicas: int) -> list[tuple[int, int]]:
@@ -58,12 +64,14 @@ def _overlaps(plan: Plan, leaders, other: int, rows: tuple[int, int], mb: int, c
     return tuple(peers)
 
 
-def _transfer(graph: OpGraph, cut: int, peers: tuple[Peer, ...]) -> Transfer:
+def _transfer(graph: OpGraph, cut: int, values: tuple[str, ...], peers: tuple[Peer, ...]) -> Transfer:
+    """The transfer of `values` (live at the cut after op `cut`, in the cut's order) to or from `peers`."""
     point = graph.cut_after(cut)
     if point is None:
         raise ValueError(f"plan cuts after op {cut}, which is not a legal cut point")
-    return Transfer(cut=cut, values=point.values, shapes=point.value_shapes,
-                    layouts=tuple(value_layout(graph, v) for v in point.values), peers=peers)
+    shape = dict(zip(point.values, point.value_shapes))
+    return Transfer(cut=cut, values=values, shapes=tuple(shape[v] for v in values),
+                    layouts=tuple(value_layout(graph, v) for v in values), peers=peers)
 
 
 def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: str) -> tuple[RankProgram, ...]:
@@ -74,6 +82,9 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
     groups = tuple(tuple(r for r, (o2, j2, _) in enumerate(layout) if (o2, j2) == (o, j))
                    for (o, j) in sorted(leaders, key=leaders.get))
     first_owner, last_owner = plan.stages[0].owner, plan.stages[-1].owner
+    bounds, owner_of = [(s.first_op, s.last_op) for s in plan.stages], [s.owner for s in plan.stages]
+    carried = carry(graph, bounds, owner_of)      # what crosses each cut
+    held = held_values(graph, bounds, owner_of, carried)  # what each owner keeps between its stage programs
     programs = []
     for rank, (o, j, t) in enumerate(layout):
         owner = plan.owners[o]
@@ -90,12 +101,14 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
                                        inputs=op.inputs, output=op.name,
                                        allreduce=allreduce_after(graph.ops, index, owner.tp)))
             prev_owner = plan.stages[i - 1].owner if i > 0 else None
-            recv = (_transfer(graph, st.first_op - 1, _overlaps(plan, leaders, prev_owner, rows, mb, i - 1))
+            recv = (_transfer(graph, st.first_op - 1, carried.sent[i - 1],
+                              _overlaps(plan, leaders, prev_owner, rows, mb, i - 1))
                     if i > 0 and prev_owner != o else None)
             last = i == len(plan.stages) - 1
             send = None
             if not last and plan.stages[i + 1].owner != o:
-                send = _transfer(graph, st.last_op, _overlaps(plan, leaders, plan.stages[i + 1].owner, rows, mb, i))
+                send = _transfer(graph, st.last_op, carried.sent[i],
+                                 _overlaps(plan, leaders, plan.stages[i + 1].owner, rows, mb, i))
             returns = _overlaps(plan, leaders, first_owner, rows, mb) if last else ()
             recv_port = port(plan, leaders, o, j, i - 1) if recv is not None else None
             send_port = port(plan, leaders, o, j, i) if send is not None or returns else None
@@ -107,9 +120,11 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
                     before, layers=tuple(sorted(set(before.layers) | set(layers))),
                     launches=before.launches + tuple(launches), send=send, returns=returns, send_port=send_port))
                 continue
-            stages.append(StageProgram(stage=st.index, block=next((l.block for l in launches if l.block is not None), None), layers=layers, recv=recv,
-                                       launches=tuple(launches), send=send, returns=returns,
-                                       recv_port=recv_port, send_port=send_port))
+            keeps, takes = held[i]
+            block = next((l.block for l in launches if l.block is not None), None)
+            stages.append(StageProgram(stage=st.index, block=block, layers=layers, recv=recv, launches=tuple(launches),
+                                       send=send, returns=returns, recv_port=recv_port, send_port=send_port,
+                                       keeps=keeps, takes=takes))
         scheduler = o == first_owner
         programs.append(RankProgram(
             rank=rank, world_size=len(layout), owner=o, replica=j, tp=owner.tp, tp_rank=t,

@@ -26,7 +26,7 @@ import math
 import time
 from typing import Callable
 
-from opweave.cost.memory import Footprint
+from opweave.cost.memory import Footprint, max_rows
 from opweave.models.activation import PREFILL_CHUNK
 from opweave.cost.model import CostModel, boundary_s, transfer_s
 from opweave.errors import OpWeaveError
@@ -34,6 +34,7 @@ from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import OpGraph
 from opweave.ir.tp import legal_tp
 from opweave.passes.blocks import BlockedGraph
+from opweave.passes.carry import held_bytes_per_token, round_robin, send_bytes_per_token
 from opweave.passes.owners import OwnerConfig, microbatch_share, pareto_frontier
 from opweave.passes.placement import Group, place, transfer_locality
 from opweave.passes.simulate import SimOwner, SimProblem, SimResult, SimStage, simulate
@@ -182,6 +183,7 @@ class _Evaluator:
         self._placements: dict[tuple[Group, ...], object] = {}
         self._locality: dict[tuple, dict[tuple[int, int], bool] | None] = {}
         self._sent: dict[tuple[str, int], tuple[int, ...]] = {}
+        self._held: dict[tuple[str, int], dict[int, int]] = {}
 
     def locality(self, owners: tuple[OwnerConfig, ...], rows: int) -> dict[tuple[int, int], bool] | None:
         """`placement.transfer_locality` of the owners' replica sets on the cluster (memoized), or
@@ -195,15 +197,23 @@ class _Evaluator:
             self._locality[key] = transfer_locality(where, self.space.cluster, rows) if where.num_sets else None
         return self._locality[key]
 
+    def held_bytes(self, plan: StagePlan, k: int) -> dict[int, int]:
+        """Per slot: bytes per token it keeps for its later stages (`carry.held_bytes_per_token`)."""
+        key = (plan.template.name, k)
+        if key not in self._held:
+            self._held[key] = held_bytes_per_token(plan, round_robin(plan, k)) if k > 1 else {0: 0}
+        return self._held[key]
+
     def sets(self, owners: tuple[OwnerConfig, ...]) -> int:
         """Replica sets of the owners that fit on the cluster (after `locality` placed them)."""
         return self._placements[owner_groups(owners)].num_sets
 
     def send_bytes(self, plan: StagePlan, k: int) -> tuple[int, ...]:
-        """Bytes per sequence each stage sends to the next stage's owner with `k` owner slots."""
+        """Bytes per sequence each stage sends to the next stage's owner with `k` owner slots: only
+        what that side needs (`passes/carry.py`: a value an owner already holds is not moved)."""
         key = (plan.template.name, k)
         if key not in self._sent:
-            self._sent[key] = tuple(s.out_bytes_per_token for s in plan.stages)
+            self._sent[key] = send_bytes_per_token(plan, round_robin(plan, k))
         return self._sent[key]
 
     def sig_ids(self, plan: StagePlan) -> tuple[int, ...]:
@@ -240,10 +250,10 @@ class _Evaluator:
         n, me, gpu = len(stages), slot_of(index, spb, k), self.space.cluster.pools[pool].gpu
         total = 0.0
         if slot_of((index - 1) % n, spb, k) != me:
-            per_token = stages[index - 1].out_bytes_per_token if index > 0 else TOKEN_ID_BYTES
+            per_token = self.send_bytes(plan, k)[index - 1] if index > 0 else TOKEN_ID_BYTES
             total += cm.transfer_host_s(per_token * share, gpu, "recv")
         if slot_of((index + 1) % n, spb, k) != me:
-            per_token = stages[index].out_bytes_per_token if index + 1 < n else TOKEN_ID_BYTES
+            per_token = self.send_bytes(plan, k)[index] if index + 1 < n else TOKEN_ID_BYTES
             total += cm.transfer_host_s(per_token * share, gpu, "send")
         return total
 
@@ -320,9 +330,12 @@ def _config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: i
 
 
 def _memory(ev: _Evaluator, plan: StagePlan, k: int, slot: int, tp: int, batch: int, n: int, replicas: int) -> float:
-    """Bytes per GPU of `slot` at TP `tp`: weights, the state of n x (its replica's rows) slots and
-    one step's activations (`opweave.cost.memory.Footprint`; TP must divide)."""
-    return ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp).bytes(batch, n, replicas)
+    """Bytes per GPU of `slot` at TP `tp`: weights, the state of n x (its replica's rows) slots,
+    one step's activations (`opweave.cost.memory.Footprint`; TP must divide), and the values the
+    slot keeps for its later stages instead of sending them (`carry.held_bytes_per_token`), for
+    every microbatch of a prefill-wide step."""
+    held = ev.held_bytes(plan, k)[slot] * max_rows(batch, n, replicas) * ev.space.prefill_chunk * n
+    return ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp).bytes(batch, n, replicas) + held
 
 
 def _owner_configs(ev: _Evaluator, plan: StagePlan, k: int, slot: int, batch: int, n: int,

@@ -33,6 +33,7 @@ class InterpretedProgram:
 
     def round(self) -> None:
         rt = self.rt
+        held: list[dict] = [{} for _ in range(self.program.num_microbatches)]  # kept between stage programs
         for st in self.program.stages:
             for mb in range(self.program.num_microbatches):
                 env: dict = {}
@@ -41,6 +42,7 @@ class InterpretedProgram:
                 else:
                     env["positions"], values = rt.recv(st.stage, mb)
                     env.update(zip(st.recv.values, values))
+                env.update((v, held[mb][v]) for v in st.takes)
                 for launch in st.launches:
                     args = [self._get(env, v) for v in launch.inputs]
                     if launch.kind == "sample" and self.program.tp > 1:
@@ -52,6 +54,7 @@ class InterpretedProgram:
                     if launch.allreduce:
                         out = rt.allreduce(out)
                     env[launch.output] = out
+                held[mb].update((v, self._get(env, v)) for v in st.keeps)
                 if st.send is not None:
                     rt.send(st.stage, mb, env["positions"], tuple(self._get(env, v) for v in st.send.values))
                 elif st.returns:

@@ -7,7 +7,7 @@ name in a comment is escaped to one line.
 
 OPWEAVE_VERSION = '0.1.0'
 MODEL = 'tiny_llama_num_hidden_layers3_0'
-PLAN_HASH = '6c4e888760683879387e7f1e03c1574781c1c1d8a472df97689b1cb5c42939ab'  # sha256 of the artifact's plan.json
+PLAN_HASH = '1ac046dce124568a7206b1a4a3221e6ec5c8508b95a3429d7f2d6755686f3ea4'  # sha256 of the artifact's plan.json
 TEMPLATE = 'afd'
 NUM_STAGES = 6  # stages per token in the whole plan
 RANK = 0
