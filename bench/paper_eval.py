@@ -88,6 +88,8 @@ group holds the weights in at most this share of its usable memory (the rest for
 operator sizing a vLLM deployment by hand would pick it; replicas and batch are still searched."""
 BASELINES = ("colocated", "afd", "cad")
 PLANNING_LIMIT_S = 60.0
+TARGET_PREDICTED = 1.2
+"""Where Theorem 3.2 predicts at least this heterogeneous gain, the plan should mix types and realize half of it."""
 REL_TOL = 1e-9
 
 # the paper's figures (summary §7.2, §7.4)
@@ -137,6 +139,17 @@ class Setting:
     runs: dict[str, Run]
     homog: Run | None = None        # OpWeave on the H100 pool alone (heterogeneous clusters)
     fixed: Run | None = None        # colocated at a fixed TP per GPU type (`FIXED_TP_WEIGHT_SHARE`)
+    other: Run | None = None        # OpWeave on the other pool alone (heterogeneous clusters)
+    predicted: float | None = None  # Theorem 3.2's G_het on the cost model (`opweave.cost.analysis.analyze`)
+
+    def best_single(self) -> Run | None:
+        """The cheaper of OpWeave on either pool alone (Theorem 3.2's min over homogeneous plans)."""
+        runs = [r for r in (self.homog, self.other) if r is not None and r.feasible]
+        return min(runs, key=lambda r: r.cost) if runs else None
+
+    def realized(self) -> float | None:
+        best, ow = self.best_single(), self.runs["opweave"]
+        return best.cost / ow.cost if best is not None and ow.feasible else None
 
     def gain_fixed(self) -> float | None:
         ow = self.runs["opweave"]
@@ -312,20 +325,31 @@ def report(settings: list[Setting], quick: bool) -> tuple[str, list[str]]:
     for s in settings:
         if s.homog is None:
             continue
-        het, hom = s.runs["opweave"], s.homog
-        if het.feasible and hom.feasible:
-            g = f"{hom.cost / het.cost:.2f}x"
-        elif het.feasible:
-            g = "only heterogeneous feasible"
+        het = s.runs["opweave"]
+        g = s.realized()
+        pred = s.predicted
+        mixed = het.feasible and len(het.gpu_types) > 1
+        if pred is None or pred < TARGET_PREDICTED:
+            verdict = "-"
+        elif mixed and g is not None and g - 1 >= (pred - 1) / 2:
+            verdict = "met"
         else:
-            g = "-"
+            verdict = "**not met**"
         rows.append([MODELS[s.model]["label"], s.cluster_label, ctx_text(s.context), f"{s.slo_ms:g} ms",
-                     money(het), money(hom), g, ", ".join(het.gpu_types) or "-"])
+                     money(het), money(s.homog), money(s.other) if s.other else "-",
+                     f"{g:.2f}x" if g is not None else "-", num(pred, ".2f") + ("x" if pred is not None else ""),
+                     verdict, ", ".join(het.gpu_types) or "-"])
     if rows:
         lines += ["## Heterogeneous vs homogeneous OpWeave", "",
-                  "Homogeneous = OpWeave on `h100x32` (the H100-only setting of the same model, context, SLO).", "",
-                  table(["model", "cluster", "context", "TPOT SLO", "heterogeneous OpWeave", "homogeneous OpWeave",
-                         "gain", "GPU types in the heterogeneous plan"], rows), ""]
+                  "Realized = the cheaper of OpWeave on either pool alone / OpWeave on the whole cluster (Theorem "
+                  "3.2's G_het compares with the best homogeneous plan). Predicted = Theorem 3.2's G_het for the two "
+                  "GPU types at this context on the cost model (`opweave analyze MODEL --gpus h100,OTHER`, ideal "
+                  f"ODS: attention at the state bandwidth, GEMMs at full FLOP rate). Target: where the prediction is "
+                  f">= {TARGET_PREDICTED}x, a plan using both types realizing at least half of the predicted gain "
+                  "(realized - 1 >= (predicted - 1) / 2).", "",
+                  table(["model", "cluster", "context", "TPOT SLO", "heterogeneous OpWeave", "OpWeave on H100 alone",
+                         "OpWeave on the other pool alone", "realized", "predicted G_het", "target",
+                         "GPU types in the heterogeneous plan"], rows), ""]
 
     # ---- invariants
     inv = []
@@ -339,6 +363,11 @@ def report(settings: list[Setting], quick: bool) -> tuple[str, list[str]]:
                 violations.append(f"{where}: OpWeave infeasible but {k} feasible (${r.cost:.4f})")
             elif ow.cost > r.cost * (1 + REL_TOL):
                 violations.append(f"{where}: OpWeave ${ow.cost:.6f} > {k} ${r.cost:.6f}")
+        if s.other is not None and s.other.feasible:
+            n_checked += 1
+            if not ow.feasible or ow.cost > s.other.cost * (1 + REL_TOL):
+                violations.append(f"{where}: heterogeneous OpWeave above OpWeave on the other pool alone "
+                                  f"(${s.other.cost:.6f})")
         if s.homog is not None and s.homog.feasible:
             n_checked += 1
             if not ow.feasible:
@@ -457,7 +486,8 @@ def summary(settings: list[Setting]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="one setting per model (H100 only, 128K, relaxed SLO); prints, writes no file unless --out")
+                    help="one setting per model (H100 only, 128K, relaxed SLO) and Gemma-3-27B on H100+A100 at 32K; "
+                         "prints, writes no file unless --out")
     ap.add_argument("--out", help=f"markdown output (default {os.path.relpath(DEFAULT_OUT, REPO)}; none with --quick)")
     args = ap.parse_args(argv)
     out = args.out if args.out else (None if args.quick else DEFAULT_OUT)
@@ -466,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     catalog = load_catalog()
     clusters = {spec: parse_cluster(spec, catalog) for _, spec, _ in CLUSTERS}
     if args.quick:
-        grid = [(m, CLUSTERS[0], 131072, "relaxed") for m in MODELS]
+        grid = [(m, CLUSTERS[0], 131072, "relaxed") for m in MODELS] + [("gemma-3-27b", CLUSTERS[1], 32768, "relaxed")]
     else:
         grid = [(m, cl, c, kind) for m in MODELS for cl in CLUSTERS for c in CONTEXTS for kind in ("strict", "relaxed")]
     settings: list[Setting] = []
@@ -484,18 +514,30 @@ def main(argv: list[str] | None = None) -> int:
             if key not in cache:
                 cache[key] = plan_one(fe, clusters[spec], context, slo_ms, system)
             runs[system] = cache[key]
-        homog = None
+        homog = other = predicted = None
         if homog_spec is not None:
             key = (model, homog_spec, context, slo_ms, "opweave")
             if key not in cache:   # normally the H100-only setting ran first
                 cache[key] = plan_one(fe, clusters.get(homog_spec) or parse_cluster(homog_spec, catalog),
                                       context, slo_ms, "opweave")
             homog = cache[key]
+            other_spec = "+".join(part for part in spec.split("+") if part != homog_spec)
+            key = (model, other_spec, context, slo_ms, "opweave")
+            if key not in cache:
+                cache[key] = plan_one(fe, parse_cluster(other_spec, catalog), context, slo_ms, "opweave")
+            other = cache[key]
+            key = (model, spec, context, "predicted")
+            if key not in cache:
+                from opweave.cost.analysis import analyze
+
+                gpus = [p.gpu for p in clusters[spec].pools]
+                cache[key] = analyze(fe.graph, gpus, [context]).points[0].g_het
+            predicted = cache[key]
         key = (model, spec, context, slo_ms, "fixed_tp")
         if key not in cache:
             cache[key] = plan_fixed_tp(fe, clusters[spec], context, slo_ms)
         s = Setting(model=model, cluster_label=cl_label, cluster=spec, context=context, slo_kind=kind,
-                    slo_ms=slo_ms, runs=runs, homog=homog, fixed=cache[key])
+                    slo_ms=slo_ms, runs=runs, homog=homog, fixed=cache[key], other=other, predicted=predicted)
         settings.append(s)
         g = s.gain()
         print(f"[{i}/{len(grid)}] {model} {spec} {ctx_text(context)} SLO {slo_ms:g} ms: "

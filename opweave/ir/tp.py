@@ -329,14 +329,27 @@ def rank_weight_bytes(ops: Sequence, tp: int) -> int:
     return int(sum(per_name.values()))
 
 
+_SHARDS: dict[tuple[int, int], tuple[object, float]] = {}
+"""compute_shards memo: (id(op), tp) -> (op, shards); the op is kept so its id cannot be reused."""
+
+
 def compute_shards(op, tp: int) -> float:
     """How many ways the op's weight reads and work divide over a group of `tp`: the full
-    weights over one rank's weights for ops with weights, tp for sharded weightless ops."""
+    weights over one rank's weights for ops with weights, tp for sharded weightless ops.
+    Memoized per op object (the planner asks millions of times)."""
+    hit = _SHARDS.get((id(op), tp))
+    if hit is not None and hit[0] is op:
+        return hit[1]
     if tp <= 1 or not rule(op.kind).sharded:
-        return 1
-    if op.weight_bytes:
-        return op.weight_bytes / weight_bytes_per_rank(op, tp)
-    return tp
+        value = 1
+    elif op.weight_bytes:
+        value = op.weight_bytes / weight_bytes_per_rank(op, tp)
+    else:
+        value = tp
+    if len(_SHARDS) > 1 << 20:
+        _SHARDS.clear()
+    _SHARDS[(id(op), tp)] = (op, value)
+    return value
 
 
 def state_shards(op, tp: int) -> int:

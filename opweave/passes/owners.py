@@ -42,18 +42,15 @@ class OwnerConfig:
     share: int                     # sequences of each microbatch one replica processes (and sends on)
     latencies: tuple[float, ...]   # per occurrence of the slot's stages, one microbatch on one replica
     memory_per_gpu: float
+    # derived once (the search reads them millions of times)
+    num_gpus: int = dataclasses.field(init=False)
+    cost_per_hour: float = dataclasses.field(init=False)
+    busy_s: float = dataclasses.field(init=False)
 
-    @property
-    def num_gpus(self) -> int:
-        return self.replicas * self.tp
-
-    @property
-    def cost_per_hour(self) -> float:
-        return self.num_gpus * self.gpu.price_per_hour
-
-    @property
-    def busy_s(self) -> float:
-        return sum(self.latencies)
+    def __post_init__(self):
+        object.__setattr__(self, "num_gpus", self.replicas * self.tp)
+        object.__setattr__(self, "cost_per_hour", self.num_gpus * self.gpu.price_per_hour)
+        object.__setattr__(self, "busy_s", sum(self.latencies))
 
     def key(self) -> tuple:
         return (self.gpu.name, self.tp, self.replicas)
@@ -88,14 +85,24 @@ def dominates(a: OwnerConfig, b: OwnerConfig, capacity_free: bool) -> bool:
 
 
 def pareto_frontier(configs: list[OwnerConfig], capacity_free: bool) -> list[OwnerConfig]:
-    """The configurations no other configuration dominates (first of equal ones kept), in input order."""
+    """The configurations no other configuration dominates (first of equal ones kept), in input order.
+
+    Candidates that could dominate a configuration cost no more, so each is compared only with
+    the configurations at or below its cost rate (sorted once)."""
+    rates = [c.cost_per_hour for c in configs]
+    order = sorted(range(len(configs)), key=rates.__getitem__)
     keep = []
     for i, c in enumerate(configs):
         dominated = False
-        for j, d in enumerate(configs):
-            if i == j or not dominates(d, c, capacity_free):
+        for j in order:
+            if rates[j] > rates[i]:
+                break
+            if i == j:
                 continue
-            if dominates(c, d, capacity_free) and i < j:  # equal in every respect: keep the first
+            d = configs[j]
+            if not dominates(d, c, capacity_free):
+                continue
+            if i < j and dominates(c, d, capacity_free):  # equal in every respect: keep the first
                 continue
             dominated = True
             break

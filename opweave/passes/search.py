@@ -324,7 +324,10 @@ def _config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: i
     stages, sigs, _ = ev.slot(plan, k, slot)
     share = microbatch_share(batch, n, replicas)
     by_sig = {sig: ev.latency(sig, pool, tp, share) for sig in set(sigs)}
-    latencies = tuple(by_sig[sig] + ev.host_s(plan, k, s.index, pool, share) for s, sig in zip(stages, sigs))
+    if ev.space.cost_model.charges_host:
+        latencies = tuple(by_sig[sig] + ev.host_s(plan, k, s.index, pool, share) for s, sig in zip(stages, sigs))
+    else:
+        latencies = tuple(by_sig[sig] for sig in sigs)
     return OwnerConfig(slot=slot, gpu=ev.space.cluster.pools[pool].gpu, tp=tp, replicas=replicas, share=share,
                        latencies=latencies, memory_per_gpu=memory)
 
@@ -460,6 +463,8 @@ class _Search:
         self.fits_anywhere = False
         self.min_gpus_needed = math.inf
         self._crossings: dict[tuple[str, int], int] = {}
+        self._floors: dict[tuple[int, int, int], tuple[float, float, float]] = {}
+        self._counts = {p.gpu.name: p.count for p in space.cluster.pools}
         self.batches = options.batches if options.batches is not None else batch_grid(
             min(options.max_batch, memory_batch_limit(space.graph, space.cluster, space.context)))
 
@@ -476,8 +481,11 @@ class _Search:
         tpot = max(path, n * max(busy))
         rate = sum(c.cost_per_hour for c in chosen) + sum(self._min_rate[len(chosen):])
         cost_time = sum(c.cost_per_hour * n * c.busy_s for c in chosen) + sum(self._min_cost_time[len(chosen):])
+        cost = max(rate * tpot, cost_time) / 3600.0 / batch * 1e6
+        if self.options.objective != "throughput":
+            return tpot, cost, math.inf
         gpu_time = sum(c.num_gpus * n * c.busy_s for c in chosen) + sum(self._min_gpu_time[len(chosen):])
-        return tpot, max(rate * tpot, cost_time) / 3600.0 / batch * 1e6, self._tokens_bound(batch, tpot, gpu_time, chosen)
+        return tpot, cost, self._tokens_bound(batch, tpot, gpu_time, chosen)
 
     def _tokens_bound(self, batch: int, tpot: float, gpu_time: float, chosen: list[OwnerConfig]) -> float:
         """Most tokens/s on the cluster any completion could reach: sets x batch / TPOT with sets at
@@ -508,13 +516,13 @@ class _Search:
         used: dict[str, int] = {}
         for c in chosen:
             used[c.gpu.name] = used.get(c.gpu.name, 0) + c.num_gpus
-        return min((self.space.cluster.count(name) // n for name, n in used.items()), default=math.inf)
+        return min((self._counts[name] // n for name, n in used.items()), default=math.inf)
 
     def _capacity_ok(self, chosen: list[OwnerConfig]) -> bool:
         used: dict[str, int] = {}
         for c in chosen:
             used[c.gpu.name] = used.get(c.gpu.name, 0) + c.num_gpus
-        return all(n <= self.space.cluster.count(name) for name, n in used.items())
+        return all(n <= self._counts[name] for name, n in used.items())
 
     # ---- leaves
     def _leaf(self, plan: StagePlan, batch: int, n: int, chosen: list[OwnerConfig]) -> None:
@@ -604,6 +612,18 @@ class _Search:
             counts[sig] = counts.get(sig, 0) + 1
         tpot = cost_time = gpu_time = 0.0
         for sig, count in counts.items():
+            best_lat, best_ct, best_gt = self._stage_floor(sig, batch, n)
+            tpot += count * best_lat
+            cost_time += count * best_ct
+            gpu_time += count * best_gt
+        return tpot, cost_time / 3600.0 / batch * 1e6, self._tokens_bound(batch, tpot, gpu_time, [])
+
+    def _stage_floor(self, sig: int, batch: int, n: int) -> tuple[float, float, float]:
+        """One stage signature's least latency, least cost-time and least GPU-time over every owner
+        configuration of the grid (memoized: templates share stage signatures)."""
+        key = (sig, batch, n)
+        floor = self._floors.get(key)
+        if floor is None:
             best_lat = best_ct = best_gt = math.inf
             for p, pool in enumerate(self.space.cluster.pools):
                 for tp in self.options.tp_degrees:
@@ -616,10 +636,8 @@ class _Search:
                         best_lat = min(best_lat, lat)
                         best_ct = min(best_ct, r * tp * pool.gpu.price_per_hour * n * lat)
                         best_gt = min(best_gt, r * tp * n * lat)
-            tpot += count * best_lat
-            cost_time += count * best_ct
-            gpu_time += count * best_gt
-        return tpot, cost_time / 3600.0 / batch * 1e6, self._tokens_bound(batch, tpot, gpu_time, [])
+            floor = self._floors[key] = (best_lat, best_ct, best_gt)
+        return floor
 
     def _owner_counts(self, plan: StagePlan) -> list[int]:
         if plan.stages_per_block <= 1 and len(plan.stages) == 1:
