@@ -492,7 +492,11 @@ class _Search:
         most `_sets_bound`, and at most (all GPUs / GPUs per set) x batch / TPOT <= all GPUs x batch
         / (GPUs x TPOT) <= all GPUs x batch / sum over owners of GPUs x n x busy (TPOT >= n x busy
         of every owner)."""
-        by_sets = self._sets_bound(chosen) * batch / tpot if tpot > 0 else math.inf
+        sets = self._sets_bound(chosen)
+        if chosen:   # every set also takes at least the smallest configuration of each slot left
+            rest = sum(self._min_gpus[len(chosen):]) if len(chosen) < len(self._min_gpus) else 0
+            sets = min(sets, self.space.cluster.total_gpus // (sum(c.num_gpus for c in chosen) + rest))
+        by_sets = sets * batch / tpot if tpot > 0 else math.inf
         by_gpus = self.space.cluster.total_gpus * batch / gpu_time if gpu_time > 0 else math.inf
         return min(by_sets, by_gpus)
 
@@ -580,7 +584,7 @@ class _Search:
         self.counters.templates = len(templates)
         for ti, template in enumerate(templates):
             plan = build_stages(self.space.blocks, template)
-            for batch in self.batches:
+            for batch in (self.batches if self.options.objective != "throughput" else self.batches[::-1]):
                 for n in self.options.microbatches:
                     if n > batch or batch % n:  # microbatches of equal rows (the lowering)
                         continue
@@ -672,6 +676,7 @@ class _Search:
         self._min_rate = [min(c.cost_per_hour for c in f) for f in frontiers]
         self._min_cost_time = [min(c.cost_per_hour * n * c.busy_s for c in f) for f in frontiers]
         self._min_gpu_time = [min(c.num_gpus * n * c.busy_s for c in f) for f in frontiers]
+        self._min_gpus = [min(c.num_gpus for c in f) for f in frontiers]
         self._dfs(plan, k, batch, n, frontiers, [])
 
     def _reason(self) -> str:
