@@ -657,7 +657,9 @@ class _Search:
             if not configs:
                 return
             slots.append(configs)
-        free = self.options.pareto and _capacity_free(slots, self.space.cluster)
+        # capacity-free frontiers reason about one replica set; the throughput objective fills the
+        # cluster with as many sets as fit, so there every pool binds
+        free = self.options.pareto and self.options.objective == "cost" and _capacity_free(slots, self.space.cluster)
         frontiers = []
         for configs in slots:
             if self.options.pareto:
