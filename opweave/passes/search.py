@@ -654,7 +654,8 @@ class _Search:
         for slot in range(k):
             configs = _owner_configs(self.ev, plan, k, slot, batch, n, self.options, self.counters)
             self.counters.owner_configs += len(configs)
-            if not configs:
+            if not configs:   # no plan here: nothing went through Pareto either
+                self.counters.frontier_configs += sum(len(c) for c in slots)
                 return
             slots.append(configs)
         # capacity-free frontiers reason about one replica set; the throughput objective fills the
