@@ -67,6 +67,9 @@ from common import RunClock, emit, git_commit, header_lines  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "bench", "results", "paper_eval.md")
 PLANS_OUT = os.path.join(REPO, "bench", "results", "paper_eval_plans.json")
+NOTES = os.path.join(REPO, "bench", "paper_eval_notes.md")
+"""Hand-written reading of the results (why each setting differs from the paper's), appended to the
+report; it names the run it reads, and must be revised when a rerun changes the tables."""
 """Every plan of the full grid (template, owners, batch, microbatches, cluster, context): tests/test_network.py
 replays them through the lowering and checks that placement and the cost model agree on every boundary."""
 
@@ -558,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     argv_shown = ["python", "bench/paper_eval.py"] + (sys.argv[1:] if argv is None else argv)
     text = "\n".join(header_lines("OpWeave §7 evaluation grid" + (" (quick)" if args.quick else ""), argv_shown,
                                   clock, commit)) + "\n" + body
+    if not args.quick and os.path.exists(NOTES):
+        with open(NOTES, encoding="utf-8") as f:
+            text += "\n" + f.read()
     emit([text], out)
     if violations:
         print("\n" + "!" * 78, file=sys.stderr)

@@ -2,7 +2,9 @@
 where placement puts every pair of replicas that exchange rows in one node, and the planner's
 simulated boundaries agree with `place()` (and with the lowered program's transfers)."""
 
+import json
 import math
+import os
 
 import pytest
 
@@ -142,3 +144,34 @@ def test_place_and_cost_agree_on_hand_plans(spec, owners, template):
     cluster = parse_cluster(spec, CATALOG)
     compiled = pinned_plan(fe, cluster, template, owners, batch=16, microbatches=2, context=8192)
     assert_placement_agrees(compiled, cluster)
+
+
+PAPER_PLANS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "bench", "results", "paper_eval_plans.json")
+
+
+def test_place_and_cost_agree_on_every_plan_of_the_paper_grid():
+    """Every plan bench/paper_eval.py found (OpWeave and the baselines, every setting of the §7 grid):
+    replayed on its cluster, lowered, and each boundary's transfers compared with what the plan
+    charges (intra- or inter-node)."""
+    from opweave.compiler.frontend import run_front_end
+    from opweave.compiler.pinned import pinned_plan
+
+    with open(PAPER_PLANS, encoding="utf-8") as f:
+        plans = json.load(f)
+    assert len(plans) >= 36
+    split = [p for p in plans if len(p["owners"]) > 1]   # one owner: no boundary to place
+    assert len(split) >= 36
+    models = {}
+    flags = set()
+    for p in split:
+        model = p["model"]
+        if model not in models:
+            models[model] = run_front_end(model)
+        cluster = parse_cluster(p["cluster"], CATALOG)
+        compiled = pinned_plan(models[model], cluster, p["template"], [tuple(o) for o in p["owners"]],
+                               batch=p["batch"], microbatches=p["microbatches"], context=p["context"])
+        assert compiled.plan.predicted.cost_per_mtok_usd == pytest.approx(p["cost_per_mtok_usd"], rel=1e-9)
+        assert_placement_agrees(compiled, cluster)
+        flags |= {s.send_inter_node for s in compiled.plan.stages if s.send_s > 0}
+    assert flags == {True, False}   # the grid has boundaries inside nodes and between them
