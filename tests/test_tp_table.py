@@ -147,7 +147,13 @@ def test_rank_programs_carry_typed_layouts(front_ends, tmp_path):
     compiled = pinned_plan(fe, cluster, "cad", [("l40s", 2, 1), ("h100", 4, 1)], batch=2, microbatches=1, context=64)
     programs = lower(compiled.plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, "test")
     layouts = {l for p in programs for s in p.stages for t in (s.recv, s.send) if t for l in t.layouts}
-    assert T.REPLICATED in layouts and any(isinstance(l, T.Split) and len(l.sizes) == 3 for l in layouts)
+    # CAD sends only q/k/v-sized (split) values: the residual stream stays with its owner (passes/carry.py)
+    assert T.REPLICATED not in layouts and any(isinstance(l, T.Split) and len(l.sizes) == 3 for l in layouts)
+    afd = pinned_plan(fe, cluster, "L:mid+end|F:-", [("l40s", 2, 1), ("h100", 4, 1)], batch=2, microbatches=1,
+                      context=64)
+    afd_programs = lower(afd.plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, "test")
+    assert T.REPLICATED in {l for p in afd_programs for s in p.stages for t in (s.recv, s.send) if t
+                            for l in t.layouts}   # an FFN cut carries the residual stream, replicated
     assert any(isinstance(l, T.Split) and l.units == (2,) for l in layouts)  # KV heads, replicated at TP 4
     for p in programs:
         assert program_from_json(program_to_json(p)) == p
