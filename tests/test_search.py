@@ -141,33 +141,38 @@ def _config(gpu_spec, tp, replicas, share, lat, slot=0):
                        memory_per_gpu=1.0)
 
 
-def test_dominance_is_network_and_capacity_safe():
+def test_dominance_is_network_and_placement_safe():
     a_gpu = gpu("a", 1e10, 1e12, 1e9, 1.0)
     same = _config(a_gpu, 1, 1, 4, (1.0, 2.0))
     slower = _config(a_gpu, 1, 1, 4, (1.5, 2.0))
     assert dominates(same, slower, capacity_free=False) and not dominates(slower, same, capacity_free=False)
-    more_replicas = _config(a_gpu, 1, 2, 4, (1.5, 2.0))        # costs more, same share
-    # ... but with fewer GPUs than a node, another packing of the replica sets could put B's
-    # transfers inside a node where A's are not: not comparable
-    assert a_gpu.gpus_per_node > 2 and not dominates(same, more_replicas, capacity_free=False)
-    pair_gpu = dataclasses.replace(a_gpu, gpus_per_node=2)     # B fills a node: all its transfers leave it
-    assert dominates(_config(pair_gpu, 1, 1, 4, (1.0, 2.0)), _config(pair_gpu, 1, 2, 4, (1.5, 2.0)),
-                     capacity_free=False)
-    other_tp = _config(a_gpu, 2, 1, 4, (1.5, 2.0))
-    assert not dominates(same, other_tp, capacity_free=False)  # TP degrees never compared
     bigger_share = _config(a_gpu, 1, 1, 8, (0.5, 1.0))
     assert not dominates(bigger_share, slower, capacity_free=False)  # would send more per replica
-    b_gpu = dataclasses.replace(a_gpu, name="b", price_per_hour=0.5)
-    cheaper_type = _config(b_gpu, 1, 1, 4, (1.0, 2.0))
-    assert not dominates(cheaper_type, same, capacity_free=False)  # other type: cluster capacity differs
-    assert dominates(cheaper_type, same, capacity_free=True)
-    assert pareto_frontier([slower, same, more_replicas, other_tp], capacity_free=False) == [same, more_replicas,
-                                                                                             other_tp]
-    # TP degrees compare when the groups cannot pack differently (B fills a node) and A's fan-out is no dearer
-    tp2_pair = _config(pair_gpu, 2, 1, 4, (1.5, 2.0))
-    assert dominates(_config(pair_gpu, 1, 1, 4, (1.0, 2.0)), tp2_pair, capacity_free=False)
-    assert not dominates(_config(pair_gpu, 2, 1, 4, (1.0, 2.0)), _config(pair_gpu, 1, 2, 4, (1.5, 2.0)),
-                         capacity_free=False)  # TP 2 fans out where TP 1 does not
+    # another group shape packs differently into nodes and moves the owners placed after it: never compared
+    assert not dominates(same, _config(a_gpu, 1, 2, 4, (1.5, 2.0)), capacity_free=False)
+    assert not dominates(same, _config(a_gpu, 2, 1, 4, (1.5, 2.0)), capacity_free=False)
+    node_filler = dataclasses.replace(a_gpu, gpus_per_node=2)
+    assert not dominates(_config(node_filler, 1, 2, 4, (1.0, 2.0)), _config(node_filler, 2, 1, 4, (1.5, 2.0)),
+                         capacity_free=False)
+    cheaper_type = _config(dataclasses.replace(a_gpu, name="b", price_per_hour=0.5), 1, 1, 4, (1.0, 2.0))
+    assert not dominates(cheaper_type, same, capacity_free=True)   # other type: moves other owners too
+    assert pareto_frontier([slower, same], capacity_free=False) == [same]
+
+
+def test_a_node_filling_owner_is_not_replaced_by_another_shape():
+    """Regression: slot 1's 2x TP 2 (a node of 4) lets the owner placed after it sit beside each of
+    its replicas (intra-node transfers); 4x TP 1, as fast and as dear on its own, does not. A
+    per-slot dominance across shapes dropped the optimum; the pruned search must keep it."""
+    graph, blocks = tiny()
+    g = gpu("g", bw=4.4459825860959045e10, flops=2.403668633086868e12, mem=8506088.06, price=1.0,
+            link=6.858062955575294e10, node=4)
+    cluster = Cluster(pools=(Pool(gpu=g, count=12),), spec="gx12")
+    space = PlanSpace(graph=graph, blocks=blocks, cluster=cluster, context=2048, tpot_slo_s=1.196e-3)
+    grid = dict(batches=(1, 4, 8, 16), microbatches=(1, 2), tp_degrees=(1, 2, 4), replicas=(1, 2, 4), max_owners=3,
+                only_templates=("F:pre_attn+post_attn+end",))
+    exhaustive = search(space, SearchOptions(**grid, pareto=False, bnb=False))
+    pruned = search(space, SearchOptions(**grid))
+    assert pruned.best.cost == pytest.approx(exhaustive.best.cost, rel=1e-9)
 
 
 def test_no_plan_names_the_binding_constraint():

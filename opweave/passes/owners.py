@@ -11,17 +11,19 @@ Network-safe Pareto frontiers (§5.2): configuration A dominates B only if no co
 prefer B. The simulator's TPOT is monotone in every stage and transfer duration (fixed-order
 max-plus schedule), so A dominates B when
   - A's latency vector is <= B's element-wise and A's cost rate is <= B's,
-  - A's transfers are never slower: A's GPU type has link bandwidths >= and latencies <= B's;
-    A's replicas each send and receive no more (per-replica microbatch share <= B's); A's TP
-    fan-out inside the receiving group is no dearer (A has TP 1, or B has TP > 1: the fan-out
-    costs the node link's latency plus the received bytes once, whatever the degree above 1),
-  - A never uses cluster GPUs that B would leave free: same GPU type and no more GPUs than B,
-    unless the slot's GPU demand can never bind on this cluster (`capacity_free`),
-  - A's transfers are never placed worse: A's TP groups are B's (same TP and replicas), or B
-    takes a node's worth of GPUs or more. Other group shapes pack differently into nodes
-    (`placement.transfer_locality`), but a B that fills a node cannot have every replica beside its
-    partners: first fit places owner after owner, so some replica of B lands where no replica of
-    the owner it exchanges rows with is, and B's transfers are inter-node whatever A's are.
+  - A's transfers are never slower: A's GPU type has link bandwidths >= and latencies <= B's,
+    and A's replicas each send and receive no more (per-replica microbatch share <= B's),
+  - A's TP groups are B's: the same GPU type, TP degree and replica count. Which transfers stay
+    inside a node comes from placing every owner of the plan (`placement.transfer_locality`), and
+    first fit places owner after owner: another group shape moves every owner placed after it,
+    which changes the locality of pairs this slot is not part of, and the number of replica sets
+    that fit. No per-slot comparison can see that, so configurations of different shapes are
+    never compared (a random search found plans where a node-filling configuration's shape let
+    a later owner sit beside each of its replicas).
+With one shape per (GPU type, TP, replicas) and latencies a function of them, this leaves nothing
+to prune in the planner's own grid: Pareto is kept as a sound hook for owner dimensions that vary
+at a fixed shape (`capacity_free` is no longer used: changing a slot's GPU type moves the owners
+placed after it too).
 Ties (equal in every respect) keep the first in enumeration order.
 """
 
@@ -71,17 +73,11 @@ def _links_no_worse(a: GPUSpec, b: GPUSpec) -> bool:
 
 def dominates(a: OwnerConfig, b: OwnerConfig, capacity_free: bool) -> bool:
     """True when `a` can replace `b` in every complete plan without making it worse (module docstring)."""
-    if a.cost_per_hour > b.cost_per_hour or (a.tp > 1 and b.tp == 1):
+    if (a.gpu.name, a.tp, a.replicas) != (b.gpu.name, b.tp, b.replicas) or a.cost_per_hour > b.cost_per_hour:
         return False
     if len(a.latencies) != len(b.latencies) or any(x > y for x, y in zip(a.latencies, b.latencies)):
         return False
-    if not _links_no_worse(a.gpu, b.gpu) or a.share > b.share:
-        return False
-    if not capacity_free and (a.gpu.name != b.gpu.name or a.num_gpus > b.num_gpus):
-        return False
-    if (a.tp, a.replicas) != (b.tp, b.replicas) and b.num_gpus < b.gpu.gpus_per_node:
-        return False
-    return True
+    return _links_no_worse(a.gpu, b.gpu) and a.share <= b.share
 
 
 def pareto_frontier(configs: list[OwnerConfig], capacity_free: bool) -> list[OwnerConfig]:

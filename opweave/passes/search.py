@@ -673,8 +673,12 @@ class _Search:
         key = (plan.template.name, k)
         if key not in self._crossings:
             m = len(plan.stages)
+            sent = self.ev.send_bytes(plan, k)
+            # owner changes that move bytes (a boundary whose values all stay put costs nothing),
+            # and the token ids' return
             self._crossings[key] = sum(1 for i in range(m) if slot_of(i, plan.stages_per_block, k)
-                                       != slot_of((i + 1) % m, plan.stages_per_block, k))
+                                       != slot_of((i + 1) % m, plan.stages_per_block, k)
+                                       and (i == m - 1 or sent[i] > 0))
         self._min_busy = [min(c.busy_s for c in f) for f in frontiers]
         self._min_rate = [min(c.cost_per_hour for c in f) for f in frontiers]
         self._min_cost_time = [min(c.cost_per_hour * n * c.busy_s for c in f) for f in frontiers]
