@@ -150,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     for (model, label, cl_label, spec), subset, runs, full in results:
         c = runs["both"].counters
         why_rows.append([label, spec, f"{c['owner_configs'] - c['frontier_configs']:,} of {c['owner_configs']:,}",
-                         f"{c.get('capacity_free_plans', 0):,} of {c['stage_plans']:,}",
                          f"{c['pruned_root_slo']:,} / {c['pruned_root_cost']:,}",
                          f"{c['pruned_slo']:,} / {c['pruned_cost']:,}", f"{c['over_capacity']:,}",
                          f"{c.get('unplaceable', 0):,}", f"{c['simulator_calls']:,}"])
@@ -190,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
               "## What each reduction removes, and why", "",
               "Counters of the default planner (`both`) on the subset; see `opweave/passes/owners.py` and "
               "`opweave/passes/search.py` for the rules.", "",
-              table(["model", "cluster", "Pareto drops", "plans whose pools cannot bind",
+              table(["model", "cluster", "Pareto drops",
                      "root cuts: TPOT / cost", "prefix cuts: TPOT / cost", "over the cluster's GPUs",
                      "not placeable", "simulated"], why_rows), "",
               "- **Pareto** drops an owner configuration only for another of the same group shape (GPU type, TP "

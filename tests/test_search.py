@@ -145,18 +145,17 @@ def test_dominance_is_network_and_placement_safe():
     a_gpu = gpu("a", 1e10, 1e12, 1e9, 1.0)
     same = _config(a_gpu, 1, 1, 4, (1.0, 2.0))
     slower = _config(a_gpu, 1, 1, 4, (1.5, 2.0))
-    assert dominates(same, slower, capacity_free=False) and not dominates(slower, same, capacity_free=False)
+    assert dominates(same, slower) and not dominates(slower, same)
     bigger_share = _config(a_gpu, 1, 1, 8, (0.5, 1.0))
-    assert not dominates(bigger_share, slower, capacity_free=False)  # would send more per replica
+    assert not dominates(bigger_share, slower)  # would send more per replica
     # another group shape packs differently into nodes and moves the owners placed after it: never compared
-    assert not dominates(same, _config(a_gpu, 1, 2, 4, (1.5, 2.0)), capacity_free=False)
-    assert not dominates(same, _config(a_gpu, 2, 1, 4, (1.5, 2.0)), capacity_free=False)
+    assert not dominates(same, _config(a_gpu, 1, 2, 4, (1.5, 2.0)))
+    assert not dominates(same, _config(a_gpu, 2, 1, 4, (1.5, 2.0)))
     node_filler = dataclasses.replace(a_gpu, gpus_per_node=2)
-    assert not dominates(_config(node_filler, 1, 2, 4, (1.0, 2.0)), _config(node_filler, 2, 1, 4, (1.5, 2.0)),
-                         capacity_free=False)
+    assert not dominates(_config(node_filler, 1, 2, 4, (1.0, 2.0)), _config(node_filler, 2, 1, 4, (1.5, 2.0)))
     cheaper_type = _config(dataclasses.replace(a_gpu, name="b", price_per_hour=0.5), 1, 1, 4, (1.0, 2.0))
-    assert not dominates(cheaper_type, same, capacity_free=True)   # other type: moves other owners too
-    assert pareto_frontier([slower, same], capacity_free=False) == [same]
+    assert not dominates(cheaper_type, same)   # other type: moves other owners too
+    assert pareto_frontier([slower, same]) == [same]
 
 
 def test_a_node_filling_owner_is_not_replaced_by_another_shape():

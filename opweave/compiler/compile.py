@@ -28,7 +28,7 @@ from opweave.passes import placement
 from opweave.passes.carry import round_robin, send_bytes_per_token
 from opweave.passes.lower import lower
 from opweave.passes.placement import Placement
-from opweave.passes.search import Candidate, SearchOptions, SearchResult, slot_of
+from opweave.passes.search import Candidate, SearchOptions, SearchResult, owner_groups, slot_of
 from opweave.passes.trace_export import write_schedule
 from opweave.models.activation import PREFILL_CHUNK
 
@@ -44,16 +44,11 @@ class Compiled:
     steps: tuple[str, ...] = ()      # pipeline steps run so far (named in verifier failures)
 
 
-def owner_groups(cand: Candidate) -> tuple[placement.Group, ...]:
-    """What each owner of `cand` needs per replica set."""
-    return tuple(placement.Group(gpu=o.gpu.name, tp=o.tp, replicas=o.replicas) for o in cand.owners)
-
-
 def place(cand: Candidate, cluster: Cluster) -> Placement:
     """The candidate's replica sets on the cluster's nodes (`passes/placement.py`: first fit,
     TP groups inside a node, cost independent of the cluster's size); one-line error when not
     even one set fits."""
-    where = placement.place(owner_groups(cand), cluster)
+    where = placement.place(owner_groups(cand.owners), cluster)
     if where.num_sets == 0:
         raise OpWeaveError(f"the plan's TP groups do not fit inside the nodes of {cluster.spec}")
     return where

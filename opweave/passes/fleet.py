@@ -69,11 +69,12 @@ def _leftover(cluster: Cluster, where: Placement) -> tuple[dict[str, int], dict[
     idle_by_node: dict[tuple[str, int], int] = {}
     for lo, hi in where.idle:
         for layout in cluster.layouts():
-            a, b = max(lo, layout.first_gpu), min(hi, layout.first_gpu + layout.count)
-            for g in range(a, b):
-                node = (g - layout.first_gpu) // layout.per_node
+            a, b = max(lo, layout.first_gpu) - layout.first_gpu, min(hi, layout.first_gpu + layout.count) - layout.first_gpu
+            for node in range(a // layout.per_node, -(-b // layout.per_node)) if a < b else ():
+                start = node * layout.per_node
+                n = min(b, start + layout.per_node) - max(a, start)
                 key = (layout.gpu_name, node)
-                idle_by_node[key] = idle_by_node.get(key, 0) + 1
+                idle_by_node[key] = idle_by_node.get(key, 0) + n
     usable: dict[str, int] = {}
     stranded: dict[str, int] = {}
     for layout in cluster.layouts():

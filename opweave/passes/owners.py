@@ -22,8 +22,8 @@ max-plus schedule), so A dominates B when
     a later owner sit beside each of its replicas).
 With one shape per (GPU type, TP, replicas) and latencies a function of them, this leaves nothing
 to prune in the planner's own grid: Pareto is kept as a sound hook for owner dimensions that vary
-at a fixed shape (`capacity_free` is no longer used: changing a slot's GPU type moves the owners
-placed after it too).
+at a fixed shape (comparing GPU types is unsound for the same reason: changing a slot's GPU type
+moves the owners placed after it too).
 Ties (equal in every respect) keep the first in enumeration order.
 """
 
@@ -71,7 +71,7 @@ def _links_no_worse(a: GPUSpec, b: GPUSpec) -> bool:
             and a.intra_link_bandwidth >= b.intra_link_bandwidth and a.intra_link_latency <= b.intra_link_latency)
 
 
-def dominates(a: OwnerConfig, b: OwnerConfig, capacity_free: bool) -> bool:
+def dominates(a: OwnerConfig, b: OwnerConfig) -> bool:
     """True when `a` can replace `b` in every complete plan without making it worse (module docstring)."""
     if (a.gpu.name, a.tp, a.replicas) != (b.gpu.name, b.tp, b.replicas) or a.cost_per_hour > b.cost_per_hour:
         return False
@@ -80,7 +80,7 @@ def dominates(a: OwnerConfig, b: OwnerConfig, capacity_free: bool) -> bool:
     return _links_no_worse(a.gpu, b.gpu) and a.share <= b.share
 
 
-def pareto_frontier(configs: list[OwnerConfig], capacity_free: bool) -> list[OwnerConfig]:
+def pareto_frontier(configs: list[OwnerConfig]) -> list[OwnerConfig]:
     """The configurations no other configuration dominates (first of equal ones kept), in input order.
 
     Candidates that could dominate a configuration cost no more, so each is compared only with
@@ -96,9 +96,9 @@ def pareto_frontier(configs: list[OwnerConfig], capacity_free: bool) -> list[Own
             if i == j:
                 continue
             d = configs[j]
-            if not dominates(d, c, capacity_free):
+            if not dominates(d, c):
                 continue
-            if i < j and dominates(c, d, capacity_free):  # equal in every respect: keep the first
+            if i < j and dominates(c, d):  # equal in every respect: keep the first
                 continue
             dominated = True
             break

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from opweave.hardware.cluster import Cluster, PoolLayout
+from opweave.passes.lower import replica_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -260,11 +261,6 @@ def verify_placement(where: Placement, cluster) -> Placement:
     return where
 
 
-def _row_ranges(rows: int, replicas: int) -> list[tuple[int, int]]:
-    """The microbatch rows each replica holds (the lowering's split, `passes.lower.replica_rows`)."""
-    return [(i * rows // replicas, (i + 1) * rows // replicas) for i in range(replicas)]
-
-
 def simulated_sets(where: Placement) -> range | list[int]:
     """Indices of the replica sets `place` simulated; the others repeat one of them shifted by whole
     nodes of every pool, so which GPUs share a node is the same."""
@@ -281,7 +277,7 @@ def transfer_locality(where: Placement, cluster: Cluster, rows: int) -> dict[tup
     A replica's TP group never spans nodes, so any of its GPUs (the port of any cut) says where it
     is. Pairs of different GPU types are never inside a node. Empty when no set is placed."""
     groups = where.groups
-    splits = [_row_ranges(rows, g.replicas) for g in groups]
+    splits = [replica_rows(rows, g.replicas) for g in groups]
     pairs = [(a, b) for a in range(len(groups)) for b in range(len(groups))
              if a != b and groups[a].gpu == groups[b].gpu]
     out = {(a, b): False for a in range(len(groups)) for b in range(len(groups)) if a != b}

@@ -126,7 +126,6 @@ class Counters:
     pruned_cost: int = 0           # DFS prefixes cut: optimistic cost >= the incumbent's
     over_capacity: int = 0         # prefixes needing more GPUs of a type than the cluster has
     unplaceable: int = 0           # complete plans whose TP groups do not fit in the cluster's nodes
-    capacity_free_plans: int = 0   # (template, owners, batch, microbatches) whose pools cannot bind
     configs_over_node: int = 0     # (GPU type, TP) with TP above the node size or the pool
     configs_tp_indivisible: int = 0  # (GPU type, TP) where TP does not divide a sharded op
     configs_over_pool: int = 0     # replicas x TP above the pool, or more replicas than sequences
@@ -279,18 +278,12 @@ class _Evaluator:
         return self._footprint[full]
 
 
-def _capacity_free(slots: list[list[OwnerConfig]], cluster: Cluster) -> bool:
-    """Whether no choice of one configuration per slot can need more GPUs of a type than the
-    cluster has: then the pools cannot bind and Pareto may compare configurations across GPU
-    types (`owners.dominates`)."""
-    demand: dict[str, int] = {}
-    for configs in slots:
-        most: dict[str, int] = {}
-        for c in configs:
-            most[c.gpu.name] = max(most.get(c.gpu.name, 0), c.num_gpus)
-        for name, n in most.items():
-            demand[name] = demand.get(name, 0) + n
-    return all(n <= cluster.count(name) for name, n in demand.items())
+def _gpus_by_type(owners) -> dict[str, int]:
+    """GPUs one replica set of `owners` takes, per GPU type."""
+    used: dict[str, int] = {}
+    for c in owners:
+        used[c.gpu.name] = used.get(c.gpu.name, 0) + c.num_gpus
+    return used
 
 
 def slot_of(stage_index: int, stages_per_block: int, k: int) -> int:
@@ -517,16 +510,10 @@ class _Search:
     def _sets_bound(self, chosen: list[OwnerConfig]) -> float:
         """Replica sets any completion of `chosen` can place: no more than each GPU type's pool
         holds of the GPUs the chosen owners already take per set."""
-        used: dict[str, int] = {}
-        for c in chosen:
-            used[c.gpu.name] = used.get(c.gpu.name, 0) + c.num_gpus
-        return min((self._counts[name] // n for name, n in used.items()), default=math.inf)
+        return min((self._counts[name] // n for name, n in _gpus_by_type(chosen).items()), default=math.inf)
 
     def _capacity_ok(self, chosen: list[OwnerConfig]) -> bool:
-        used: dict[str, int] = {}
-        for c in chosen:
-            used[c.gpu.name] = used.get(c.gpu.name, 0) + c.num_gpus
-        return all(n <= self._counts[name] for name, n in used.items())
+        return all(n <= self._counts[name] for name, n in _gpus_by_type(chosen).items())
 
     # ---- leaves
     def _leaf(self, plan: StagePlan, batch: int, n: int, chosen: list[OwnerConfig]) -> None:
@@ -658,16 +645,12 @@ class _Search:
                 self.counters.frontier_configs += sum(len(c) for c in slots)
                 return
             slots.append(configs)
-        # capacity-free frontiers reason about one replica set; the throughput objective fills the
-        # cluster with as many sets as fit, so there every pool binds
-        free = self.options.pareto and self.options.objective == "cost" and _capacity_free(slots, self.space.cluster)
         frontiers = []
         for configs in slots:
             if self.options.pareto:
-                configs = pareto_frontier(configs, capacity_free=free)
+                configs = pareto_frontier(configs)
             self.counters.frontier_configs += len(configs)
             frontiers.append(configs)
-        self.counters.capacity_free_plans += free
         self.fits_anywhere = True
         self.min_gpus_needed = min(self.min_gpus_needed, sum(min(c.num_gpus for c in f) for f in frontiers))
         key = (plan.template.name, k)
