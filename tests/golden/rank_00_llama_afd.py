@@ -7,7 +7,7 @@ name in a comment is escaped to one line.
 
 OPWEAVE_VERSION = '0.1.0'
 MODEL = 'tiny_llama_num_hidden_layers3_0'
-PLAN_HASH = '1ac046dce124568a7206b1a4a3221e6ec5c8508b95a3429d7f2d6755686f3ea4'  # sha256 of the artifact's plan.json
+PLAN_HASH = '1966039777792139ce5ccfb58602183bf1ccd36a5739ef7e897f7bd9e99c98f7'  # sha256 of the artifact's plan.json
 TEMPLATE = 'afd'
 NUM_STAGES = 6  # stages per token in the whole plan
 RANK = 0
