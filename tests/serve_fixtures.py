@@ -121,8 +121,6 @@ class FakeEngine:
     def submit(self, prompt_ids, sampling, on_event) -> int:
         if not self.healthy:
             raise RuntimeError(self.error or "the engine is not running")
-        if sampling.temperature != 0:
-            raise ValueError("sampling (temperature > 0) is not supported yet")
         if len(prompt_ids) >= self.context:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; at most {self.context - 1} fit")
         with self._lock:
@@ -145,7 +143,7 @@ class FakeEngine:
     def stats(self) -> dict:
         with self._lock:
             return {"running": len(self._running), "waiting": len(self._waiting), "rejected": self.rejected,
-                    "round_s": list(self._rounds)}
+                    "round_s": {(0, 0): list(self._rounds)}}
 
     def _loop(self) -> None:
         import time

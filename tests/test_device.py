@@ -304,12 +304,12 @@ def test_every_transfer_uses_buffers_on_the_run_device(artifact):
         rows = program.rows[1] - program.rows[0]
         for st in program.stages:  # a cut's port (a TP rank, in turn) does its transfers
             if st.recv is not None and st.recv_port == program.rank:
-                positions, values = t.recv_values(st, 0)
+                positions, _, values = t.recv_values(st, 0)
                 assert positions.device == META and all(v.device == META for v in values)
             for width in (1, 3):  # a decode step, and a prefill
                 positions = torch.zeros(rows, width, dtype=torch.long, device=META)
                 if st.send is not None and st.send_port == program.rank:
-                    t.send_values(st, positions, [torch.zeros(rows, width, *s, device=META) for s in st.send.shapes])
+                    t.send_values(st, positions, torch.zeros(rows, 3, dtype=torch.long, device=META), [torch.zeros(rows, width, *s, device=META) for s in st.send.shapes])
             if st.returns and st.send_port == program.rank:
                 t.send_tokens(st, 0, torch.zeros(rows, dtype=torch.long, device=META))
         if program.scheduler and program.tp_rank == 0:

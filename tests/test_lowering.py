@@ -91,7 +91,7 @@ def test_generated_module_lines_name_stage_block_layer_and_op(artifacts):
     for p in programs:
         source = open(os.path.join(artifacts["cad"], f"rank_{p.rank:02d}.py")).read()
         compile(source, "rank", "exec")
-        calls = [line for line in source.splitlines() if "= self.op" in line or "= rt.tp_argmax(" in line
+        calls = [line for line in source.splitlines() if "= self.op" in line or "= rt.sample(" in line
                  or "= rt.add_norm(" in line]
         fused = [line for line in calls if "= rt.add_norm(" in line]  # a residual add and its norm
         assert len(calls) + len(fused) == sum(len(s.launches) for s in p.stages)

@@ -320,25 +320,29 @@ def test_message_round_trip():
     rows, width, shapes = 3, 4, ((2, 5), (6,))
     positions = torch.arange(rows * width).view(rows, width)
     values = [torch.randn(rows, width, *s, dtype=torch.bfloat16) for s in shapes]
-    message = pack_message(positions, values)
+    words = torch.tensor([[5, 0, 1_000_000], [6, 800_000, 950_000], [2 ** 63 - 1, 1, 1]])
+    message = pack_message(positions, words, values)
     per_token = (2 * 5 + 6) * 2
     assert message.numel() == message_bytes(rows, width, per_token) and message.dtype == torch.uint8
-    pos, payload = unpack_message(message, rows, width, torch.bfloat16)
-    assert torch.equal(pos, positions)
+    pos, word, payload = unpack_message(message, rows, width, torch.bfloat16)
+    assert torch.equal(pos, positions) and torch.equal(word, words)
     assert torch.equal(payload, torch.cat([v.reshape(-1) for v in values]))
 
 
 def test_assemble_joins_peers_and_views_a_single_peer():
     shapes = ((2,),)
-    top = (torch.tensor([[3, 4]]), torch.arange(4.0))                                  # row 0
-    bottom = (torch.tensor([[-1, 9], [10, 11]]), torch.arange(10.0, 18.0))             # rows 1-2
-    positions, (v,) = assemble([(0, 1, *top), (1, 3, *bottom)], rows=3, width=2, shapes=shapes, dtype=torch.float32)
+    top = (torch.tensor([[3, 4]]), torch.tensor([[1, 2, 3]]), torch.arange(4.0))                   # row 0
+    bottom = (torch.tensor([[-1, 9], [10, 11]]), torch.tensor([[4, 5, 6], [7, 8, 9]]), torch.arange(10.0, 18.0))
+    positions, words, (v,) = assemble([(0, 1, *top), (1, 3, *bottom)], rows=3, width=2, shapes=shapes,
+                                      dtype=torch.float32)
     assert positions.tolist() == [[3, 4], [-1, 9], [10, 11]]
+    assert words.tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     assert v[0].tolist() == [[0.0, 1.0], [2.0, 3.0]] and v[2, 1].tolist() == [16.0, 17.0]
     # one peer holding every row: views of its message, no copy
     vals = torch.randn(2, 1, 2)
-    msg = pack_message(torch.tensor([[7], [8]]), [vals])
-    pos, payload = unpack_message(msg, 2, 1, torch.float32)
-    positions, (v,) = assemble([(0, 2, pos, payload)], rows=2, width=1, shapes=shapes, dtype=torch.float32)
-    assert torch.equal(v, vals) and positions.tolist() == [[7], [8]]
+    msg = pack_message(torch.tensor([[7], [8]]), torch.tensor([[1, 2, 3], [4, 5, 6]]), [vals])
+    pos, word, payload = unpack_message(msg, 2, 1, torch.float32)
+    positions, words, (v,) = assemble([(0, 2, pos, word, payload)], rows=2, width=1, shapes=shapes,
+                                      dtype=torch.float32)
+    assert torch.equal(v, vals) and positions.tolist() == [[7], [8]] and words.tolist() == [[1, 2, 3], [4, 5, 6]]
     assert v.untyped_storage().data_ptr() == msg.untyped_storage().data_ptr()

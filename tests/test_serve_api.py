@@ -205,7 +205,7 @@ def test_models_health_metrics(server, tokenizer):
     assert float(lines["opweave_prompt_tokens_total"]) == len(tokenizer.encode(PROMPT))
     assert float(lines["opweave_generation_tokens_per_second"]) > 0
     for name in ("opweave_requests_running", "opweave_requests_waiting", "opweave_queue_rejections_total",
-                 'opweave_round_seconds{quantile="0.5"}'):
+                 'opweave_round_seconds{quantile="0.5",rank="0",replica_set="0"}'):
         assert name in lines
 
 
@@ -249,7 +249,8 @@ BAD = [
     ("string max_tokens", {"model": "tiny", "prompt": "hi", "max_tokens": "4"}, 400, "max_tokens"),
     ("temperature too high", {"model": "tiny", "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
     ("negative temperature", {"model": "tiny", "prompt": "hi", "temperature": -0.1}, 400, "temperature"),
-    ("sampling", {"model": "tiny", "prompt": "hi", "temperature": 0.7}, 400, "temperature"),
+    ("string temperature", {"model": "tiny", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("top_p above one", {"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("n > 1", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
     ("prompt too long", {"model": "tiny", "prompt": list(range(10, 74))}, 400, "prompt"),
     ("output past context", {"model": "tiny", "prompt": "hi", "max_tokens": 64}, 400, "max_tokens"),
@@ -293,8 +294,8 @@ def test_bad_chat_requests(server, body, param):
 
 def test_client_raises_on_bad_request_and_others_still_run(server, tokenizer):
     _, url = server
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client(url).completions.create(model="tiny", prompt="hi", temperature=1.0)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client(url).completions.create(model="tiny", prompt="hi", temperature=3.0)
     with pytest.raises(openai.NotFoundError):
         client(url).chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     out = client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=3)

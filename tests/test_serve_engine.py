@@ -6,6 +6,7 @@ import os
 import threading
 
 import pytest
+import torch
 
 from opweave.serve.engine import Engine, QueueFull, Sampling
 from test_runtime import LAYERS, NEW_TOKENS, PROMPTS, compile_pinned, reference
@@ -84,7 +85,7 @@ def test_bad_requests_and_a_full_queue(served):
     with pytest.raises(ValueError, match="context of 64 allows at most 63"):
         engine.submit(list(range(1, 65)), Sampling(max_tokens=2), lambda ev: None)
     with pytest.raises(ValueError, match="temperature"):
-        engine.submit([1, 2], Sampling(max_tokens=2, temperature=0.7), lambda ev: None)
+        engine.submit([1, 2], Sampling(max_tokens=2, temperature=2.5), lambda ev: None)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.submit([10 ** 9], Sampling(max_tokens=2), lambda ev: None)
     got = Collect()
@@ -115,3 +116,38 @@ def test_a_dying_rank_fails_requests_in_flight_and_stop_leaves_no_process(tiny_c
     engine.stop(timeout_s=5)
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def sampled_reference(folder: str, prompt: list[int], n: int, temperature: float, top_p: float, seed: int):
+    """transformers' logits, one step at a time, through the sampler on the whole vocabulary: what a
+    plan must give whatever its TP split of the LM head."""
+    from transformers import AutoModelForCausalLM
+
+    from opweave.runtime.sampling import encode, sample
+
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager")
+    ids, word = list(prompt), torch.tensor([encode(temperature, top_p, seed)])
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[:, -1].float()
+            ids.append(int(sample(logits, word, torch.tensor([len(ids) - 1]))[0]))
+    return ids[len(prompt):]
+
+
+def test_sampled_requests_follow_their_seed_on_the_device(served):
+    """The LM head is split over the FFN owner's TP 2: each rank samples its half of the vocabulary
+    and the group agrees; the tokens equal the sampler's on the whole vocabulary, a seed repeats
+    its tokens, and every rank reports its round times."""
+    engine, folder = served
+    got = Collect()
+    runs = [("a", 0, 1.0, 1.0, 11), ("a again", 0, 1.0, 1.0, 11), ("b", 0, 1.0, 1.0, 12),
+            ("nucleus", 2, 0.8, 0.6, 5), ("greedy", 1, 0.0, 1.0, 3)]
+    for key, p, temperature, top_p, seed in runs:
+        engine.submit(PROMPTS[p], Sampling(max_tokens=NEW_TOKENS, temperature=temperature, top_p=top_p, seed=seed),
+                      got.callback(key))
+    got.wait([r[0] for r in runs])
+    assert got.tokens("a") == got.tokens("a again") and got.tokens("a") != got.tokens("b")
+    for key, p, temperature, top_p, seed in runs:
+        assert got.tokens(key) == sampled_reference(folder, PROMPTS[p], NEW_TOKENS, temperature, top_p, seed), key
+    assert got.tokens("greedy") == list(reference(folder)[1])
+    assert set(engine.stats()["round_s"]) == {(0, 0), (0, 1), (0, 2)}  # every rank, not only the leader

@@ -17,10 +17,11 @@ from test_runtime import LAYERS, compile_pinned, reference
 def test_message_round_trip():
     positions = torch.tensor([[3, 4], [7, 8]])
     a, b = torch.randn(2, 2, 5), torch.randn(2, 2, 3, 2)
-    message = pack_message(positions, [a, b])
+    words = torch.tensor([[11, 0, 1_000_000], [2 ** 62, 700_000, 900_000]])
+    message = pack_message(positions, words, [a, b])
     assert message.dtype == torch.uint8 and message.numel() == message_bytes(2, 2, (5 + 6) * 4)
-    pos, payload = unpack_message(message, 2, 2, torch.float32)
-    assert torch.equal(pos, positions)
+    pos, word, payload = unpack_message(message, 2, 2, torch.float32)
+    assert torch.equal(pos, positions) and torch.equal(word, words)
     assert torch.equal(payload[:20].view(2, 2, 5), a) and torch.equal(payload[20:].view(2, 2, 3, 2), b)
 
 

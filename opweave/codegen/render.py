@@ -182,8 +182,10 @@ def _stage_lines(program: RankProgram, st: StageProgram, names: _Names, links: t
             norm = st.launches[k + 1]
             lines.append(_statement(f"{out}, {names.var(norm.output)} = rt.add_norm(self.op{int(norm.op)}, {args})",
                                     *_note(st, l, f" + {norm.kind} ({norm.name}), fused")))
-        elif l.kind == "sample" and program.tp > 1:
-            lines.append(_statement(f"{out} = rt.tp_argmax({args})", *_note(st, l, ": vocab-split argmax")))
+        elif l.kind == "sample":
+            split = ", vocabulary split over the TP group" if program.tp > 1 else ""
+            lines.append(_statement(f"{out} = rt.sample(mb, {args}, positions)",
+                                    *_note(st, l, f": each row by its sampling word (greedy at temperature 0){split}")))
         else:
             if stateful(l):
                 args += f", state=self.state{int(l.op)}[mb]"
@@ -220,7 +222,7 @@ def render_rank(program: RankProgram, op_names: list[str], template: str, num_st
     names = _Names({name: i for i, name in enumerate(op_names)})
     binds = [{"op": int(l.op), "note": comment(l.name), "state": stateful(l),
               "state_note": comment(l.name, "its state, one view per microbatch")}
-             for st in program.stages for l in st.launches if not (l.kind == "sample" and program.tp > 1)]
+             for st in program.stages for l in st.launches if l.kind != "sample"]
     held = None
     if any(st.keeps for st in program.stages):
         held = _statement("self.held = [{} for _ in range(NUM_MICROBATCHES)]",

@@ -39,6 +39,8 @@ from opweave.cost.model import shards, state_shards
 from opweave.ir.graph import OpGraph, Op
 from opweave.ir.kinds import OpKind
 from opweave.models.activation import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK, PREFILL_CHUNK
+from opweave.runtime.message import WORD_BYTES as SAMPLING_WORD_BYTES
+from opweave.runtime.sampling import workspace_bytes as sampler_workspace_bytes
 
 SCORE_BYTES = 12
 """Scratch bytes per attention score of a key block (`models/activation.py`): the float32 scores,
@@ -136,6 +138,8 @@ def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int) -> fl
     if op.kind == OpKind.ATTN_LINEAR:
         return rows * (RECURRENT_TEMPORARIES * op.state_bytes(context) / state_shards(op, tp)
                        + width * UPCAST_FACTOR * op.act_bytes_per_token / n)
+    if op.kind == OpKind.SAMPLE:                                  # the server's sampler walks the vocabulary in chunks
+        return sampler_workspace_bytes(rows, op.tp_units // n)
     if op.kind in UPCAST_KINDS:
         return rows * width * UPCAST_FACTOR * op.act_bytes_per_token / n
     return 0.0
@@ -197,8 +201,9 @@ def _overlaps(rows: tuple[int, int], other: list[tuple[int, int]]) -> list[tuple
 
 
 def message_size(rows: int, width: int, per_token: int) -> int:
-    """Bytes of one message (the layout of `runtime/message.py`: positions, values)."""
-    return rows * width * (INDEX_BYTES + per_token)
+    """Bytes of one message (the layout of `runtime/message.py`: the rows' sampling words,
+    positions, values)."""
+    return rows * (SAMPLING_WORD_BYTES + width * (INDEX_BYTES + per_token))
 
 
 def buffer_bytes(plan, owner: int, replica: int, width: int, tp_rank: int = 0) -> float:

@@ -167,26 +167,27 @@ def _host_times(rank: int, dist, torch) -> tuple[list, list]:
         per_row = max(1, nbytes // (HOST_ROWS * 4))
         positions = torch.zeros(HOST_ROWS, 1, dtype=torch.long)
         value = torch.zeros(HOST_ROWS, 1, per_row)
+        word = torch.zeros(HOST_ROWS, 3, dtype=torch.long)
         size = message_bytes(HOST_ROWS, 1, per_row * 4)
         times_send, times_recv = [], []
         for i in range(COMM_WARMUP + COMM_REPS):
             buffer = torch.empty(size, dtype=torch.uint8)
             if rank == 0:
                 start = time.perf_counter()
-                work = dist.isend(pack_message(positions, [value]), 1)
+                work = dist.isend(pack_message(positions, word, [value]), 1)
                 times_send.append(time.perf_counter() - start)
                 work.wait()
                 dist.recv(ack, 1)
                 time.sleep(HOST_SETTLE_S + size / 1e9)  # the peer's message arrives meanwhile
                 start = time.perf_counter()
                 dist.recv(buffer, 1)
-                _, payload = unpack_message(buffer, HOST_ROWS, 1, torch.float32)
+                _, _, payload = unpack_message(buffer, HOST_ROWS, 1, torch.float32)
                 torch.zeros(HOST_ROWS, 1, per_row).view(-1).copy_(payload)
                 times_recv.append(time.perf_counter() - start)
             else:
                 dist.recv(buffer, 0)
                 dist.send(ack, 0)
-                dist.send(pack_message(positions, [value]), 0)
+                dist.send(pack_message(positions, word, [value]), 0)
         if rank == 0:
             sends.append((size, statistics.median(times_send[COMM_WARMUP:])))
             recvs.append((size, statistics.median(times_recv[COMM_WARMUP:])))

@@ -1,10 +1,12 @@
 """The queues between a serving process (`opweave.serve.engine`) and the scheduler leaders.
 
 Each scheduler leader (the embedding owner's replica leaders, in every replica set) reads its own
-inbox between rounds: `("add", id, prompt_ids, max_new_tokens, stop_ids)`, `("cancel", id)` and
-`("stop",)`; all of them write to one outbox: `("event", id, token, finish_reason, error)` as
-tokens are learned and requests end, `("round", seconds)` after each round of a leader, and
-`("ready",)` once loaded. Messages are tuples of plain values (no objects cross processes).
+inbox between rounds: `("add", id, prompt_ids, max_new_tokens, stop_ids, sampling_word)` (the word:
+`opweave.runtime.sampling.encode`), `("cancel", id)` and `("stop",)`; all of them write to one
+outbox: `("event", id, token, finish_reason, error)` as tokens are learned and requests end, and
+`("ready",)` once loaded. Every rank (leader or not) writes `("rounds", replica_set, rank,
+[seconds, ...])`, its round times, at most every `ROUND_REPORT_S`. Messages are tuples of plain
+values (no objects cross processes).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import queue
 
 IDLE_WAIT_S = 0.02  # an idle leader waits this long for a request before its next (idle) round
+ROUND_REPORT_S = 0.25  # a rank reports its round times at most this often
 
 
 @dataclasses.dataclass

@@ -27,11 +27,12 @@ import torch.distributed as dist
 class Slot:
     key: tuple          # what the runtime asks for: ("act", stage, mb, peer) or ("tok", mb, peer)
     peer: int           # the sending rank
-    numel: int          # elements at width 1 (`per_token` times the width when `scales`)
+    numel: int          # elements at width 1 (`per_token` times the width when `scales`), beside `fixed`
     dtype: torch.dtype
     from_round: int = 0  # first round that has this receive (token ids come back from round 1)
     mb: int = 0          # the microbatch, whose width scales the message
     scales: bool = True  # the size grows with the microbatch's width (token ids do not)
+    fixed: int = 0       # elements whatever the width (the rows' sampling words of an activation message)
 
 
 class Inbox:
@@ -52,13 +53,13 @@ class Inbox:
         self._round, self._widths = -1, ()
 
     def numel(self, s: Slot) -> int:
-        return s.numel * (self._widths[s.mb] if s.scales and self._widths else 1)
+        return s.numel * (self._widths[s.mb] if s.scales and self._widths else 1) + s.fixed
 
     def buffer(self, s: Slot) -> torch.Tensor:
         """The receive buffer of `s` this round: a decode-sized one is made once and reused every
         round; a wider one (a prefill) is made for the round and freed after it."""
         n = self.numel(s)
-        if n != s.numel:
+        if n != s.numel + s.fixed:
             return torch.empty(n, dtype=s.dtype, device=self.device)
         buf = self._buffers.get(s.key)
         if buf is None:

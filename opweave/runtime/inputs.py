@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import torch
 
+from opweave.runtime.sampling import GREEDY
 from opweave.runtime.scheduler import StepPlan
 
 
 class RowInputs:
     """Static per-microbatch buffers of a scheduler replica's leader: `positions[mb]` holds each
-    row's position in the microbatch's last round (-1: idle), `ids[mb]` its decode ids."""
+    row's position in the microbatch's last round (-1: idle), `ids[mb]` its decode ids, `words[mb]`
+    its request's sampling word (`opweave.runtime.sampling`; set with the prefill that admits it)."""
 
     def __init__(self, rows: int, num_microbatches: int, device: torch.device):
         self.rows, self.device = rows, device
         self.positions = [torch.full((rows, 1), -1, dtype=torch.long, device=device) for _ in range(num_microbatches)]
         self.ids = [torch.zeros(rows, 1, dtype=torch.long, device=device) for _ in range(num_microbatches)]
+        self.words = [torch.tensor([GREEDY] * rows, dtype=torch.long, device=device) for _ in range(num_microbatches)]
         self._live = [set() for _ in range(num_microbatches)]  # rows with position >= 0 (host's mirror)
 
     def prepare(self, mb: int, plan: StepPlan) -> None:
@@ -59,9 +62,11 @@ class RowInputs:
         ids = torch.zeros(self.rows, width, dtype=torch.long)
         positions = torch.full((self.rows, width), -1, dtype=torch.long)
         from_device = torch.zeros(self.rows, dtype=torch.bool)
+        words = torch.tensor([GREEDY] * self.rows, dtype=torch.long)
         for r, step in enumerate(plan.rows):
             if step.idle:
                 continue
+            words[r] = torch.tensor(step.request.sampling)
             n = len(step.tokens) or 1
             positions[r, width - n:] = torch.arange(step.first, step.first + n)
             if step.tokens:
@@ -71,6 +76,7 @@ class RowInputs:
         ids, positions = ids.to(self.device), positions.to(self.device)
         ids[:, -1] = torch.where(from_device.to(self.device), tokens.view(-1).clamp(min=0), ids[:, -1])
         self.positions[mb].copy_(positions[:, -1:])
+        self.words[mb].copy_(words)
         self._live[mb] = {r for r, s in enumerate(plan.rows) if not s.idle}
         return ids, positions
 

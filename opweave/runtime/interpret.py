@@ -45,8 +45,8 @@ class InterpretedProgram:
                 env.update((v, held[mb][v]) for v in st.takes)
                 for launch in st.launches:
                     args = [self._get(env, v) for v in launch.inputs]
-                    if launch.kind == "sample" and self.program.tp > 1:
-                        out = rt.tp_argmax(*args)
+                    if launch.kind == "sample":
+                        out = rt.sample(mb, *args, env["positions"])
                     elif launch.op in self.state:  # a stateful op: its state for this microbatch
                         out = rt.ops[launch.op](*args, state=self.state[launch.op][mb])
                     else:

@@ -100,10 +100,11 @@ def buffer_bytes(program: RankProgram, dtype: torch.dtype, width: int) -> int:
     transport.program, transport.dtype, transport.tokens_back = program, dtype, program.scheduler
     static, wide = 0, {}
     for slot in transport.receive_slots():
-        size = slot.numel * torch.empty(0, dtype=slot.dtype).element_size()
+        element = torch.empty(0, dtype=slot.dtype).element_size()
+        size = (slot.numel + slot.fixed) * element
         static += size
         if width > 1 and slot.scales:
-            wide[slot.peer] = max(wide.get(slot.peer, 0), size * width)
+            wide[slot.peer] = max(wide.get(slot.peer, 0), (slot.numel * width + slot.fixed) * element)
     sent = 0
     for st in program.stages:
         if st.send_port != program.rank:
@@ -211,10 +212,12 @@ class MetaRuntime:
 
         return add_norm(norm, x, residual, reference)
 
-    def tp_argmax(self, logits):
-        last = logits[:, -1, :].float()
-        best, idx = last.max(dim=-1)
-        return idx
+    def sample(self, mb: int, logits, positions):
+        """The server's sampler on this rank's slice (the larger of its two paths: greedy is one max)."""
+        from opweave.runtime.sampling import encode, sample
+
+        words = torch.tensor([encode(1.0, 0.9, 0)], dtype=torch.long, device=META).expand(self.rows, 3)
+        return sample(logits[:, -1], words, positions[:, -1])
 
 
 def activation_peak(modules: dict, program: RankProgram, program_class, dtype: torch.dtype, width: int) -> int:

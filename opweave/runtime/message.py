@@ -1,7 +1,8 @@
 """The bytes of one transfer between two ranks: one message per peer per stage boundary.
 
-Layout: positions [rows, width] (int64), then each value [rows, width, *shape] in packing order,
-all as bytes. The width (tokens per row) of every message of a round is known to both ends
+Layout: each row's sampling word [rows, 3] (int64, `opweave.runtime.sampling`: it travels with
+the row to the last stage), positions [rows, width] (int64), then each value [rows, width, *shape]
+in packing order, all as bytes. The width (tokens per row) of every message of a round is known to both ends
 before the round (the scheduler plans it ahead and every rank agrees on it between rounds,
 `Transport.complete_round`), so a receiver posts a receive of the right size and reads nothing on
 the host. The profiler times `pack_message` and `unpack_message` with the transport
@@ -13,22 +14,31 @@ from __future__ import annotations
 import torch
 
 
+WORD_BYTES = 8 * 3  # a row's sampling word (seed, temperature, top_p): `opweave.runtime.sampling.WORD`
+
+
 def message_bytes(rows: int, width: int, per_token: int) -> int:
-    """A transfer's message: positions (int64) and `per_token` bytes of values per token."""
-    return rows * width * (8 + per_token)
+    """A transfer's message: each row's sampling word, then positions (int64) and `per_token`
+    bytes of values per token."""
+    return rows * (WORD_BYTES + width * (8 + per_token))
 
 
-def pack_message(positions: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
-    """One transfer to one peer as bytes: positions [rows, width], then each value; on the
-    positions' device (a rank's run device: NCCL sends only device tensors)."""
+def pack_message(positions: torch.Tensor, word: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
+    """One transfer to one peer as bytes: the rows' sampling words [rows, 3], positions
+    [rows, width], then each value; on the positions' device (a rank's run device: NCCL sends
+    only device tensors)."""
     device = positions.device
-    parts = [positions.contiguous().view(torch.uint8).reshape(-1)]
+    parts = [word.to(device).contiguous().view(torch.uint8).reshape(-1),
+             positions.contiguous().view(torch.uint8).reshape(-1)]
     parts += [v.to(device).contiguous().view(torch.uint8).reshape(-1) for v in values]
     return torch.cat(parts)
 
 
 def unpack_message(message: torch.Tensor, rows: int, width: int, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions [rows, width], the values' elements in packing order) of a packed message (views)."""
-    end = rows * width * 8
-    return message[:end].view(torch.long).view(rows, width), message[end:].view(dtype)
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(positions [rows, width], sampling words [rows, 3], the values' elements in packing order)
+    of a packed message (views)."""
+    head = rows * WORD_BYTES
+    end = head + rows * width * 8
+    word = message[:head].view(torch.long).view(rows, 3)
+    return message[head:end].view(torch.long).view(rows, width), word, message[end:].view(dtype)

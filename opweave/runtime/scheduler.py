@@ -34,6 +34,7 @@ from collections import deque
 from opweave.errors import OpWeaveError
 from opweave.models.activation import PREFILL_CHUNK
 from opweave.models.ops import NON_FINITE_TOKEN
+from opweave.runtime.sampling import GREEDY
 
 
 @dataclasses.dataclass
@@ -46,6 +47,7 @@ class Request:
     source: str = ""  # where the prompt came from, for messages ("--prompts p.jsonl: line 3")
     stop_ids: tuple[int, ...] = ()  # ids that end this request besides the model's EOS ids
     finish_reason: str | None = None  # "stop" (an EOS or stop id), "length", "cancelled", "error"
+    sampling: tuple[int, int, int] = GREEDY  # its row's sampling word (`opweave.runtime.sampling.encode`)
 
 
 @dataclasses.dataclass(frozen=True)

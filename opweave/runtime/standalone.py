@@ -73,8 +73,12 @@ class _LoneRuntime:
 
         return add_norm(norm, x, residual, device_kernels(self.device))
 
-    def tp_argmax(self, logits):
-        return logits[:, -1].argmax(-1)
+    def sample(self, mb, logits, positions):
+        """The server's sampler on this rank's slice (temperature 1, top_p 0.9): its cost is timed."""
+        from opweave.runtime.sampling import encode, sample
+
+        words = torch.tensor([encode(1.0, 0.9, mb)] * self.rows, dtype=torch.long, device=self.device)
+        return sample(logits[:, -1], words, positions[:, -1])
 
 
 def load_alone(module_path: str, device: torch.device):

@@ -77,6 +77,23 @@ class TPGroup:
             self.comm.all_reduce(x, group=self.group)
         return x
 
+    def stack(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` stacked on a new first dim, in group order (one all-gather)."""
+        if self.tp == 1:
+            return x[None]
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        self.comm.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def sample(self, logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Temperature / top-p sampling over the vocabulary split across the group, each row by its
+        sampling word (`opweave.runtime.sampling`); temperature-0 rows take `argmax`'s answer."""
+        from opweave.runtime.sampling import sample
+
+        last = logits[:, -1, :]
+        return sample(last, word, position, vocab_offset=self.tp_rank * last.shape[-1], gather=self.stack,
+                      greedy=lambda _: self.argmax(logits))
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sample over a vocabulary split across the group (lowest index wins ties): one
         all-gather of each rank's (max logit, global index) per token. A rank whose slice of a

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from opweave.ir.program import RankProgram, StageProgram, Transfer
 from opweave.runtime.inbox import Inbox, Slot
-from opweave.runtime.message import message_bytes, pack_message, unpack_message
+from opweave.runtime.message import WORD_BYTES, pack_message, unpack_message
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -37,30 +37,32 @@ def numel(shape: tuple[int, ...]) -> int:
 
 
 def assemble(parts, rows: int, width: int, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype
-             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+             ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One stage's inputs from its peers' unpacked messages: `parts` holds (first row, end row,
-    positions [n, width], values' elements in packing order) per peer. One peer holding every row
-    gives views of its message (no copy); several are copied into one tensor per value. The
-    result is on the parts' device."""
+    positions [n, width], sampling words [n, 3], values' elements in packing order) per peer. One
+    peer holding every row gives views of its message (no copy); several are copied into one
+    tensor per value. Returns (positions, words, values), on the parts' device."""
     if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == rows:
-        _, _, positions, payload = parts[0]
+        _, _, positions, word, payload = parts[0]
         values, offset = [], 0
         for shape in shapes:
             n = rows * width * numel(shape)
             values.append(payload[offset:offset + n].view(rows, width, *shape))
             offset += n
-        return positions, values
+        return positions, word, values
     device = parts[0][2].device
     positions = torch.full((rows, width), -1, dtype=torch.long, device=device)
+    words = torch.zeros((rows, 3), dtype=torch.long, device=device)
     values = [torch.zeros(rows, width, *shape, dtype=dtype, device=device) for shape in shapes]
-    for a, b, pos, payload in parts:
+    for a, b, pos, word, payload in parts:
         positions[a:b] = pos
+        words[a:b] = word
         offset = 0
         for v, shape in zip(values, shapes):
             n = (b - a) * width * numel(shape)
             v[a:b] = payload[offset:offset + n].view(b - a, width, *shape)
             offset += n
-    return positions, values
+    return positions, words, values
 
 
 class Transport:
@@ -107,27 +109,30 @@ class Transport:
                                   for p in prog.token_sources if p.rank != prog.rank]
                     continue
                 per_token = self.per_token_bytes(st.recv)
-                slots += [Slot(("act", st.stage, mb, p.rank), p.rank, message_bytes(p.hi - p.lo, 1, per_token),
-                               torch.uint8, mb=mb) for p in st.recv.peers]
+                slots += [Slot(("act", st.stage, mb, p.rank), p.rank, (p.hi - p.lo) * (8 + per_token),
+                               torch.uint8, mb=mb, fixed=(p.hi - p.lo) * WORD_BYTES) for p in st.recv.peers]
         return slots
 
     # ---------------------------------------------------------------- activations at a cut
-    def recv_values(self, st: StageProgram, mb: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(positions [rows, width], each whole value [rows, width, *shape]) of stage `st`'s
-        inputs for microbatch `mb`, from every upstream peer (the stage's receiving port only)."""
+    def recv_values(self, st: StageProgram, mb: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """(positions [rows, width], the rows' sampling words [rows, 3], each whole value
+        [rows, width, *shape]) of stage `st`'s inputs for microbatch `mb`, from every upstream
+        peer (the stage's receiving port only)."""
         lo, width = self.program.rows[0], self.widths[mb]
         peers = sorted(st.recv.peers, key=lambda p: p.rank)
         parts = []
         for p, body in zip(peers, self.inbox.take([("act", st.stage, mb, p.rank) for p in peers])):
-            pos, payload = unpack_message(body, p.hi - p.lo, width, self.dtype)
-            parts.append((p.lo - lo, p.hi - lo, pos, payload))
+            pos, word, payload = unpack_message(body, p.hi - p.lo, width, self.dtype)
+            parts.append((p.lo - lo, p.hi - lo, pos, word, payload))
         return assemble(parts, self.rows, width, st.recv.shapes, self.dtype)
 
-    def send_values(self, st: StageProgram, positions: torch.Tensor, values) -> None:
-        """Stage `st`'s whole output values to every downstream peer: one message each (its rows)."""
+    def send_values(self, st: StageProgram, positions: torch.Tensor, word: torch.Tensor, values) -> None:
+        """Stage `st`'s whole output values (with the rows' positions and sampling words) to every
+        downstream peer: one message each (its rows)."""
         lo = self.program.rows[0]
-        self._isend_group([(pack_message(positions[p.lo - lo:p.hi - lo], [v[p.lo - lo:p.hi - lo] for v in values]),
-                            p.rank) for p in st.send.peers])
+        self._isend_group([(pack_message(positions[p.lo - lo:p.hi - lo], word[p.lo - lo:p.hi - lo],
+                                         [v[p.lo - lo:p.hi - lo] for v in values]), p.rank)
+                           for p in st.send.peers])
 
     # ---------------------------------------------------------------- token ids back to the scheduler
     def send_tokens(self, st: StageProgram, mb: int, tokens: torch.Tensor) -> None:

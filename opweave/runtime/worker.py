@@ -26,16 +26,18 @@ import torch
 import torch.distributed as dist
 
 from opweave import config
+from opweave.ir.kinds import OpKind
 from opweave.ir.program import RankProgram, program_from_json
 from opweave.models.config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.graphs import RoundRunner
-from opweave.runtime.channel import IDLE_WAIT_S
+from opweave.runtime.channel import IDLE_WAIT_S, ROUND_REPORT_S
 from opweave.runtime.heartbeat import Phase, report
 from opweave.runtime.inputs import RowInputs, TokenCopies
 from opweave.runtime.kernel_ops import add_norm, device_kernels, with_kernels
 from opweave.runtime.manifest import VerifiedArtifact, load_artifact, load_program_source, rank_files
+from opweave.runtime.sampling import WORD
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import check_placement, materialize
 from opweave.runtime.state import RankState, StateView
@@ -87,6 +89,9 @@ class Runtime:
             self.inputs = RowInputs(self.rows, m, self.device)
             self.copies = TokenCopies(self.rows, m, self.device)
         self.steps: list = [None] * m  # this round's plan per microbatch (scheduler leaders)
+        self.words: list = [None] * m  # this round's rows' sampling words per microbatch (`opweave.runtime.sampling`)
+        self.sampling = False    # a server samples by each row's word; `opweave run` is greedy
+        self._sampler = next((i for i, op in self.modules.items() if op.kind == OpKind.SAMPLE), None)
         self.round_index = 0
         self.channel = None      # serving: this scheduler leader's queues (`serve`)
         self.stopping = False
@@ -111,9 +116,9 @@ class Runtime:
         idle = not self.scheduler.active and not self.stopping
         for message in self.channel.receive(IDLE_WAIT_S if idle else 0.0):
             if message[0] == "add":
-                _, index, prompt, max_new, stop_ids = message
+                _, index, prompt, max_new, stop_ids, word = message
                 self.scheduler.add(Request(index=index, prompt=list(prompt), max_new_tokens=max_new,
-                                           stop_ids=tuple(stop_ids)))
+                                           stop_ids=tuple(stop_ids), sampling=tuple(word)))
             elif message[0] == "cancel":
                 self.scheduler.cancel(message[1])
             elif message[0] == "stop":  # end every request now; the ranks stop once all agree
@@ -168,10 +173,13 @@ class Runtime:
             step = self.steps[mb]
             ids, positions = (self.inputs.decode(mb, tokens) if width == 1 and not step.host_fed
                               else self.inputs.host_fed(mb, step, tokens, width))
+            word = self.inputs.words[mb]
         else:
             ids = self._buffer(("ids", mb), (self.rows, width), torch.long)
             positions = self._buffer(("pos", mb), (self.rows, width), torch.long)
-        ids, positions = self.tp.fanout([ids, positions])
+            word = self._buffer(("word", mb), (self.rows, 1, WORD), torch.long)[:, 0]
+        ids, positions, word = self.tp.fanout([ids, positions, word])
+        self.words[mb] = word
         self._mark("wait", self.program.stages[0].stage, mb)
         return ids, positions
 
@@ -180,12 +188,14 @@ class Runtime:
         st = self._stage[stage]
         width = self.widths[mb]
         if st.recv_port == self.program.rank:  # this cut's port receives, then fans out
-            positions, values = self.transport.recv_values(st, mb)
+            positions, word, values = self.transport.recv_values(st, mb)
         else:
             positions = self._buffer(("pos", stage, mb), (self.rows, width), torch.long)
+            word = self._buffer(("word", stage, mb), (self.rows, 1, WORD), torch.long)[:, 0]
             values = [self._buffer(("val", stage, mb, i), (self.rows, width, *shape), self.dtype)
                       for i, shape in enumerate(st.recv.shapes)]
-        self.tp.fanout([positions, *values], src=st.recv_port)
+        self.tp.fanout([positions, word, *values], src=st.recv_port)
+        self.words[mb] = word
         values = [self.tp.shard(v, layout) for v, layout in zip(values, st.recv.layouts)]
         self._mark("wait", stage, mb)
         return positions, tuple(values)
@@ -196,7 +206,7 @@ class Runtime:
         st = self._stage[stage]
         values = tuple(self.tp.gather(v, layout, dst=st.send_port) for v, layout in zip(values, st.send.layouts))
         if st.send_port == self.program.rank:
-            self.transport.send_values(st, positions, values)
+            self.transport.send_values(st, positions, self.words[mb], values)
         self._mark("send", stage, mb)
 
     def finish(self, mb: int, tokens: torch.Tensor) -> None:
@@ -217,6 +227,17 @@ class Runtime:
     def tp_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sample over the vocabulary split across the TP group (`TPGroup.argmax`)."""
         return self.tp.argmax(logits)
+
+    def sample(self, mb: int, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The last stage's sampler: each row's new token id from the logits [rows, width, V/tp].
+        A server samples every row by its sampling word (temperature, top_p, seed: greedy at
+        temperature 0; `TPGroup.sample`); a run without sampling words is greedy (`argmax`, split
+        over the group or the kernel backend's)."""
+        if self.sampling:
+            return self.tp.sample(logits, self.words[mb], positions[:, -1])
+        if self.program.tp > 1:
+            return self.tp.argmax(logits)
+        return self.ops[self._sampler](logits)
 
     # ---------------------------------------------------------------- between rounds
     def _start_round(self, round_index: int, widths: tuple[int, ...]) -> None:
@@ -285,8 +306,12 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
         k = program.scheduler_leaders.index(program.tp_group[0])
         mine = [r for r in requests if r.index % len(program.scheduler_leaders) == k]
     rt = Runtime(artifact, program, weights, device, groups, mine, trace=trace)
-    if serve is not None and rt.scheduler is not None:
-        rt.serve(serve.channel(replica_set, program.scheduler_leaders.index(program.rank)))
+    rounds_out = None  # serving: every rank reports its round times to the server
+    if serve is not None:
+        rt.sampling = True
+        rounds_out = RoundReports(serve.outbox, replica_set, rank)
+        if rt.scheduler is not None:
+            rt.serve(serve.channel(replica_set, program.scheduler_leaders.index(program.rank)))
     if interpret:
         from opweave.runtime.interpret import InterpretedProgram
 
@@ -312,8 +337,8 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
                 runner.round()
             wall.append(time.perf_counter() - t0)
             host.append(time.process_time() - c0)
-            if rt.channel is not None:
-                rt.channel.send(("round", wall[-1]))
+            if rounds_out is not None:
+                rounds_out.add(wall[-1])
                 wall, host = wall[-1000:], host[-1000:]  # a server runs for days: keep the recent rounds
             if rt.round_index == faults.get("kill"):
                 os.kill(os.getpid(), 9)
@@ -337,6 +362,24 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
     if trace:
         stats["spans"] = {r: part["spans"] for r, part in enumerate(gathered)}
     return sorted(out, key=lambda r: r.index), stats
+
+
+class RoundReports:
+    """A serving rank's round times to the server's outbox: `("rounds", replica_set, rank, [seconds])`,
+    batched at most every `ROUND_REPORT_S` (a message per round would cost each round a queue
+    put)."""
+
+    def __init__(self, outbox, replica_set: int, rank: int):
+        self.outbox, self.key = outbox, (replica_set, rank)
+        self._pending: list[float] = []
+        self._last = time.monotonic()
+
+    def add(self, seconds: float) -> None:
+        self._pending.append(seconds)
+        now = time.monotonic()
+        if now - self._last >= ROUND_REPORT_S:
+            self.outbox.put(("rounds", *self.key, self._pending))
+            self._pending, self._last = [], now
 
 
 def _gather_json(value, rank: int, world: int, device: torch.device) -> list | None:

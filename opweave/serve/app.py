@@ -78,7 +78,7 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None)
             raise ApiError(404, f"the model '{req.model}' does not exist: this server serves '{name}'",
                            param="model", code="model_not_found")
         ids = _prompt_ids(req, tokenizer)
-        sampling = _sampling(req, len(ids), engine.context)
+        sampling = _sampling(req, len(ids), engine.context, getattr(tokenizer, "sampling_defaults", (0.0, 1.0)))
         run = _Run(engine, metrics, tokenizer, req, len(ids), arrival)
         run.submit(ids, sampling)
         if req.stream:
@@ -123,7 +123,8 @@ def _prompt_ids(req: protocol.Request, tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
-def _sampling(req: protocol.Request, prompt_len: int, context: int) -> Sampling:
+def _sampling(req: protocol.Request, prompt_len: int, context: int,
+              defaults: tuple[float, float] = (0.0, 1.0)) -> Sampling:
     """The engine's sampling parameters; 400 when prompt + output cannot fit in the planned context."""
     param = "messages" if req.kind == "chat" else "prompt"
     if prompt_len >= context:
@@ -137,7 +138,9 @@ def _sampling(req: protocol.Request, prompt_len: int, context: int) -> Sampling:
                             f"context of {context}", param="max_tokens", code="context_length_exceeded")
     else:
         max_tokens = req.max_tokens
-    return Sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+    temperature = defaults[0] if req.temperature is None else req.temperature
+    top_p = defaults[1] if req.top_p is None else req.top_p
+    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed,
                     stop_token_ids=req.stop_token_ids)
 
 

@@ -9,7 +9,9 @@ ends of requests to one outbox (`runtime.channel`). A reader thread turns those 
 (a rank that fails, dies or stalls makes the engine unhealthy and ends every request in flight
 with an error). Requests go to the leader with the fewest in flight.
 
-Decoding is greedy: `Sampling.temperature` must be 0 (sampling on the device is not built yet).
+Sampling happens on the device, in the last stage (`opweave.runtime.sampling`): each request's
+temperature, top_p and seed travel with its row as a sampling word; temperature 0 is greedy and
+gives exactly `opweave run`'s tokens. A request without a seed gets a random one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import itertools
 import json
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +30,9 @@ from collections.abc import Callable
 from opweave.errors import OpWeaveError
 from opweave.runtime.channel import ServeQueues
 from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, Ranks, start_method
+from opweave.runtime.sampling import encode
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range [0, 2]
 
 READY_TIMEOUT_S = 600.0  # loading the weights of every rank
 
@@ -34,9 +40,9 @@ READY_TIMEOUT_S = 600.0  # loading the weights of every rank
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     max_tokens: int
-    temperature: float = 0.0        # only 0 (greedy) is supported for now
+    temperature: float = 0.0        # 0: greedy
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int | None = None         # None: a random seed (`opweave.runtime.sampling`)
     stop_token_ids: tuple[int, ...] = ()   # extra ids that end the request (the model's EOS always does)
 
 
@@ -85,7 +91,7 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._rounds: collections.deque = collections.deque(maxlen=256)
+        self._rounds: dict[tuple[int, int], collections.deque] = {}  # (replica set, rank) -> recent round times
         self._rejected = 0
         self._ranks = None
         self._ready = 0
@@ -149,8 +155,11 @@ class Engine:
             kind = message[0]
             if kind == "event":
                 self._deliver(*message[1:])
-            elif kind == "round":
-                self._rounds.append(message[1])
+            elif kind == "rounds":
+                _, replica_set, rank, seconds = message
+                with self._lock:
+                    recent = self._rounds.setdefault((replica_set, rank), collections.deque(maxlen=256))
+                    recent.extend(seconds)
             elif kind == "ready":
                 self._ready += 1
                 if self._ready == len(self._leaders):
@@ -188,8 +197,11 @@ class Engine:
         """
         if not self.healthy:
             raise RuntimeError(self.error or "the engine is not running")
-        if sampling.temperature != 0:
-            raise ValueError("sampling (temperature > 0) is not supported yet: use temperature 0 (greedy)")
+        if not 0 <= sampling.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {sampling.temperature:g}")
+        if not 0 < sampling.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p:g}")
+        seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.context:
@@ -210,7 +222,7 @@ class Engine:
             self._requests[index] = _Request(on_event, leader)
         self._queues.inboxes[leader[0]][leader[1]].put(
             ("add", index, [int(t) for t in prompt_ids], int(sampling.max_tokens),
-             [int(t) for t in sampling.stop_token_ids]))
+             [int(t) for t in sampling.stop_token_ids], encode(sampling.temperature, sampling.top_p, seed)))
         return index
 
     def cancel(self, request_id: int) -> None:
@@ -224,4 +236,5 @@ class Engine:
         with self._lock:
             running = sum(r.tokens > 0 for r in self._requests.values())
             waiting = len(self._requests) - running
-        return {"running": running, "waiting": waiting, "rejected": self._rejected, "round_s": list(self._rounds)}
+            rounds = {key: list(times) for key, times in sorted(self._rounds.items())}
+        return {"running": running, "waiting": waiting, "rejected": self._rejected, "round_s": rounds}

@@ -3,7 +3,7 @@
 Per request, the HTTP layer records: time to first token (from the request's arrival), time per
 output token (the request's mean gap between tokens after the first), prompt and generated token
 counts, and the finish reason. The engine's own figures (requests running and waiting, queue
-rejections, recent decode-round times of rank 0) are read from `engine.stats()` at each scrape.
+rejections, recent round times of every rank) are read from `engine.stats()` at each scrape.
 `opweave_generation_tokens_per_second` is the generated-token rate over the last `RATE_WINDOW_S`.
 """
 
@@ -84,11 +84,13 @@ class _EngineCollector:
         yield GaugeMetricFamily("opweave_generation_tokens_per_second",
                                 f"Generated tokens per second over the last {RATE_WINDOW_S:g} s",
                                 value=self._metrics.tokens_per_second())
-        rounds = list(stats.get("round_s") or ())
-        family = GaugeMetricFamily("opweave_round_seconds", "Recent decode-round times of rank 0", labels=["quantile"])
-        if rounds:
-            ordered = sorted(rounds)
+        family = GaugeMetricFamily("opweave_round_seconds", "Recent round times of each rank (replica set, rank)",
+                                   labels=["replica_set", "rank", "quantile"])
+        for (replica_set, rank), rounds in sorted((stats.get("round_s") or {}).items()):
+            if not rounds:
+                continue
+            ordered, labels = sorted(rounds), [str(replica_set), str(rank)]
             for q in (0.5, 0.9, 0.99):
-                family.add_metric([f"{q:g}"], ordered[min(len(ordered) - 1, int(q * len(ordered)))])
-            family.add_metric(["mean"], statistics.fmean(ordered))
+                family.add_metric([*labels, f"{q:g}"], ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+            family.add_metric([*labels, "mean"], statistics.fmean(ordered))
         yield family

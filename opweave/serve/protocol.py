@@ -3,13 +3,12 @@
 `parse_completion` and `parse_chat` read a request's JSON body into a `Request` (prompt not yet
 tokenized) or raise `ApiError`, whose `body()` is an OpenAI-style error object
 (`{"error": {"message", "type", "param", "code"}}`) and `status` its HTTP status. Fields the server
-cannot honour yet (sampling with temperature > 0, n > 1, logprobs, echo, penalties) are refused with a
-400 naming the field, never ignored silently; fields that change nothing under greedy decoding
-(`top_p`, `seed`, `user`) are accepted.
+cannot honour (n > 1, logprobs, echo, penalties) are refused with a 400 naming the field, never
+ignored silently.
 
-Note: OpenAI's default temperature is 1, but this server decodes greedily only, so a request that
-does not give `temperature` is decoded greedily (as if it had sent 0); an explicit temperature > 0
-is a 400.
+`temperature` and `top_p` left out of a request are None here: the server then uses the
+checkpoint's recommended sampling (`generation_config.json` with `do_sample`), or greedy decoding
+when it recommends none (`Tokenizer.sampling_defaults`).
 """
 
 from __future__ import annotations
@@ -61,8 +60,8 @@ class Request:
     include_usage: bool                        # stream_options.include_usage
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
-    temperature: float
-    top_p: float
+    temperature: float | None  # None: the server's default (module docstring)
+    top_p: float | None
     seed: int | None
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
@@ -142,15 +141,12 @@ def _common(body: dict) -> dict:
     n = body.get("n", 1)
     if n not in (1, None) or isinstance(n, bool):
         raise ApiError(400, f"'n' must be 1 (one choice per request), got {n!r}", param="n")
-    temperature = _number(body, "temperature", 0.0)
-    if not 0 <= temperature <= MAX_TEMPERATURE:
+    temperature = _number(body, "temperature", None)
+    if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
         raise ApiError(400, f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}",
                        param="temperature")
-    if temperature != 0:
-        raise ApiError(400, "sampling (temperature > 0) is not supported yet: use temperature 0 (greedy)",
-                       param="temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
+    top_p = _number(body, "top_p", None)
+    if top_p is not None and not 0 < top_p <= 1:
         raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p:g}", param="top_p")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0) != 0:

@@ -23,9 +23,11 @@ _INCOMPLETE = "\ufffd"
 class Tokenizer:
     """A Hugging Face fast tokenizer with the few operations the server needs."""
 
-    def __init__(self, hf_tokenizer):
+    def __init__(self, hf_tokenizer, sampling_defaults: tuple[float, float] = (0.0, 1.0)):
         self.hf = hf_tokenizer
         self.special_ids = frozenset(int(i) for i in hf_tokenizer.all_special_ids)
+        # (temperature, top_p) of a request that gives neither (`generation_defaults`)
+        self.sampling_defaults = sampling_defaults
 
     @classmethod
     def from_folder(cls, folder: str) -> "Tokenizer":
@@ -44,7 +46,7 @@ class Tokenizer:
                 raise OpWeaveError(f"{folder}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
         if not getattr(hf, "is_fast", False):
             raise OpWeaveError(f"{folder}: the tokenizer loaded is not a fast (tokenizer.json) tokenizer")
-        return cls(hf)
+        return cls(hf, generation_defaults(folder))
 
     @property
     def has_chat_template(self) -> bool:
@@ -64,6 +66,30 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def generation_defaults(folder: str) -> tuple[float, float]:
+    """(temperature, top_p) for requests that give neither: the checkpoint's recommendation in
+    `generation_config.json` when it samples (`do_sample: true`; missing values are 1.0), else
+    greedy (0.0, 1.0). A file that cannot be read is an OpWeaveError."""
+    import json
+
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return 0.0, 1.0
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise OpWeaveError(f"{path}: cannot read ({e})") from None
+    if not isinstance(config, dict) or not config.get("do_sample"):
+        return 0.0, 1.0
+    temperature, top_p = config.get("temperature", 1.0), config.get("top_p", 1.0)
+    if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
+        raise OpWeaveError(f"{path}: temperature must be a number in [0, 2], got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise OpWeaveError(f"{path}: top_p must be a number in (0, 1], got {top_p!r}")
+    return float(temperature), float(top_p)
 
 
 class TextStream:
