@@ -72,12 +72,15 @@ def build(tmp: str) -> tuple[str, str, float]:
         return ckpt, art, json.load(f)["tpot_ms"]
 
 
-async def _one(client, prompt: list[int], max_tokens: int, start: float) -> dict:
+SAMPLING = {"greedy": dict(temperature=0), "sampled": dict(temperature=1.0, top_p=0.9)}
+
+
+async def _one(client, prompt: list[int], max_tokens: int, start: float, mode: str, seed: int) -> dict:
     t0 = time.perf_counter()
     times = []
     tokens = None
     stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
-                                             temperature=0, stream_options={"include_usage": True})
+                                             seed=seed, stream_options={"include_usage": True}, **SAMPLING[mode])
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             times.append(time.perf_counter())
@@ -88,7 +91,7 @@ async def _one(client, prompt: list[int], max_tokens: int, start: float) -> dict
             "tokens": tokens if tokens is not None else n, "end": time.perf_counter() - start}
 
 
-async def load(port: int, rate: float, duration: float, output: int, seed: int) -> dict:
+async def load(port: int, rate: float, duration: float, output: int, seed: int, mode: str) -> dict:
     from openai import AsyncOpenAI
 
     rng = random.Random(seed)
@@ -101,14 +104,14 @@ async def load(port: int, rate: float, duration: float, output: int, seed: int) 
             break
         await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
         prompt = [rng.randrange(6, 320) for _ in range(rng.randint(8, 32))]
-        tasks.append(asyncio.create_task(_one(client, prompt, output, start)))
+        tasks.append(asyncio.create_task(_one(client, prompt, output, start, mode, len(tasks))))
     results = await asyncio.gather(*tasks, return_exceptions=True)
     ok = [r for r in results if isinstance(r, dict) and r["ttft"] is not None]
     elapsed = max([r["end"] for r in ok] + [duration])
     ttft = [r["ttft"] * 1e3 for r in ok]
     tpot = [r["tpot"] * 1e3 for r in ok if r["tpot"] is not None]
     await client.close()
-    return {"rate": rate, "sent": len(tasks), "ok": len(ok), "failed": len(tasks) - len(ok),
+    return {"rate": rate, "mode": mode, "sent": len(tasks), "ok": len(ok), "failed": len(tasks) - len(ok),
             "tokens_per_s": sum(r["tokens"] for r in ok) / elapsed,
             "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99),
             "tpot_p50": _pct(tpot, 0.5), "tpot_p99": _pct(tpot, 0.99)}
@@ -143,10 +146,11 @@ def main() -> None:
                 time.sleep(0.5)
             rows = []
             for i, rate in enumerate(rates):
-                row = asyncio.run(load(port, rate, args.duration, args.output, seed=i))
-                print(f"rate {rate:g}/s: {row['ok']}/{row['sent']} ok, {row['tokens_per_s']:.1f} tokens/s, "
-                      f"TTFT p50 {row['ttft_p50']:.0f} ms, TPOT p50 {row['tpot_p50']:.1f} ms", file=sys.stderr)
-                rows.append(row)
+                for mode in SAMPLING:  # the same arrivals and prompts, greedy then sampled
+                    row = asyncio.run(load(port, rate, args.duration, args.output, seed=i, mode=mode))
+                    print(f"rate {rate:g}/s {mode}: {row['ok']}/{row['sent']} ok, {row['tokens_per_s']:.1f} tokens/s, "
+                          f"TTFT p50 {row['ttft_p50']:.0f} ms, TPOT p50 {row['tpot_p50']:.1f} ms", file=sys.stderr)
+                    rows.append(row)
         finally:
             server.send_signal(signal.SIGTERM)
             try:
@@ -165,16 +169,17 @@ def main() -> None:
         f"- server exit status after SIGTERM: {code}", "",
         "Model: Llama-style, 4 layers, random weights, vocab 320 (BPE tokenizer built offline); plan: AFD on "
         "`cpux2` (attention rank, FFN rank), batch 8 in 2 microbatches, context 256, gloo on loopback. "
-        f"Requests: prompts of 8-32 random token ids, {args.output} output tokens (greedy; fewer when the model "
-        "emits EOS), streamed with the `openai` client; Poisson arrivals for "
+        f"Requests: prompts of 8-32 random token ids, {args.output} output tokens (fewer when the model "
+        "emits EOS), each rate run twice with the same arrivals and prompts: greedy (temperature 0) and sampled on "
+        "the device (temperature 1, top_p 0.9, a seed per request); streamed with the `openai` client; Poisson arrivals for "
         f"{args.duration:g} s per rate. Output tokens from each stream's `usage`; TTFT: request sent to first text; TPOT: (last - first text) / (text chunks - 1).", "",
         f"Predicted TPOT of the plan: {predicted:.2f} ms (the catalog's nominal `cpu` entry, not a profile of "
         "this machine: compare the trend, not the figure; `bench/fidelity.py` calibrates on a profile).", "",
-        "| rate (req/s) | sent | ok | failed | output tokens/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| rate (req/s) | decoding | sent | ok | failed | output tokens/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['rate']:g} | {r['sent']} | {r['ok']} | {r['failed']} | {r['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['rate']:g} | {r['mode']} | {r['sent']} | {r['ok']} | {r['failed']} | {r['tokens_per_s']:.1f} | "
                      f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['tpot_p50']:.1f} | {r['tpot_p99']:.1f} |")
     emit(lines, args.out)
 
