@@ -4,7 +4,8 @@
 transformers model (seeded with ``torch.manual_seed(0)``, so the weights are
 deterministic), perturbs the norm weights (and Qwen3-Next's ``dt_bias``) away
 from their constant initial values so a wrong norm convention cannot go
-unnoticed, gives biases (Qwen2's q/k/v, zeros at init) the same noise, and saves it with
+unnoticed, gives biases (Qwen2's q/k/v, GPT-OSS's projections and experts' `*_proj_bias`,
+zeros at init) the same noise, and saves it with
 ``save_pretrained`` (safetensors).
 
 ``hf_generate`` and ``hf_step_logits`` load such a checkpoint with
@@ -26,7 +27,8 @@ import os
 
 import torch
 
-FAMILIES = ("llama", "gemma3", "qwen3_moe", "qwen3_next", "llama2", "mistral", "qwen2", "qwen3", "mixtral")
+FAMILIES = ("llama", "gemma3", "qwen3_moe", "qwen3_next", "llama2", "mistral", "qwen2", "qwen3", "mixtral",
+            "deepseek_v3", "gpt_oss")
 
 # Standard deviation of the noise added to norm weights (and dt_bias, biases) after init.
 _NORM_NOISE_STD = 0.1
@@ -165,6 +167,24 @@ def _base_kwargs(family: str) -> dict:
         return dict(llama_like, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                     sliding_window=None, initializer_range=0.2,
                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if family == "deepseek_v3":  # MLA with q LoRA, 1 dense + 2 MoE layers, group-limited sigmoid routing
+        # head_dim: transformers' rotary embedding reads it as the rope dim (its config sets it so)
+        return dict(common, num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=4, head_dim=8,
+                    max_position_embeddings=256, initializer_range=0.1,
+                    q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                    n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                    # yarn with DeepSeek's mscale / mscale_all_dim (softmax-scale correction), like DeepSeek-V3
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "mscale": 1.0, "mscale_all_dim": 0.8})
+    if family == "gpt_oss":  # sinks, sliding/full alternating, biases, yarn (truncate off), clamped SwiGLU experts
+        return dict(common, num_hidden_layers=4, sliding_window=8, max_position_embeddings=2048,  # 64 x factor 32
+                    layer_types=["sliding_attention", "full_attention"] * 2, attention_bias=True,
+                    intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, initializer_range=0.1,
+                    rms_norm_eps=1e-5,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -181,6 +201,8 @@ def _config_and_model_classes(family: str):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[family]
 
 
@@ -215,8 +237,11 @@ def make_tiny_checkpoint(family: str, out_dir: str, **overrides) -> str:
     # Gemma 3 / Qwen3-Next) and Qwen3-Next's dt_bias non-constant.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ("norm" in name and name.endswith(".weight")) or name.endswith(("dt_bias", ".bias")):
+            if ("norm" in name and name.endswith(".weight")) or name.endswith(("dt_bias", ".bias", "_proj_bias")):
                 param.add_(torch.randn_like(param) * _NORM_NOISE_STD)
+        for name, buf in model.named_buffers():  # DeepSeek-V3's routing bias (zeros at init) shifts the choice
+            if name.endswith("e_score_correction_bias"):
+                buf.add_(torch.randn_like(buf) * _NORM_NOISE_STD)
 
     os.makedirs(out_dir, exist_ok=True)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -61,7 +61,7 @@ def _bad_inputs(tmp_path):
     broken.mkdir()
     _write(broken / "config.json", "{not json")
     return {
-        "unknown name": (["nosuchmodel"], "unknown model 'nosuchmodel' (known: gemma-3-27b"),
+        "unknown name": (["nosuchmodel"], "unknown model 'nosuchmodel' (known: "),
         "folder without config.json": ([str(tmp_path / "empty")], "no config.json"),
         "unsupported model_type": ([str(unsupported)], "unsupported model_type 'gpt2'"),
         "missing field": ([str(missing)], "missing required field 'num_attention_heads'"),

@@ -19,7 +19,11 @@ def _hf_config(name: str):
     cls = {"llama": transformers.LlamaConfig, "gemma3_text": transformers.Gemma3TextConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig, "qwen3_next": transformers.Qwen3NextConfig,
            "mistral": transformers.MistralConfig, "mixtral": transformers.MixtralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[raw["model_type"]]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "gpt_oss": transformers.GptOssConfig,
+           "deepseek_v3": transformers.DeepseekV3Config, "kimi_k2": transformers.DeepseekV3Config}[raw["model_type"]]
+    if raw["model_type"] == "kimi_k2":  # Kimi-K2: DeepSeek-V3's config class under its own model_type
+        raw = {k: v for k, v in raw.items() if k != "model_type"}
     return cls(**{k: v for k, v in raw.items() if not k.startswith("_")})
 
 
@@ -30,7 +34,8 @@ def test_builtin_config_matches_transformers(name):
     assert ours.num_layers == hf.num_hidden_layers
     assert ours.hidden_size == hf.hidden_size
     assert ours.num_heads == hf.num_attention_heads
-    assert ours.num_kv_heads == hf.num_key_value_heads
+    # latent attention: one shared latent "KV head" (transformers keeps num_key_value_heads = heads)
+    assert ours.num_kv_heads == (1 if ours.mla else hf.num_key_value_heads)
     assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert ours.vocab_size == hf.vocab_size
     assert ours.tie_word_embeddings == hf.tie_word_embeddings
@@ -39,7 +44,7 @@ def test_builtin_config_matches_transformers(name):
     hf_types = tuple(getattr(hf, "layer_types", None) or (every,) * hf.num_hidden_layers)
     assert ours.layer_types == hf_types
     if ours.moe:
-        assert ours.moe.num_experts == hf.num_experts
+        assert ours.moe.num_experts == (getattr(hf, "num_experts", None) or hf.n_routed_experts)
         assert ours.moe.top_k == hf.num_experts_per_tok
         assert ours.moe.intermediate_size == getattr(hf, "moe_intermediate_size", hf.intermediate_size)
     rope = hf.rope_parameters

@@ -151,7 +151,9 @@ def test_family_config_errors_are_one_line():
         config_from_hf({**base, "model_type": "mistral", "sliding_window": "4k"}, "m")
     with pytest.raises(OpWeaveError, match="attention_bias is not supported"):
         config_from_hf({**base, "model_type": "qwen3", "attention_bias": True}, "q")
-    with pytest.raises(OpWeaveError, match="unsupported rope_type 'yarn'"):
+    with pytest.raises(OpWeaveError, match="unsupported rope_type 'dynamic'"):
+        config_from_hf({**base, "model_type": "qwen2", "rope_scaling": {"type": "dynamic", "factor": 4.0}}, "q")
+    with pytest.raises(OpWeaveError, match="yarn rope needs 'original_max_position_embeddings'"):
         config_from_hf({**base, "model_type": "qwen2", "rope_scaling": {"type": "yarn", "factor": 4.0}}, "q")
 
 

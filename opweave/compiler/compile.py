@@ -138,7 +138,8 @@ def lower_plan(plan: Plan, fe: FrontEnd, plan_hash: str) -> tuple[RankProgram, .
     cannot load)."""
     if fe.source.kind == "file":
         return ()
-    return lower(plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, plan_hash)
+    return lower(plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, plan_hash,
+                 fe.blocks.num_head_layers)
 
 
 def _write(folder: str, name: str, text: str) -> None:

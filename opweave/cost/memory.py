@@ -132,9 +132,15 @@ def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int) -> fl
         per_head = op.state.bytes_per_token / (2 * max(1, op.kv_heads or op.state.max_shards))  # head_dim x dtype
         return rows * (heads * width * block * SCORE_BYTES + block * kv * 3
                        + ATTN_ACCUMULATORS * width * heads * per_head * 2)
-    if op.kind == OpKind.MOE_EXPERTS:                             # the k experts' weights, a block of tokens
+    if op.kind in (OpKind.MOE_EXPERTS, OpKind.MOE_EXPERTS_SWIGLU):  # the k experts' weights, a block of tokens
         return min(rows * width, MOE_TOKEN_BLOCK) * op.active_weight_fraction * op.weight_bytes / n \
             + rows * width * op.act_bytes_per_token / n
+    if op.kind == OpKind.ATTN_MLA:  # latent attention: every query head against the shared latent rows
+        heads = op.tp_units / n                                   # query heads on this GPU
+        row = op.state.bytes_per_token                            # latent + rope key per position (all ranks)
+        block = min(ATTN_KEY_BLOCK, max(op.state.tokens_at(context), width))
+        return rows * (heads * width * block * SCORE_BYTES + block * row * 3
+                       + (ATTN_ACCUMULATORS * 2 + 1) * width * heads * row)  # + the concatenated [q_abs | q_pe]
     if op.kind == OpKind.ATTN_LINEAR:
         return rows * (RECURRENT_TEMPORARIES * op.state_bytes(context) / state_shards(op, tp)
                        + width * UPCAST_FACTOR * op.act_bytes_per_token / n)

@@ -15,6 +15,7 @@ Everything is frozen; `verify()` states the invariants; `format_graph()` prints 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from opweave.ir.facts import StateSpec
@@ -22,13 +23,18 @@ from opweave.ir.kinds import OpClass, OpKind, TPRule
 
 OP_CLASS = {
     OpKind.ATTN_FULL: OpClass.ATTN, OpKind.ATTN_SLIDING: OpClass.ATTN, OpKind.ATTN_LINEAR: OpClass.ATTN,
+    OpKind.ATTN_MLA: OpClass.ATTN,
     OpKind.QKV_PROJ: OpClass.GEMM, OpKind.O_PROJ: OpClass.GEMM, OpKind.MLP_GATE_UP: OpClass.GEMM,
     OpKind.MLP_DOWN: OpClass.GEMM, OpKind.MOE_ROUTER: OpClass.GEMM, OpKind.MOE_EXPERTS: OpClass.GEMM,
     OpKind.SHARED_EXPERT: OpClass.GEMM, OpKind.LM_HEAD: OpClass.GEMM,
+    OpKind.MOE_EXPERTS_SWIGLU: OpClass.GEMM,
 }
 """Roofline class per kind; kinds not listed are LIGHT (embedding lookup, norms, rope, adds…)."""
 
-DTYPE_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
+DTYPE_SIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1,
+              # published weight formats (`models.config.WeightFormat`), their scales included:
+              "float8_e4m3fn": 1 + 4 / (128 * 128),   # a float32 scale per 128 x 128 block
+              "mxfp4": 0.5 + 1 / 32}                  # a one-byte scale per 32 values
 
 
 class IRError(Exception):
@@ -51,7 +57,7 @@ class Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPE_SIZE[self.dtype]
+        return math.ceil(self.numel * DTYPE_SIZE[self.dtype])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

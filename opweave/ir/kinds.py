@@ -19,6 +19,7 @@ class OpKind(str, enum.Enum):
     ATTN_FULL = "attn_full"      # core attention over the whole context (KV grows with s)
     ATTN_SLIDING = "attn_sliding"  # core attention over the last w tokens (KV capped at w)
     ATTN_LINEAR = "attn_linear"  # Gated-DeltaNet: causal conv + delta-rule recurrence (constant state)
+    ATTN_MLA = "attn_mla"        # absorbed multi-head latent attention over the latent cache (DeepSeek-V3)
     O_PROJ = "o_proj"            # output projection, optionally gated by sigmoid(gate)
     RESIDUAL = "residual"        # residual add
     # feed-forward half of a layer
@@ -28,6 +29,7 @@ class OpKind(str, enum.Enum):
     MOE_ROUTER = "moe_router"    # router logits -> softmax -> top-k experts and weights
     MOE_EXPERTS = "moe_experts"  # routed expert MLPs, weighted sum
     SHARED_EXPERT = "shared_expert"  # always-on expert, sigmoid-gated, added to the routed output
+    MOE_EXPERTS_SWIGLU = "moe_experts_swiglu"  # routed experts with biases, clamped SwiGLU (GPT-OSS)
 
 
 class OpClass(str, enum.Enum):

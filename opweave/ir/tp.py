@@ -31,6 +31,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from opweave.ir.graph import DTYPE_SIZE
 from opweave.ir.kinds import OpKind
 
 # ---------------------------------------------------------------- splitting units over a group
@@ -154,8 +155,10 @@ class KindRule:
     weights: tuple[tuple[str, int, str], ...] = ()
     """(checkpoint key suffix, split dim, units) per sharded weight; units: "units" (the op's
     `tp_units`), "kv" (its KV heads), "halves" (two packed halves of `tp_units` each: fused
-    experts' gate | up), "conv" (Gated-DeltaNet's q | k | v conv channels, by key head). A weight
-    no suffix matches is replicated (norm weights, the shared expert's gate)."""
+    experts' gate | up), "conv" (Gated-DeltaNet's q | k | v conv channels, by key head), "once" (the
+    bias of a partial-sum op: every rank holds it whole, only the group's first rank adds it, so
+    the all-reduce adds it once; `OpTP.added_once`). A weight no suffix matches is replicated (norm
+    weights, the shared expert's gate)."""
 
 
 _REPLICATED = KindRule()
@@ -171,14 +174,21 @@ TP_TABLE: dict[OpKind, KindRule] = {
     OpKind.QKV_PROJ: KindRule(sharded=True, kv=True, weights=(
         ("q_proj.weight", 0, "units"), ("k_proj.weight", 0, "kv"), ("v_proj.weight", 0, "kv"),
         ("q_proj.bias", 0, "units"), ("k_proj.bias", 0, "kv"), ("v_proj.bias", 0, "kv"),  # Qwen2
-        ("in_proj_qkvz.weight", 0, "units"), ("in_proj_ba.weight", 0, "units"))),
+        ("in_proj_qkvz.weight", 0, "units"), ("in_proj_ba.weight", 0, "units"),
+        # multi-head latent attention: q_b_proj and W_UK by heads (q_a_proj, kv_a_proj_with_mqa and
+        # their norms replicated); kv_b_proj.weight is the checkpoint tensor W_UK / W_UV are read from
+        ("q_b_proj.weight", 0, "units"), ("kv_b_proj.w_uk", 0, "units"), ("kv_b_proj.weight", 0, "units"))),
     OpKind.QK_NORM: KindRule(sharded=True, kv=True),
     OpKind.ROPE: KindRule(sharded=True, kv=True),
-    OpKind.ATTN_FULL: KindRule(sharded=True, kv=True),
-    OpKind.ATTN_SLIDING: KindRule(sharded=True, kv=True),
+    OpKind.ATTN_FULL: KindRule(sharded=True, kv=True, weights=(("sinks", 0, "units"),)),  # GPT-OSS sinks
+    OpKind.ATTN_SLIDING: KindRule(sharded=True, kv=True, weights=(("sinks", 0, "units"),)),
     OpKind.ATTN_LINEAR: KindRule(sharded=True, weights=(
         ("conv1d.weight", 0, "conv"), ("A_log", 0, "units"), ("dt_bias", 0, "units"))),
-    OpKind.O_PROJ: KindRule(sharded=True, partial_sum=True, weights=(("", 1, "units"),)),
+    OpKind.ATTN_MLA: KindRule(sharded=True, kv=True),  # query heads split; the one latent "KV head" replicated
+    OpKind.O_PROJ: KindRule(sharded=True, partial_sum=True, weights=(
+        ("kv_b_proj.w_uv", 0, "units"), ("kv_b_proj.weight", 0, "units"),  # latent attention's W_UV, by heads
+        ("o_proj.bias", 0, "once"),  # GPT-OSS
+        ("", 1, "units"))),
     OpKind.MLP_GATE_UP: KindRule(sharded=True, weights=(("gate_proj.weight", 0, "units"),
                                                          ("up_proj.weight", 0, "units"))),
     OpKind.ACT: KindRule(sharded=True),
@@ -189,11 +199,16 @@ TP_TABLE: dict[OpKind, KindRule] = {
         ("down_proj.weight", 1, "units"))),
     OpKind.SHARED_EXPERT: KindRule(sharded=True, partial_sum=True, extends_partial=True, weights=(
         ("shared_expert.gate_proj.weight", 0, "units"), ("shared_expert.up_proj.weight", 0, "units"),
-        ("shared_expert.down_proj.weight", 1, "units"))),
+        ("shared_expert.down_proj.weight", 1, "units"),
+        ("shared_experts.gate_proj.weight", 0, "units"), ("shared_experts.up_proj.weight", 0, "units"),  # DeepSeek
+        ("shared_experts.down_proj.weight", 1, "units"))),
+    OpKind.MOE_EXPERTS_SWIGLU: KindRule(sharded=True, partial_sum=True, weights=(  # GPT-OSS [E, H, 2I] interleaved
+        ("gate_up_proj", 2, "units"), ("gate_up_proj_bias", 1, "units"),   # whole (gate, up) column pairs
+        ("down_proj", 1, "units"), ("down_proj_bias", 0, "once"))),
 }
 
 _SPLIT_OUTPUT = (OpKind.QKV_PROJ, OpKind.QK_NORM, OpKind.ROPE, OpKind.ATTN_FULL, OpKind.ATTN_SLIDING,
-                 OpKind.ATTN_LINEAR)
+                 OpKind.ATTN_LINEAR, OpKind.ATTN_MLA)
 """Sharded kinds whose outputs stay split (the others' are partial sums, reduced, or internal to
 a stage: no cut follows a gate/up projection)."""
 
@@ -245,12 +260,23 @@ class OpTP:
         dv = next(s for k, s in shapes.items() if k.endswith("norm.weight"))[0]
         return (conv - heads * dv) // 2, heads * dv
 
+    def added_once(self, key: str) -> bool:
+        """Whether tensor `key` is a partial-sum op's bias that only the group's first rank adds
+        (every rank holds it whole: the others hold zeros)."""
+        if not self.rule.sharded:
+            return False
+        found = next((units for suffix, _, units in self.rule.weights if key.endswith(suffix)), None)
+        return found == "once"
+
     def weight_split(self, key: str, shape: Sequence[int]) -> tuple[int, Split] | None:
-        """(dim, split) of checkpoint tensor `key` of full `shape`; None: replicated."""
+        """(dim, split) of checkpoint tensor `key` of full `shape`; None: replicated (or held
+        whole, `added_once`)."""
         if not self.rule.sharded:
             return None
         for suffix, dim, units in self.rule.weights:
             if key.endswith(suffix):
+                if units == "once":
+                    return None
                 size = shape[dim]
                 if units == "kv":
                     return dim, Split(sizes=(size,), units=(self.kv_heads,))
@@ -313,7 +339,7 @@ def weight_bytes_per_rank(op, tp: int) -> int:
     view = of_op(op)
     total = 0
     for w in op.weights:
-        total += math.prod(view.local_shape(w.name, w.shape, tp)) * (w.nbytes // max(1, w.numel))
+        total += math.ceil(math.prod(view.local_shape(w.name, w.shape, tp)) * DTYPE_SIZE[w.dtype])
     return total
 
 
@@ -324,7 +350,7 @@ def rank_weight_bytes(ops: Sequence, tp: int) -> int:
     for op in ops:
         view = of_op(op)
         for w in op.weights:
-            nbytes = math.prod(view.local_shape(w.name, w.shape, tp)) * (w.nbytes // max(1, w.numel))
+            nbytes = math.ceil(math.prod(view.local_shape(w.name, w.shape, tp)) * DTYPE_SIZE[w.dtype])
             per_name[w.name] = max(per_name.get(w.name, 0), nbytes)
     return int(sum(per_name.values()))
 

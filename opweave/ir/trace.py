@@ -25,7 +25,7 @@ from opweave.models.ops import OpModule
 SHAPE_CONTEXT = 16
 """Cache length used while sizing values on meta tensors (sizes per token do not depend on it)."""
 
-ATTN_KINDS = (OpKind.ATTN_FULL, OpKind.ATTN_SLIDING, OpKind.ATTN_LINEAR)
+ATTN_KINDS = (OpKind.ATTN_FULL, OpKind.ATTN_SLIDING, OpKind.ATTN_LINEAR, OpKind.ATTN_MLA)
 
 
 class _LeafTracer(torch.fx.Tracer):
@@ -92,10 +92,15 @@ def _value_name(node: torch.fx.Node, op_name: dict[str, str]) -> str:
 def _op_from_node(index: int, node: torch.fx.Node, module: OpModule, inputs: tuple[str, ...],
                   act_bytes: int) -> Op:
     facts = module.facts()
+    fmt = module.cfg.weight_format  # a published format (fp8, mxfp4): the bytes as stored
+
+    def dtype(key: str, p) -> str:
+        return fmt.dtype if fmt is not None and fmt.converts(key, p.dim()) else str(p.dtype).removeprefix("torch.")
+
     weights = tuple(
-        Weight(name=module.tied.get(attr) or module.weight_keys[attr], shape=tuple(p.shape),
-               dtype=str(p.dtype).removeprefix("torch."), tied=attr in module.tied)
-        for attr, p in module.named_parameters(recurse=False, remove_duplicate=False))
+        Weight(name=key, shape=tuple(p.shape), dtype=dtype(key, p), tied=attr in module.tied)
+        for attr, p in module.named_parameters(recurse=False, remove_duplicate=False)
+        for key in (module.tied.get(attr) or module.weight_keys[attr],))
     return Op(
         index=index, name=str(node.target), kind=module.kind, cls=OP_CLASS.get(module.kind, OpClass.LIGHT),
         layer=module.layer, inputs=inputs, weights=weights,

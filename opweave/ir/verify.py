@@ -20,7 +20,9 @@ def verify_blocks(bg: Any) -> Any:
     and epilogue are contiguous op ranges covering every op once, in order; each block holds
     `period` whole layers in order, and every block has the same op kinds."""
     graph = bg.graph
-    parts = [("prologue", bg.prologue)] + [(f"block {b}", r) for b, r in enumerate(bg.blocks)]
+    head = getattr(bg, "num_head_layers", 0)  # layers before block 0 (passes/blocks.py)
+    parts = [("prologue", bg.prologue)] + ([("head", bg.head)] if head else [])
+    parts += [(f"block {b}", r) for b, r in enumerate(bg.blocks)]
     parts += ([("tail", bg.tail)] if bg.tail is not None else []) + [("epilogue", bg.epilogue)]
     nxt = 0
     for name, r in parts:
@@ -29,15 +31,17 @@ def verify_blocks(bg: Any) -> Any:
         nxt = r.last + 1
     if nxt != len(graph.ops):
         raise IRError(f"the blocks cover ops 0..{nxt - 1} of {len(graph.ops)}")
-    if len(bg.blocks) != bg.num_blocks or bg.num_blocks * bg.period + bg.num_tail_layers != graph.num_layers:
-        raise IRError(f"{bg.num_blocks} blocks of {bg.period} layers + {bg.num_tail_layers} tail layers "
+    if len(bg.blocks) != bg.num_blocks or head + bg.num_blocks * bg.period + bg.num_tail_layers != graph.num_layers:
+        raise IRError(f"{head} head layers + {bg.num_blocks} blocks of {bg.period} layers + "
+                      f"{bg.num_tail_layers} tail layers "
                       f"!= {graph.num_layers} layers")
     kinds = None
     for b, r in enumerate(bg.blocks):
         layers = [op.layer for op in graph.ops[r.first:r.last + 1]]
-        if layers != sorted(layers) or set(layers) != set(range(b * bg.period, (b + 1) * bg.period)):
+        first = head + b * bg.period
+        if layers != sorted(layers) or set(layers) != set(range(first, first + bg.period)):
             raise IRError(f"block {b} holds layers {sorted(set(layers))}, expected "
-                          f"{b * bg.period}..{(b + 1) * bg.period - 1}")
+                          f"{first}..{first + bg.period - 1}")
         these = [op.kind for op in graph.ops[r.first:r.last + 1]]
         if kinds is not None and these != kinds:
             raise IRError(f"block {b}'s op kinds differ from block 0's")

@@ -2,13 +2,17 @@
 `config.json` (the format of real checkpoints and of OpWeave's built-in configs).
 
 Supported `model_type`s: llama (Llama-2 and Llama-3), mistral, mixtral, qwen2, qwen3,
-qwen3_moe, gemma3_text (and gemma3 with a `text_config`), qwen3_next. Both the hub's legacy rope
+qwen3_moe, gemma3_text (and gemma3 with a `text_config`), qwen3_next, deepseek_v3 (and Kimi-K2's
+kimi_k2). Both the hub's legacy rope
 keys (`rope_theta` + `rope_scaling`) and transformers v5's `rope_parameters` are understood.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import math
+import re
 from typing import Any
 
 from opweave.errors import OpWeaveError
@@ -19,7 +23,7 @@ LINEAR = "linear_attention"
 LAYER_TYPES = (FULL, SLIDING, LINEAR)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma3_text", "gemma3", "qwen3_moe",
-                         "qwen3_next")
+                         "qwen3_next", "deepseek_v3", "kimi_k2", "gpt_oss")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -29,12 +33,18 @@ class RopeSpec:
     """Rotary embedding of one layer type."""
 
     theta: float
-    rope_type: str = "default"          # default | linear | llama3
-    factor: float = 1.0                 # linear and llama3 scaling factor
+    rope_type: str = "default"          # default | linear | llama3 | yarn
+    factor: float = 1.0                 # linear, llama3 and yarn scaling factor
     low_freq_factor: float = 1.0        # llama3 only
     high_freq_factor: float = 4.0       # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 and yarn
     partial_rotary_factor: float = 1.0  # fraction of head_dim that rotates (Qwen3-Next: 0.25)
+    beta_fast: float = 32.0             # yarn only: rotations bounding the extrapolated (fast) dims
+    beta_slow: float = 1.0              # yarn only: rotations bounding the interpolated (slow) dims
+    truncate: bool = True               # yarn only: round the correction range to whole dims
+    mscale: float = 0.0                 # yarn only (DeepSeek): 0 when the config names none
+    mscale_all_dim: float = 0.0         # yarn only (DeepSeek): 0 when the config names none
+    attention_factor: float = 1.0       # scale of cos/sin (yarn: `yarn_attention_factor` unless given)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +54,31 @@ class MoESpec:
     intermediate_size: int              # per expert
     norm_topk_prob: bool
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    # DeepSeek-V3 routing (defaults: softmax top-k, one group, unscaled, a sigmoid-gated shared expert)
+    scoring: str = "softmax"            # softmax | sigmoid (sigmoid: + e_score_correction_bias for the choice)
+    n_group: int = 1                    # experts in n_group groups; a token picks from its topk_group best
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    shared_expert_gated: bool = True    # False: the shared expert is added ungated (DeepSeek's shared_experts)
+    # GPT-OSS experts (default: gated SiLU experts, fused [E, 2I, H] with the gate rows first)
+    expert_style: str = "silu"          # silu | swiglu_clamped: router and experts with biases, softmax over the
+    #                                     top-k router logits, clamped SwiGLU, [E, H, 2I] gate/up interleaved
+    swiglu_alpha: float = 1.702         # swiglu_clamped only: sigmoid gain
+    swiglu_limit: float = 7.0           # swiglu_clamped only: clamp of gate (above) and up (both sides)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MLASpec:
+    """Multi-head latent attention dimensions (DeepSeek-V3, Kimi-K2). Per token and layer the cache
+    holds the compressed latent (kv_lora_rank, after kv_a_layernorm) and one shared rope key
+    (qk_rope_head_dim), whatever the number of heads."""
+
+    q_lora_rank: int | None             # None: a plain q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True        # the checkpoint's rope dims are interleaved pairs (x0, x1), (x2, x3)…
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,11 +93,67 @@ class LinearAttnSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WeightFormat:
+    """How a published checkpoint stores its matrix weights (`quantization_config`): OpWeave plans
+    the model as published, so the weight bytes the cost model reads and memory holds are these;
+    activations and the KV cache keep the model's dtype. Running such weights is not supported
+    (`refuse_quantized`): dequantize the checkpoint first.
+
+    fp8: e4m3 values with a float32 scale per 128 x 128 block (DeepSeek-V3, Kimi-K2);
+    mxfp4: 4-bit values with a one-byte scale per 32 (GPT-OSS's experts).
+    Never converted: embeddings, the LM head, norms, routers, biases, attention sinks, and the
+    checkpoint's `modules_to_not_convert`."""
+
+    method: str                               # fp8 | mxfp4
+    dtype: str                                # the IR weights' dtype name (`ir.graph.DTYPE_SIZE`)
+    not_converted: tuple[str, ...] = ()       # checkpoint key patterns (fnmatch), kept at the model dtype
+
+    def converts(self, key: str, ndim: int) -> bool:
+        """Whether checkpoint tensor `key` (of `ndim` dimensions) is stored in this format."""
+        if ndim < 2 or _NEVER_CONVERTED.search(key):
+            return False
+        return not any(fnmatch.fnmatch(key, pat) or fnmatch.fnmatch(key, pat + ".*") for pat in self.not_converted)
+
+
+_NEVER_CONVERTED = re.compile(
+    r"(embed_tokens|lm_head|norm|\.mlp\.gate\.weight$|\.mlp\.router\.|sinks|bias)")
+
+
+def weight_format(quant: Any, where: str) -> WeightFormat | None:
+    """The `WeightFormat` of a config's `quantization_config` (None without one); a one-line
+    OpWeaveError for a format OpWeave cannot plan."""
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "fp8":
+        fmt, block = quant.get("fmt", "e4m3"), quant.get("weight_block_size")
+        if fmt != "e4m3" or list(block or ()) != [128, 128]:
+            raise OpWeaveError(f"{where}: quantization_config fp8 with fmt {fmt!r} and weight_block_size {block!r} "
+                               "is not supported (supported: e4m3 with 128x128 blocks)")
+        return WeightFormat(method="fp8", dtype="float8_e4m3fn")
+    if method == "mxfp4":
+        keep = quant.get("modules_to_not_convert") or ()
+        if not isinstance(keep, (list, tuple)) or not all(isinstance(k, str) for k in keep):
+            raise OpWeaveError(f"{where}: quantization_config modules_to_not_convert must be a list of names")
+        return WeightFormat(method="mxfp4", dtype="mxfp4", not_converted=tuple(keep))
+    raise OpWeaveError(f"{where}: unsupported quantization_config quant_method {method!r} (supported: fp8 with "
+                       "128x128 blocks, mxfp4); remove quantization_config to plan the dequantized model")
+
+
+def refuse_quantized(cfg: "ModelConfig", what: str) -> None:
+    """Loading weights of a quantized config: a one-line OpWeaveError (plans only, `WeightFormat`)."""
+    if cfg.weight_format is not None:
+        raise OpWeaveError(f"{what}: the checkpoint's weights are {cfg.weight_format.method} (quantization_config); "
+                           "OpWeave plans them but runs bfloat16/float16/float32 weights only: dequantize the "
+                           "checkpoint first and remove quantization_config from its config.json")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """Everything OpWeave needs to build, trace and cost a model."""
 
     name: str
-    family: str                     # llama | mistral | mixtral | qwen2 | qwen3 | gemma3 | qwen3_moe | qwen3_next
+    family: str                     # llama | mistral | mixtral | qwen2 | qwen3 | gemma3 | qwen3_moe | qwen3_next | gpt_oss
     model_type: str                 # as in config.json
     vocab_size: int
     hidden_size: int
@@ -86,10 +177,14 @@ class ModelConfig:
     rope: dict[str, RopeSpec]       # per attention layer type (full / sliding)
     moe: MoESpec | None = None
     linear_attn: LinearAttnSpec | None = None
+    mla: MLASpec | None = None      # multi-head latent attention (deepseek_v3): head_dim is then the rope dim
     qkv_bias: bool = False          # q/k/v projections carry a bias (Qwen2)
+    o_bias: bool = False            # the attention output projection carries a bias (GPT-OSS)
+    attn_sinks: bool = False        # attention has a learned per-head sink logit (GPT-OSS)
     max_position_embeddings: int = 131072
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
+    weight_format: WeightFormat | None = None  # matrix weights as published (`quantization_config`)
 
     @property
     def dtype_bytes(self) -> int:
@@ -116,13 +211,45 @@ class _Fields:
         return default if value is None else value
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when not stretching)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(factor: float, mscale: float = 0.0, mscale_all_dim: float = 0.0) -> float:
+    """The scale YaRN puts on cos/sin (so on q·k twice): yarn_mscale(factor), or with both of
+    DeepSeek's `mscale` and `mscale_all_dim` the ratio of the two corrections."""
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def _yarn_fields(params: dict[str, Any], where: str) -> dict[str, Any]:
+    """The yarn-only RopeSpec fields; `original_max_position_embeddings` is required."""
+    if params.get("original_max_position_embeddings") is None:
+        raise OpWeaveError(f"{where}: yarn rope needs 'original_max_position_embeddings'")
+    if params.get("factor") is None:
+        raise OpWeaveError(f"{where}: yarn rope needs 'factor'")
+    factor = float(params["factor"])
+    mscale, mscale_all = float(params.get("mscale") or 0.0), float(params.get("mscale_all_dim") or 0.0)
+    given = params.get("attention_factor")
+    return dict(
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        mscale=mscale, mscale_all_dim=mscale_all,
+        attention_factor=float(given) if given is not None else yarn_attention_factor(factor, mscale, mscale_all),
+    )
+
+
 def _rope_spec(params: dict[str, Any], partial: float, where: str) -> RopeSpec:
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise OpWeaveError(f"{where}: unsupported rope_type '{rope_type}' (supported: default, linear, llama3)")
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise OpWeaveError(f"{where}: unsupported rope_type '{rope_type}' (supported: default, linear, llama3, yarn)")
     if "rope_theta" not in params:
         raise OpWeaveError(f"{where}: config is missing required field 'rope_theta'")
     return RopeSpec(
+        **(_yarn_fields(params, where) if rope_type == "yarn" else {}),
         theta=float(params["rope_theta"]),
         rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
@@ -381,6 +508,124 @@ def _qwen3_next(f: _Fields, name: str) -> ModelConfig:
     )
 
 
+def _deepseek_mlp_types(f: _Fields, n: int) -> tuple[str, ...]:
+    """DeepSeek's MoE layers: from `first_k_dense_replace` on, every `moe_layer_freq`-th layer
+    (layer i with i % freq == 0), when the config names routed experts."""
+    first = int(f.get("first_k_dense_replace", 0))
+    freq = int(f.get("moe_layer_freq", 1))
+    routed = f.raw.get("n_routed_experts")
+    if freq <= 0:
+        raise OpWeaveError(f"{f.where}: 'moe_layer_freq' must be positive, got {freq}")
+    return tuple("moe" if routed and i >= first and i % freq == 0 else "dense" for i in range(n))
+
+
+def mla_softmax_scale(mla: MLASpec, params: dict[str, Any]) -> float:
+    """DeepSeek's softmax scale: (qk_nope + qk_rope)^-0.5, times yarn_mscale(factor,
+    mscale_all_dim)^2 when a scaled rope names `mscale_all_dim` (transformers' yarn_apply_mscale)."""
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    all_dim = float(params.get("mscale_all_dim") or 0.0)
+    if rope_type != "default" and all_dim:
+        factor = float(params.get("factor", 1.0))
+        m = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+def _deepseek_v3(f: _Fields, name: str) -> ModelConfig:
+    """DeepSeek-V3 / Kimi-K2: multi-head latent attention (q LoRA, compressed KV, decoupled rope
+    key), `first_k_dense_replace` dense layers, then MoE layers of sigmoid-scored, group-limited
+    top-k routed experts (scaled by `routed_scaling_factor`) plus ungated shared experts."""
+    if f.get("attention_bias", False):
+        raise OpWeaveError(f"{f.where}: attention_bias is not supported")
+    scoring = f.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise OpWeaveError(f"{f.where}: scoring_func '{scoring}' is not supported (supported: sigmoid)")
+    c = _common(f, name)
+    n = c["num_layers"]
+    q_lora = f.raw.get("q_lora_rank")
+    mla = MLASpec(q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(f.req("kv_lora_rank")),
+                  qk_nope_head_dim=int(f.req("qk_nope_head_dim")), qk_rope_head_dim=int(f.req("qk_rope_head_dim")),
+                  v_head_dim=int(f.req("v_head_dim")), rope_interleave=bool(f.get("rope_interleave", True)))
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
+        value = getattr(mla, key)
+        if value is not None and value <= 0:
+            raise OpWeaveError(f"{f.where}: '{key}' must be positive, got {value}")
+    if mla.qk_rope_head_dim % 2:
+        raise OpWeaveError(f"{f.where}: 'qk_rope_head_dim' must be even, got {mla.qk_rope_head_dim}")
+    mlp_types = _deepseek_mlp_types(f, n)
+    moe = None
+    if "moe" in mlp_types:
+        routed, groups = int(f.req("n_routed_experts")), int(f.get("n_group", 1))
+        topk_group = int(f.get("topk_group", 1))
+        if groups <= 0 or routed % groups or not 1 <= topk_group <= groups:
+            raise OpWeaveError(f"{f.where}: n_group ({groups}) must divide n_routed_experts ({routed}) and "
+                               f"topk_group ({topk_group}) be between 1 and n_group")
+        if routed // groups < 2 and groups > 1:
+            raise OpWeaveError(f"{f.where}: group-limited routing needs at least 2 experts per group")
+        moe = MoESpec(num_experts=routed, top_k=int(f.req("num_experts_per_tok")),
+                      intermediate_size=int(f.req("moe_intermediate_size")),
+                      norm_topk_prob=bool(f.get("norm_topk_prob", True)),
+                      shared_expert_intermediate_size=int(f.req("moe_intermediate_size")) * int(
+                          f.get("n_shared_experts", 0)),
+                      scoring="sigmoid", n_group=groups, topk_group=topk_group,
+                      routed_scaling_factor=float(f.get("routed_scaling_factor", 1.0)), shared_expert_gated=False)
+    params = _rope_params(f, FULL)
+    c.update(num_kv_heads=1, head_dim=mla.qk_rope_head_dim)  # one latent "KV head"; rope acts on the rope dims
+    return ModelConfig(
+        family="deepseek_v3", **c,
+        intermediate_size=int(f.get("intermediate_size", 0)),
+        layer_types=(FULL,) * n, mlp_types=mlp_types, sliding_window=None,
+        norm_offset=False, sandwich_norms=False, embed_scale=False,
+        attn_scale=mla_softmax_scale(mla, params), qk_norm=False, attn_output_gate=False,
+        hidden_act=f.get("hidden_act", "silu"),
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
+        rope={FULL: _rope_spec(params, 1.0, f.where)}, moe=moe, mla=mla,
+    )
+
+
+GPT_OSS_SLIDING_WINDOW = 128  # transformers' GptOssConfig default (the published configs say 128 too)
+
+
+def _gpt_oss_moe(f: _Fields) -> MoESpec:
+    """GPT-OSS experts: `num_local_experts` clamped-SwiGLU experts of `intermediate_size`."""
+    top_k = f.raw.get("num_experts_per_tok", f.raw.get("experts_per_token"))
+    if top_k is None:
+        raise OpWeaveError(f"{f.where}: config is missing required field 'num_experts_per_tok'")
+    return MoESpec(num_experts=int(f.req("num_local_experts")), top_k=int(top_k),
+                   intermediate_size=int(f.req("intermediate_size")), norm_topk_prob=True,
+                   expert_style="swiglu_clamped", swiglu_alpha=float(f.get("swiglu_alpha", 1.702)),
+                   swiglu_limit=float(f.get("swiglu_limit", 7.0)))
+
+
+def _gpt_oss(f: _Fields, name: str) -> ModelConfig:
+    """GPT-OSS: alternating sliding (128) / full attention with learned sinks and biased q/k/v/o
+    projections, YaRN rope, every FFN a top-k MoE of clamped-SwiGLU experts with biases."""
+    c = _common(f, name)
+    c["rms_norm_eps"] = float(f.get("rms_norm_eps", 1e-5))  # GptOssConfig's default
+    n = c["num_layers"]
+    types = _layer_types(f, n, lambda i: SLIDING if i % 2 == 0 else FULL)
+    if LINEAR in types:
+        raise OpWeaveError(f"{f.where}: layer type 'linear_attention' is not supported by model_type 'gpt_oss'")
+    window = f.get("sliding_window", GPT_OSS_SLIDING_WINDOW)
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise OpWeaveError(f"{f.where}: 'sliding_window' must be a positive integer, got {window!r}")
+    rope = _rope_spec(_rope_params(f, FULL, default_theta=150000.0), 1.0, f.where)
+    bias = bool(f.get("attention_bias", True))
+    return ModelConfig(
+        family="gpt_oss", **c,
+        intermediate_size=0,
+        layer_types=types, mlp_types=("moe",) * n,
+        sliding_window=window if SLIDING in types else None,
+        norm_offset=False, sandwich_norms=False, embed_scale=False,
+        attn_scale=c["head_dim"] ** -0.5, qk_norm=False, attn_output_gate=False,
+        hidden_act="silu",
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", False)),
+        rope={t: rope for t in (FULL, SLIDING) if t in types},
+        moe=_gpt_oss_moe(f), qkv_bias=bias, o_bias=bias, attn_sinks=True,
+    )
+
+
 _PARSERS = {
     "llama": _llama,
     "mistral": _mistral,
@@ -391,6 +636,9 @@ _PARSERS = {
     "gemma3": _gemma3,
     "qwen3_moe": _qwen3_moe,
     "qwen3_next": _qwen3_next,
+    "deepseek_v3": _deepseek_v3,
+    "kimi_k2": _deepseek_v3,   # Kimi-K2: DeepSeek-V3's architecture under its own model_type
+    "gpt_oss": _gpt_oss,
 }
 
 
@@ -414,6 +662,7 @@ def config_from_hf(raw: dict[str, Any], name: str, where: str | None = None) -> 
         raise OpWeaveError(
             f"{where}: unsupported model_type '{model_type}' (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     cfg = _PARSERS[model_type](_Fields(raw, where), name)
+    cfg = dataclasses.replace(cfg, weight_format=weight_format(raw.get("quantization_config"), where))
     _check(cfg, where)
     return cfg
 

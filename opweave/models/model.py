@@ -30,6 +30,13 @@ class AttentionBlock(nn.Module):
         window = cfg.sliding_window if layer_type == SLIDING else None
         self.attn = ops.Attention(cfg, layer, window)
         self.o_proj = ops.OProj(cfg, layer, p + "self_attn.o_proj.weight", cfg.num_heads * cfg.head_dim)
+        if cfg.attn_sinks or cfg.o_bias:  # GPT-OSS: learned sinks, a biased output projection
+            from opweave.models import ops_gpt_oss
+
+            if cfg.attn_sinks:
+                self.attn = ops_gpt_oss.SinkAttention(cfg, layer)
+            if cfg.o_bias:
+                self.o_proj = ops_gpt_oss.BiasedOProj(cfg, layer)
         self.post_norm = (ops.RMSNorm(cfg, layer, p + "post_attention_layernorm.weight")
                           if cfg.sandwich_norms else None)
         self.residual = ops.Residual(cfg, layer)
@@ -79,7 +86,20 @@ class FeedForwardBlock(nn.Module):
         pre_key = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
         self.norm = ops.RMSNorm(cfg, layer, f"{p}{pre_key}.weight")
         self.is_moe = cfg.mlp_types[layer] == "moe"
-        if self.is_moe:
+        if self.is_moe and cfg.moe.scoring == "sigmoid":  # DeepSeek-V3: grouped sigmoid router, plain shared experts
+            from opweave.models import ops_mla
+
+            self.router = ops_mla.GroupedRouter(cfg, layer)
+            self.experts = ops.MoEExperts(cfg, layer)
+            self.shared = (ops_mla.PlainSharedExpert(cfg, layer) if cfg.moe.shared_expert_intermediate_size
+                           else None)
+        elif self.is_moe and cfg.moe.expert_style == "swiglu_clamped":  # GPT-OSS: biased router and experts
+            from opweave.models import ops_gpt_oss
+
+            self.router = ops_gpt_oss.GptOssRouter(cfg, layer)
+            self.experts = ops_gpt_oss.GptOssExperts(cfg, layer)
+            self.shared = None
+        elif self.is_moe:
             self.router = ops.MoERouter(cfg, layer)
             self.experts = ops.MoEExperts(cfg, layer)
             self.shared = ops.SharedExpert(cfg, layer) if cfg.moe.shared_expert_intermediate_size else None
@@ -109,7 +129,11 @@ class FeedForwardBlock(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        if cfg.layer_types[layer] == LINEAR:
+        if cfg.mla is not None:  # DeepSeek-V3: multi-head latent attention
+            from opweave.models.ops_mla import MLAAttentionBlock
+
+            self.mixer = MLAAttentionBlock(cfg, layer)
+        elif cfg.layer_types[layer] == LINEAR:
             self.mixer = LinearAttentionBlock(cfg, layer)
         else:
             assert cfg.layer_types[layer] in (FULL, SLIDING)

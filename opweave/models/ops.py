@@ -210,7 +210,7 @@ class QKNorm(OpModule):
 
 
 def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies of the rotated part of the head (default, linear and llama3 rope)."""
+    """Inverse frequencies of the rotated part of the head (default, linear, llama3 and yarn rope)."""
     dim = int(head_dim * spec.partial_rotary_factor)
     inv = 1.0 / (spec.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if spec.rope_type == "linear":
@@ -225,11 +225,33 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif spec.rope_type == "yarn":
+        inv = _yarn_inv_freq(spec, dim, inv)
     return inv
 
 
+def _yarn_inv_freq(spec: RopeSpec, dim: int, inv: torch.Tensor) -> torch.Tensor:
+    """YaRN: dims that turn fewer than `beta_slow` times over the original context are
+    interpolated (inv / factor), those turning more than `beta_fast` times kept, a linear ramp
+    between (the correction range, rounded outwards to whole dims with `truncate`)."""
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over the original context
+        return dim * math.log(spec.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(spec.theta))
+
+    low, high = dim_of(spec.beta_fast), dim_of(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp: a step
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return inv / spec.factor * (1 - extrapolate) + inv * extrapolate
+
+
 class Rope(OpModule):
-    """Rotary embedding on q and k at `positions`; partial rotary rotates the first part only."""
+    """Rotary embedding on q and k at `positions`; partial rotary rotates the first part only;
+    cos and sin are scaled by the spec's `attention_factor` (YaRN)."""
 
     kind = OpKind.ROPE
 
@@ -243,7 +265,7 @@ class Rope(OpModule):
         self.inv_freq = rope_inv_freq(self.spec, self.cfg.head_dim).to(self.inv_freq.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        return K.rope(q, k, positions, self.inv_freq.float(), self.rot_dim)
+        return K.rope(q, k, positions, self.inv_freq.float(), self.rot_dim, self.spec.attention_factor)
 
     def facts(self) -> OpFacts:
         c = self.cfg

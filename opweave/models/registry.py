@@ -17,7 +17,7 @@ import os
 import torch
 
 from opweave.errors import OpWeaveError
-from opweave.models.config import ModelConfig, config_from_hf
+from opweave.models.config import ModelConfig, config_from_hf, refuse_quantized
 from opweave.models.model import CausalLM, build_model
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -56,6 +56,7 @@ class ModelSource:
 
         if self.kind != "checkpoint":
             raise OpWeaveError(f"{self.name}: no weights to load (give a checkpoint folder)")
+        refuse_quantized(self.cfg, self.path)
         model = self.build("cpu", dtype)
         model.load_weights(CheckpointReader(self.path))
         return model

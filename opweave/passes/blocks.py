@@ -8,6 +8,14 @@ positions. The prologue (embedding) and epilogue (final norm, LM head, sampling)
 
 Gemma-3-27B: p = 6 (5 sliding + 1 full), 10 blocks + 2 tail layers.
 Qwen3-Next-80B-A3B: p = 4 (3 linear + 1 full), 12 blocks. Llama: p = 1.
+
+Head layers. A model may open with dense-MLP layers before layers that are all MoE
+(DeepSeek-V3's `first_k_dense_replace`): those h layers are head layers when h + p(h) < p(0), p(h)
+the smallest period of layers h..L-1, and the blocks start after them. DeepSeek-V3 gets h = 3,
+p = 1 (58 one-layer MoE blocks) instead of one 61-layer block; every other model keeps h = 0
+(dense layers between MoE layers, or attention patterns, stay inside the blocks). Head layers
+are never cut: they join the first stage, with the prologue (`passes/templates.py`), as tail
+layers follow the last block.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import dataclasses
 from typing import Any, Hashable, Sequence
 
 from opweave.ir.graph import Op, OpGraph
+from opweave.ir.kinds import OpKind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +48,17 @@ class BlockedGraph:
     blocks: tuple[OpRange, ...]
     tail: OpRange | None
     epilogue: OpRange
+    num_head_layers: int = 0         # layers before the first block (never cut: they join the first stage)
+    head: OpRange | None = None      # their ops
+
+    @property
+    def first_block_layer(self) -> int:
+        """The layer block 0 starts at (the number of head layers)."""
+        return self.num_head_layers
+
+    def block_position(self, layer: int) -> int | None:
+        """The block position (0..period-1) of `layer`; None for a head layer."""
+        return None if layer < self.num_head_layers else (layer - self.num_head_layers) % self.period
 
     def block_ops(self, block: int) -> tuple[Op, ...]:
         r = self.blocks[block]
@@ -62,6 +82,24 @@ def smallest_period(signatures: Sequence[Hashable]) -> int:
     return max(n, 1)
 
 
+def dense_head(layers: Sequence[Sequence[Op]]) -> int:
+    """The leading layers with a dense MLP when no later layer has one (all MoE), else 0."""
+    dense = [any(op.kind == OpKind.MLP_GATE_UP for op in ops) for ops in layers]
+    h = next((i for i, d in enumerate(dense) if not d), len(dense))
+    return h if 0 < h < len(dense) and not any(dense[h:]) else 0
+
+
+def head_and_period(signatures: Sequence[Hashable], head: int) -> tuple[int, int]:
+    """(h, p): `head` and the period of the layers after it when that makes h + p smaller than the
+    period of all layers, else (0, that period)."""
+    whole = smallest_period(signatures)
+    if head:
+        p = smallest_period(signatures[head:])
+        if head + p < whole:
+            return head, p
+    return 0, whole
+
+
 def _range(ops: Sequence[Op]) -> OpRange:
     layers = [op.layer for op in ops if op.layer is not None]
     return OpRange(first=ops[0].index, last=ops[-1].index,
@@ -73,20 +111,23 @@ def find_blocks(graph: OpGraph) -> BlockedGraph:
     layers = [graph.layer_ops(i) for i in range(graph.num_layers)]
     if not layers or any(not ops for ops in layers):
         raise ValueError(f"{graph.model}: every layer must have ops")
-    period = smallest_period([layer_signature(ops) for ops in layers])
-    num_blocks = graph.num_layers // period
-    num_tail = graph.num_layers % period
+    head, period = head_and_period([layer_signature(ops) for ops in layers], dense_head(layers))
+    num_blocks = (graph.num_layers - head) // period
+    num_tail = (graph.num_layers - head) % period
     first_layer_op = layers[0][0].index
     last_layer_op = layers[-1][-1].index
-    blocks = tuple(
-        _range([op for i in range(b * period, (b + 1) * period) for op in layers[i]]) for b in range(num_blocks))
-    tail = _range([op for i in range(num_blocks * period, graph.num_layers) for op in layers[i]]) if num_tail else None
+    blocks = tuple(_range([op for i in range(head + b * period, head + (b + 1) * period) for op in layers[i]])
+                   for b in range(num_blocks))
+    tail_start = head + num_blocks * period
+    tail = _range([op for i in range(tail_start, graph.num_layers) for op in layers[i]]) if num_tail else None
     return BlockedGraph(
         graph=graph, period=period, num_blocks=num_blocks, num_tail_layers=num_tail,
-        pattern=graph.layer_types[:period],
+        pattern=graph.layer_types[head:head + period],
         prologue=_range(graph.ops[:first_layer_op]),
         blocks=blocks, tail=tail,
         epilogue=_range(graph.ops[last_layer_op + 1:]),
+        num_head_layers=head,
+        head=_range([op for i in range(head) for op in layers[i]]) if head else None,
     )
 
 
@@ -101,14 +142,18 @@ def format_blocks(bg: BlockedGraph) -> str:
     """Readable block structure (what `opweave dump --what blocks` prints)."""
     g = bg.graph
     lines = [f"Partition blocks of {g.model}: period {bg.period} layer(s), {bg.num_blocks} block(s) "
-             f"+ {bg.num_tail_layers} tail layer(s), {g.num_layers} layers",
+             f"+ {bg.num_tail_layers} tail layer(s), {g.num_layers} layers"
+             + (f" ({bg.num_head_layers} head layer(s) first)" if bg.num_head_layers else ""),
              f"  pattern: {' '.join(_SHORT.get(t, t) for t in bg.pattern)}   "
              f"(F full attention, S sliding window, L linear attention)",
              f"  prologue: ops {bg.prologue.first}..{bg.prologue.last}: {_kinds(g.ops[bg.prologue.first:bg.prologue.last + 1])}"]
+    if bg.head:
+        lines.append(f"  head: layers 0-{bg.num_head_layers - 1}, ops {bg.head.first}..{bg.head.last} "
+                     f"(joins the first stage)")
     block0 = bg.block_ops(0) if bg.blocks else ()
     lines.append(f"  block template ({len(block0)} ops):")
     for pos in range(bg.period):
-        ops = [op for op in block0 if op.layer == pos]
+        ops = [op for op in block0 if op.layer == bg.num_head_layers + pos]
         lines.append(f"    position {pos} [{bg.pattern[pos]}]: {_kinds(ops)}")
     shown = range(len(bg.blocks)) if len(bg.blocks) <= 6 else [0, 1, 2, len(bg.blocks) - 1]
     for b in shown:
@@ -139,4 +184,6 @@ def blocks_to_json(bg: BlockedGraph) -> dict[str, Any]:
         "blocks": [rng(r) for r in bg.blocks],
         "tail": rng(bg.tail),
         "epilogue": rng(bg.epilogue),
+        "num_head_layers": bg.num_head_layers,
+        "head": rng(bg.head),
     }

@@ -74,7 +74,8 @@ def _transfer(graph: OpGraph, cut: int, values: tuple[str, ...], peers: tuple[Pe
                     layouts=tuple(value_layout(graph, v) for v in values), peers=peers)
 
 
-def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: str) -> tuple[RankProgram, ...]:
+def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: str,
+          num_head_layers: int = 0) -> tuple[RankProgram, ...]:
     """One program per rank of replica set 0."""
     layout = rank_layout(plan)
     leaders = _leaders(plan)
@@ -96,7 +97,9 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
             launches = []
             for index in range(st.first_op, st.last_op + 1):
                 op = graph.ops[index]
-                block = op.layer // period if op.layer is not None and op.layer < num_blocks * period else None
+                # partition block of the op's layer (None: head and tail layers, prologue, epilogue)
+                block = ((op.layer - num_head_layers) // period
+                         if op.layer is not None and 0 <= op.layer - num_head_layers < num_blocks * period else None)
                 launches.append(Launch(op=index, name=op.name, kind=op.kind.value, layer=op.layer, block=block,
                                        inputs=op.inputs, output=op.name,
                                        allreduce=allreduce_after(graph.ops, index, owner.tp)))

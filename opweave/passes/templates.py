@@ -21,6 +21,9 @@ Gemma-3-27B: 2 signatures (S, F) x 2^4 = 256; Qwen3-Next-80B-A3B: 2 (L, F) x 2^4
 Llama-3.1, Qwen3-30B-A3B: 1 x 2^4 = 16. Named members: `colocated` (no cut), `afd` (mid + end:
 attention half | FFN half), `cad` (pre_attn + post_attn: core attention | rest).
 
+Head layers (`BlockedGraph.num_head_layers`, e.g. DeepSeek-V3's dense first layers) have no
+sites: they are never cut and join the first stage with the prologue.
+
 Stages. The template's sites are cut in every block and in the tail layers (block positions
 0..r-1); stage i ends at the i-th cut along the token path, so with k cuts per block the stages
 of every block with the same slot = i % k have the same op structure (the first carries the
@@ -110,8 +113,8 @@ def layer_cut_sites(bg: BlockedGraph) -> tuple[dict[str, CutPoint], ...]:
     out: list[dict[str, CutPoint]] = [{} for _ in layers]
     for cut in bg.graph.cuts:
         layer = owner.get(cut.after)
-        if layer is None or cut.after == bg.epilogue.first - 1:
-            continue   # after the embedding (prologue) or before the epilogue: never cut
+        if layer is None or cut.after == bg.epilogue.first - 1 or layer < bg.num_head_layers:
+            continue   # after the embedding (prologue), in a head layer or before the epilogue: never cut
         if cut.reason in _REASON_SITE:
             site = _REASON_SITE[cut.reason]
         else:
@@ -136,12 +139,12 @@ def signature_groups(bg: BlockedGraph) -> tuple[SignatureGroup, ...]:
     cut_sites = layer_cut_sites(bg)
     by_sig: dict[Hashable, list[int]] = {}
     for pos in range(bg.period):
-        by_sig.setdefault(layer_signature(layers[pos]), []).append(pos)
+        by_sig.setdefault(layer_signature(layers[bg.num_head_layers + pos]), []).append(pos)
     letters = [_LETTER.get(bg.pattern[ps[0]], bg.pattern[ps[0]]) for ps in by_sig.values()]
     groups = []
     for letter, positions in zip(letters, by_sig.values()):
         label = letter if letters.count(letter) == 1 else f"{letter}{positions[0]}"
-        have = {s for layer in range(bg.graph.num_layers) if layer % bg.period in positions
+        have = {s for layer in range(bg.graph.num_layers) if bg.block_position(layer) in positions
                 for s in cut_sites[layer]}
         groups.append(SignatureGroup(label=label, positions=tuple(positions), sites=tuple(s for s in SITES if s in have)))
     return tuple(groups)
@@ -222,8 +225,8 @@ def template_cuts(bg: BlockedGraph, template: Template) -> tuple[CutPoint, ...]:
     """The cuts a template takes, in token-path order (every block and the tail layers)."""
     if len(template.sites) != bg.period:
         raise ValueError(f"template {template.name} has {len(template.sites)} positions, period is {bg.period}")
-    cuts = [cut for layer, sites in enumerate(layer_cut_sites(bg))
-            for site, cut in sites.items() if site in template.sites[layer % bg.period]]
+    cuts = [cut for layer, sites in enumerate(layer_cut_sites(bg)) if layer >= bg.num_head_layers
+            for site, cut in sites.items() if site in template.sites[bg.block_position(layer)]]
     return tuple(sorted(cuts, key=lambda c: c.after))
 
 
@@ -243,7 +246,7 @@ def build_stages(bg: BlockedGraph, template: Template) -> StagePlan:
     for index, (last, cut) in enumerate(bounds):
         block = None
         if cut is not None and cut.after <= block_ops_end:
-            block = ops[cut.after].layer // bg.period
+            block = (ops[cut.after].layer - bg.num_head_layers) // bg.period
         layers = tuple(sorted({op.layer for op in ops[first:last + 1] if op.layer is not None}))
         stages.append(Stage(index=index, first=first, last=last, slot=index % per_block, block=block,
                             layers=layers, out_bytes_per_token=cut.bytes_per_token if cut else 0,
@@ -256,7 +259,7 @@ def build_stages(bg: BlockedGraph, template: Template) -> StagePlan:
 
 
 def _tail_layers(bg: BlockedGraph) -> set[int]:
-    return set(range(bg.num_blocks * bg.period, bg.graph.num_layers))
+    return set(range(bg.num_head_layers + bg.num_blocks * bg.period, bg.graph.num_layers))
 
 
 def _representative(plan: StagePlan, slot: int) -> Stage:

@@ -59,7 +59,7 @@ def make_inputs(specs, module: OpModule, batch: int, context: int, device: torch
             out.append(0.1 * torch.randn(shape, device=device).to(dtype))
         elif module.kind == OpKind.EMBED:
             out.append(torch.randint(0, module.weight.shape[0], shape, device=device))
-        elif module.kind == OpKind.MOE_EXPERTS:
+        elif module.kind in (OpKind.MOE_EXPERTS, OpKind.MOE_EXPERTS_SWIGLU):
             scores = torch.rand(shape[:-1] + (module.gate_up.shape[0],), device=device)
             out.append(scores.topk(shape[-1], dim=-1).indices)
         else:

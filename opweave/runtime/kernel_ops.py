@@ -49,14 +49,23 @@ class KernelOp(nn.Module):
             return k.rms_norm(q, op.q_weight, eps, off), k.rms_norm(kk, op.k_weight, eps, off)
         if kind == OpKind.ROPE:
             q, kk, positions = args
-            return k.rope(q, kk, positions, op.inv_freq.float(), op.rot_dim)
+            return k.rope(q, kk, positions, op.inv_freq.float(), op.rot_dim, op.spec.attention_factor)
         if kind == OpKind.ACT:
             return k.gated_act(args[0], args[1], op.cfg.hidden_act)
+        if kind == OpKind.MOE_ROUTER and op.cfg.moe.scoring != "softmax":  # DeepSeek-V3's grouped router: torch
+            return op(*args)
+        if kind == OpKind.ATTN_MLA:  # latent attention: the module around the backend's decode kernel
+            return op(*args, kernels=k, state=state)
         if kind == OpKind.MOE_ROUTER:
-            weights, ids = k.moe_route(F.linear(args[0], op.weight), op.cfg.moe.top_k, op.cfg.moe.norm_topk_prob)
+            weights, ids = k.moe_route(F.linear(args[0], op.weight, getattr(op, "bias", None)), op.cfg.moe.top_k,
+                                       op.cfg.moe.norm_topk_prob)
             return weights.to(args[0].dtype), ids
         if kind == OpKind.MOE_EXPERTS:
             return k.moe_experts(args[0], args[1], args[2], op.gate_up, op.down)
+        if kind == OpKind.MOE_EXPERTS_SWIGLU:  # GPT-OSS
+            m = op.cfg.moe
+            return k.moe_experts_swiglu(args[0], args[1], args[2], op.gate_up, op.gate_up_bias, op.down,
+                                        op.down_bias, m.swiglu_alpha, m.swiglu_limit)
         if kind == OpKind.SAMPLE:
             return k.argmax(args[0][:, -1, :])
         if kind in (OpKind.ATTN_FULL, OpKind.ATTN_SLIDING) and args[3].shape[1] == 1:
@@ -69,7 +78,8 @@ class KernelOp(nn.Module):
         op = self.op
         k_cache, v_cache = (op.k_cache, op.v_cache) if state is None else state
         cache_write(k_cache, v_cache, kk, v, positions)  # ring buffer: position p at slot p % slots
-        out = self.k.decode_attention(q[:, 0], k_cache, v_cache, positions[:, 0], op.cfg.attn_scale, op.window)
+        out = self.k.decode_attention(q[:, 0], k_cache, v_cache, positions[:, 0], op.cfg.attn_scale, op.window,
+                                      getattr(op, "sinks", None))
         return out.reshape(positions.shape[0], 1, -1)
 
     # the wrapped module's attributes (kind, layer, state_attrs, its default state...) read through
@@ -81,7 +91,8 @@ class KernelOp(nn.Module):
 
 
 KERNEL_KINDS = (OpKind.NORM, OpKind.FINAL_NORM, OpKind.QK_NORM, OpKind.ROPE, OpKind.ACT, OpKind.MOE_ROUTER,
-                OpKind.MOE_EXPERTS, OpKind.SAMPLE, OpKind.ATTN_FULL, OpKind.ATTN_SLIDING, OpKind.ATTN_LINEAR)
+                OpKind.MOE_EXPERTS, OpKind.MOE_EXPERTS_SWIGLU, OpKind.SAMPLE, OpKind.ATTN_FULL, OpKind.ATTN_SLIDING, OpKind.ATTN_LINEAR,
+                OpKind.ATTN_MLA)
 
 
 def device_kernels(device: torch.device):

@@ -348,7 +348,8 @@ def pinned_memory(fe, template: str, owners: list[tuple[str, int, int]], batch: 
     count = sum(tp * replicas for _, tp, replicas in owners)
     plan = pinned_plan(fe, unbounded_cluster(owners[0][0], max(8, count)), template, owners, batch=batch,
                        microbatches=microbatches, context=context).plan
-    programs = lower(plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, "")
+    programs = lower(plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, "",
+                     fe.blocks.num_head_layers)
     names = [op.name for op in fe.graph.ops]
     out = []
     for program in programs:

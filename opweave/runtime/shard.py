@@ -66,7 +66,9 @@ def _reader(weights: str, cfg, modules: dict[int, OpModule]):
                     shapes[f"{m.prefix}{e}.down_proj.weight"] = (h, e_i)
         return RandomWeights(cfg, shapes)
     from opweave.models.checkpoint import CheckpointReader
+    from opweave.models.config import refuse_quantized
 
+    refuse_quantized(cfg, weights)
     return CheckpointReader(weights)
 
 

@@ -19,7 +19,7 @@ BACKENDS = ("torch", "triton")
 
 # the functions every backend defines, with identical signatures
 KERNEL_NAMES = ("rms_norm", "add_rms_norm", "rope", "decode_attention", "gdn_step", "gated_act",
-                "moe_route", "moe_experts", "argmax")
+                "moe_route", "moe_experts", "argmax", "moe_experts_swiglu", "mla_decode_attention")
 
 _MODULES = {"torch": "opweave.codegen.kernels.reference", "triton": "opweave.codegen.kernels.triton_kernels"}
 

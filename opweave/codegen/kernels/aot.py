@@ -229,6 +229,15 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
     yield "H 2048, I 512, E 512, top 10", lambda: tk.moe_experts(
         m(8, 2048), m(8, 10), m(8, 10, dt=torch.int64), m(512, 1024, 2048), m(512, 2048, 512))
     yield "V 151936", lambda: tk.argmax(m(8, 151936))
+    # GPT-OSS: sink logits in the split merge (window 128), clamped-SwiGLU experts with biases
+    yield "D 64, GQA 8, L 4096, window 128, sinks", lambda: tk.decode_attention(
+        m(8, 64, 64), m(8, 4096, 8, 64), m(8, 4096, 8, 64), pos, 64 ** -0.5, 128, m(64))
+    yield "H 2880, I 2880, E 128, top 4, biases", lambda: tk.moe_experts_swiglu(
+        m(8, 2880), m(8, 4), m(8, 4, dt=torch.int64), m(128, 2880, 5760), m(128, 5760), m(128, 2880, 2880),
+        m(128, 2880), 1.702, 7.0)
+    # DeepSeek-V3's latent attention: 128 heads, latent 512 + rope key 64 per cached position
+    yield "MLA H 128, R 512, P 64, L 4096", lambda: tk.mla_decode_attention(
+        m(8, 128, 576), m(8, 4096, 576), pos, 192 ** -0.5, 512)
 
 
 def _describe_constexprs(launch: Launch) -> str:

@@ -85,7 +85,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-         rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+         rot_dim: int, attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding (rotate-half convention) of the first `rot_dim` dims of each head.
 
     Args:
@@ -93,12 +93,13 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
         positions: [...] int, the token positions (negative values, padding, act as 0).
         inv_freq: [rot_dim // 2] float32 inverse frequencies (`ops.rope_inv_freq`).
         rot_dim: rotated dims per head (D for full rotary, fewer for partial rotary).
+        attention_factor: cos and sin are multiplied by it in float32 before rounding (YaRN).
     Returns:
         (q, k) rotated, in their dtypes.
     """
     freqs = positions.clamp(min=0)[..., None].float() * inv_freq.float()   # [..., rot/2]
     emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]                  # broadcast over heads
-    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    cos, sin = (emb.cos() * attention_factor).to(q.dtype), (emb.sin() * attention_factor).to(q.dtype)
 
     def apply(x):
         rot, keep = x[..., :rot_dim], x[..., rot_dim:]
@@ -124,7 +125,8 @@ def _cache_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, newest: torch.Te
         yield k_cache[:, start:stop], v_cache[:, start:stop], ring_positions(newest, slots, start, stop)
 
 
-def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: int | None) -> torch.Tensor:
+def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: int | None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Online-softmax attention (GQA) of queries over key blocks, float32 accumulation.
 
     A query at position p attends keys at positions kp with 0 <= kp <= p and, with a window,
@@ -134,6 +136,8 @@ def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: 
     Args:
         q: [B, T, Hq, D]; q_pos: [B, T] int.
         blocks: iterable of (keys [B, L, Hkv, D], values [B, L, Hkv, D], key positions [B, L]).
+        sinks: optional [Hq] per-head sink logits (GPT-OSS): one more softmax term exp(sink) with a
+            zero value, so the running max starts at the sink and the sum at 1.
     Returns:
         [B, T, Hq, D] in q's dtype.
     """
@@ -148,6 +152,10 @@ def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: 
             qp = q_pos[:, None, None, :].expand(b, 1, g, t).reshape(b, 1, g * t, 1)
             m = torch.full((b, hkv, g * t, 1), _NO_MAX, dtype=torch.float32, device=q.device)
             l = torch.zeros_like(m)
+            if sinks is not None:  # head hkv * g + j: rows j * t .. j * t + t - 1 of kv head hkv
+                sink = sinks.float().view(1, hkv, g, 1, 1).expand(1, hkv, g, t, 1).reshape(1, hkv, g * t, 1)
+                m = torch.maximum(m, sink)
+                l = l + 1.0
             acc = torch.zeros(b, hkv, g * t, d, dtype=torch.float32, device=q.device)
         s = torch.matmul(qh, keys.permute(0, 2, 3, 1)).float() * scale               # B,Hkv,G*T,L
         kp = k_pos[:, None, None, :]
@@ -166,7 +174,7 @@ def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: 
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     scale: float, window: int | None) -> torch.Tensor:
+                     scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of one query token per sequence over its ring-buffer KV cache (GQA).
 
     Sequence b attends the cached positions kp <= positions[b] (and, with a sliding `window`,
@@ -179,16 +187,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         positions: [B] int.
         scale: softmax scale of q·k.
         window: sliding-window size, or None (or 0) for full attention.
+        sinks: optional [Hq] learned sink logits (GPT-OSS): each head's softmax has one more term
+            exp(sink) whose value is zero (it only takes probability mass); padding still gets zeros.
     Returns:
         [B, Hq, D] in q's dtype.
     """
-    out = _attend(q[:, None], positions[:, None], _cache_blocks(k_cache, v_cache, positions), scale, window)
+    out = _attend(q[:, None], positions[:, None], _cache_blocks(k_cache, v_cache, positions), scale, window,
+                  sinks)
     return out[:, 0]
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, positions: torch.Tensor, scale: float,
-                    window: int | None) -> torch.Tensor:
+                    window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a chunk of T tokens per sequence over its cached positions and the chunk itself.
 
     The cache holds the positions before the chunk's first valid position (not this chunk's keys:
@@ -199,6 +210,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Args:
         q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; caches [B, L, Hkv, D].
         positions: [B, T] int, -1 for padding (anywhere in the row).
+        sinks: optional [Hq] sink logits (see `decode_attention`).
     Returns:
         [B, T, Hq, D] in q's dtype (zeros for padding).
     """
@@ -212,7 +224,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             stop = min(start + ATTN_KEY_BLOCK, t)
             yield k[:, start:stop], v[:, start:stop], positions[:, start:stop]
 
-    return _attend(q, positions, blocks(), scale, window)
+    return _attend(q, positions, blocks(), scale, window, sinks)
 
 
 def cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -375,6 +387,50 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     return out.reshape(x.shape)
 
 
+def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU of interleaved [..., 2I] gate/up (gate at even, up at odd
+    columns): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                       gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, alpha: float,
+                       limit: float) -> torch.Tensor:
+    """GPT-OSS's routed experts: sum_k weights_k * (swiglu_clamped(x gate_up[e] + gate_up_bias[e])
+    down[e] + down_bias[e]), e = ids_k, in the model dtype like transformers.
+
+    Gathered per token in blocks of `MOE_TOKEN_BLOCK` tokens like `moe_experts` (shapes never
+    depend on the routing). A TP shard holds a block of the intermediate channels (gate/up pairs)
+    and, on its first rank only, the down bias (zeros elsewhere): the partial sums add up to it once.
+
+    Args:
+        x: [..., H]; weights: [..., k] (x's dtype); ids: [..., k] int expert ids.
+        gate_up: [E, H, 2I] gate/up columns interleaved; gate_up_bias: [E, 2I].
+        down: [E, I, H]; down_bias: [E, H].
+        alpha, limit: `swiglu_clamped`'s gain and clamp.
+    Returns:
+        [..., H] in x's dtype.
+    """
+    h = x.shape[-1]
+    flat = x.reshape(-1, 1, 1, h)
+    n = flat.shape[0]
+    idx = ids.reshape(n, -1)
+    w = weights.reshape(n, -1, 1)
+    parts = []
+    for start in range(0, n, MOE_TOKEN_BLOCK):
+        sl = slice(start, min(start + MOE_TOKEN_BLOCK, n))
+        i = idx[sl]
+        gu = torch.matmul(flat[sl].expand(-1, i.shape[1], -1, -1), gate_up[i])[:, :, 0] + gate_up_bias[i]  # N,k,2I
+        act = swiglu_clamped(gu, alpha, limit)[:, :, None]                                             # N,k,1,I
+        out = torch.matmul(act, down[i])[:, :, 0] + down_bias[i]                                       # N,k,H
+        parts.append((out * w[sl]).sum(dim=1))
+    if not parts:
+        return torch.zeros_like(x)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.reshape(x.shape)
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -382,3 +438,69 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     `NON_FINITE_TOKEN` for a row whose logits are not all finite."""
     ids = torch.argmax(logits, dim=-1)
     return torch.where(torch.isfinite(logits).all(dim=-1), ids, NON_FINITE_TOKEN)
+
+
+# ---------------------------------------------------------------------------------------------- MLA (DeepSeek-V3)
+
+def grouped_sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                          renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router: sigmoid scores in float32; experts are chosen by score + bias
+    (`e_score_correction_bias`) among the `topk_group` best of `n_group` groups (a group's merit:
+    the sum of its two best biased scores); the weights are the chosen experts' unbiased scores,
+    renormalised to sum 1 (`renormalize`) and multiplied by `scaling` (routed_scaling_factor).
+
+    Args:
+        logits: [..., E] router logits; bias: [E].
+    Returns:
+        (weights [..., k] float32, ids [..., k] int64).
+    """
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    experts = choice.shape[-1]
+    if n_group > 1:
+        grouped = choice.view(*choice.shape[:-1], n_group, experts // n_group)
+        merit = grouped.topk(2, dim=-1)[0].sum(dim=-1)                                # [..., G]
+        keep = torch.zeros_like(merit).scatter_(-1, merit.topk(topk_group, dim=-1)[1], 1.0)
+        keep = keep.repeat_interleave(experts // n_group, dim=-1).bool()
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = choice.topk(top_k, dim=-1)[1]
+    weights = scores.gather(-1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, positions: torch.Tensor, scale: float,
+                         rank: int) -> torch.Tensor:
+    """Absorbed multi-head latent attention of one query token per sequence over its latent cache.
+
+    Every head attends the same cache rows: row = [latent (rank) | rope key (P)], the key of a
+    position is the whole row and its value the latent part. q's latent part is q_nope folded
+    through the key up-projection (q_nope @ W_UK), so q·row = q_nope·k_nope + q_pe·k_pe. Ring
+    buffer, padding and masking as in `decode_attention` (one KV head, no window).
+
+    Args:
+        q: [B, H, rank + P]; kv_cache: [B, L, rank + P]; positions: [B] int.
+        scale: softmax scale; rank: kv_lora_rank (the latent's width).
+    Returns:
+        [B, H, rank] in q's dtype: the attention-weighted latents (W_UV is applied after).
+    """
+    cache = kv_cache[:, :, None, :]
+    out = _attend(q[:, None], positions[:, None], _cache_blocks(cache, cache, positions), scale, None)
+    return out[:, 0, :, :rank]
+
+
+def mla_chunk_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, positions: torch.Tensor,
+                        scale: float, rank: int) -> torch.Tensor:
+    """`mla_decode_attention` for a chunk of T tokens per sequence: q [B, T, H, rank + P], the
+    chunk's rows kv [B, T, rank + P] (attended causally), the cache holding the positions before
+    the chunk (written afterwards with `mla_cache_write`). Returns [B, T, H, rank]."""
+    cache, new = kv_cache[:, :, None, :], kv[:, :, None, :]
+    return chunk_attention(q, new, new, cache, cache, positions, scale, None)[..., :rank]
+
+
+def mla_cache_write(kv_cache: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> None:
+    """Writes a step's latent rows kv [B, T, rank + P] into the ring-buffer cache [B, L, rank + P]
+    (position p at slot p % L; padding and overflow as in `cache_write`)."""
+    cache, new = kv_cache[:, :, None, :], kv[:, :, None, :]
+    cache_write(cache, cache, new, new, positions)  # the one cache as both "k" and "v": same rows twice

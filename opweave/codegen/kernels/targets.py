@@ -161,3 +161,39 @@ def attention_split(batch: int, kv_heads: int, span: int, block_n: int, sm_count
     splits = max(1, min(wanted, -(-span // min_split)))
     split_len = -(-(-(-span // splits)) // block_n) * block_n
     return AttentionSplit(-(-span // split_len), split_len)
+
+
+# ---------------------------------------------------------------------------------------------- MLA decode
+
+@dataclasses.dataclass(frozen=True)
+class MLALaunch:
+    """Latent-attention decode's cache slots per iteration, pipeline depth and warps."""
+
+    block_n: int
+    num_stages: int
+    num_warps: int
+
+
+def mla_smem_estimate(block_n: int, num_stages: int, block_r: int, elem_bytes: int) -> int:
+    """Upper bound of `_mla_decode_kernel`'s shared memory: the latent + rope-key tiles of
+    num_stages - 1 blocks in flight (one if not pipelined; the rope key bounded by block_r / 4
+    columns, 64 at rank 512, never below 16), the 16-head query tile and the probability tile."""
+    in_flight = max(num_stages - 1, 1)
+    rope = max(16, block_r // 4)
+    return (block_n * (block_r + rope) * in_flight + 16 * (block_r + rope) + 16 * block_n + 2048) * elem_bytes
+
+
+def mla_launch(block_r: int, elem_bytes: int, limit: int | None, max_block_n: int) -> MLALaunch:
+    """The largest block of cache slots (64, 32, 16) whose latent tile [block_n, block_r] fits the
+    register budget of `_MAX_TILE_BYTES`, with 2 stages when `mla_smem_estimate` fits `limit` (else
+    1); 8 warps at rank >= 256 (the [16, rank] float32 accumulator), else 4. None (no GPU: the
+    interpreter): `max_block_n`, 3 stages, 4 warps."""
+    if limit is None:
+        return MLALaunch(max_block_n, 3, 4)
+    warps = 8 if block_r >= 256 else 4
+    max_tile = _MAX_TILE_BYTES.get(elem_bytes, 16 * KIB)
+    for block_n in (64, 32, 16):
+        if block_n <= max_block_n and (block_n * block_r * elem_bytes <= max_tile or block_n == 16):
+            stages = 2 if mla_smem_estimate(block_n, 2, block_r, elem_bytes) <= limit else 1
+            return MLALaunch(block_n, stages, warps)
+    return MLALaunch(min(16, max_block_n), 1, warps)

@@ -141,6 +141,7 @@ def _rope_kernel(
     stride_qon, stride_qoh,   # q output strides
     stride_kon, stride_koh,   # k output strides
     HQ, HKV, D,               # heads of q, of k; head size
+    attn_factor,              # scale of cos and sin (YaRN; 1.0 otherwise)
     HALF: tl.constexpr,       # rot_dim // 2
     ROT: tl.constexpr,        # rotated dims per head
     BLOCK_HEADS: tl.constexpr,  # power of two >= max(Hq, Hkv)
@@ -156,8 +157,8 @@ def _rope_kernel(
     turns = tl.floor(ang * _INV_TWO_PI + 0.5)
     ang = ((ang - turns * _TWO_PI_HI) - turns * _TWO_PI_MID) - turns * _TWO_PI_LO
     dtype = qo_ptr.dtype.element_ty
-    cos = tl.cos(ang).to(dtype).to(tl.float32)  # the reference rounds cos/sin to the model dtype
-    sin = tl.sin(ang).to(dtype).to(tl.float32)
+    cos = (tl.cos(ang) * attn_factor).to(dtype).to(tl.float32)  # the reference rounds cos/sin to the model dtype
+    sin = (tl.sin(ang) * attn_factor).to(dtype).to(tl.float32)
     _rope_rotate(q_ptr + n * stride_qn, qo_ptr + n * stride_qon, stride_qh, stride_qoh, HQ, D, cos, sin,
                  HALF, ROT, BLOCK_HEADS, BLOCK_HALF, BLOCK_D)
     _rope_rotate(k_ptr + n * stride_kn, ko_ptr + n * stride_kon, stride_kh, stride_koh, HKV, D, cos, sin,
@@ -165,7 +166,7 @@ def _rope_kernel(
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-         rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+         rot_dim: int, attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """See `reference.rope`."""
     d = q.shape[-1]
     assert k.shape[-1] == d and q.shape[:-2] == k.shape[:-2], f"q {tuple(q.shape)} vs k {tuple(k.shape)}"
@@ -183,7 +184,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: to
             q3, k3, qo, ko, pos, inv_freq,
             q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
             qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
-            hq, hkv, d, HALF=rot_dim // 2, ROT=rot_dim,
+            hq, hkv, d, float(attention_factor), HALF=rot_dim // 2, ROT=rot_dim,
             BLOCK_HEADS=_pow2(max(hq, hkv)), BLOCK_HALF=_pow2(rot_dim // 2), BLOCK_D=_pow2(d))
     return qo.view(q.shape), ko.view(k.shape)
 
@@ -271,10 +272,12 @@ def _decode_attention_merge_kernel(
     acc_ptr,                  # [B, Hq, S, D] float32 partial p·v of each split
     ml_ptr,                   # [B, Hq, 2, S] float32 max and sum of exp of each split
     o_ptr,                    # [B, Hq, D] output, model dtype
+    sinks_ptr,                # [Hq] sink logits (read only when HAS_SINKS)
     stride_ob, stride_oh,     # output strides
     S, D,                     # splits, head size
     BLOCK_S: tl.constexpr,    # splits per iteration
     BLOCK_D: tl.constexpr,    # power of two >= D
+    HAS_SINKS: tl.constexpr,  # GPT-OSS: the softmax has one more term exp(sink) with a zero value
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -286,6 +289,9 @@ def _decode_attention_merge_kernel(
     # and a row with no attended split (padding) ends with l = 0 and gives zeros.
     m_run = tl.max(tl.full([BLOCK_S], -1.0e30, tl.float32), axis=0)
     l_run = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
+    if HAS_SINKS:  # the sink is one more "split": max = sink, sum of exp = 1, p·v = 0
+        m_run = tl.load(sinks_ptr + h).to(tl.float32)
+        l_run = l_run + 1.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, S, BLOCK_S):
         s = s0 + lanes
@@ -322,12 +328,13 @@ def attention_plan(q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     scale: float, window: int | None) -> torch.Tensor:
+                     scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """See `reference.decode_attention`. Split-KV: grid (B, Hkv, splits), each program attends one
     split of the span for the whole GQA group (K/V read once per group) and writes its partial
     (max, sum of exp, p·v) to a float32 scratch; a second kernel, grid (B, Hq), merges the splits
-    with log-sum-exp. The split count depends on shapes and the device only, never on positions:
-    no host synchronisation (CUDA-graph capturable)."""
+    with log-sum-exp, starting from the head's sink logit when `sinks` is given. The split count
+    depends on shapes and the device only, never on positions: no host synchronisation
+    (CUDA-graph capturable)."""
     b, hq, d = q.shape
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
     assert k_cache.shape[0] == b and k_cache.shape[3] == d, f"cache {tuple(k_cache.shape)} vs q {tuple(q.shape)}"
@@ -337,6 +344,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert positions.shape == (b,), f"positions {tuple(positions.shape)} != ({b},)"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and caches must share a dtype"
     assert ATTN_BLOCK_N >= 16 and ATTN_BLOCK_N & (ATTN_BLOCK_N - 1) == 0, "ATTN_BLOCK_N: power of two >= 16"
+    assert sinks is None or sinks.shape == (hq,), f"sinks {tuple(sinks.shape)} != ({hq},)"
     _check_last_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
     o = torch.empty_like(q)
     group = hq // hkv
@@ -353,8 +361,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             GROUP=group, BLOCK_G=_pow2(group, 16), BLOCK_N=launch.block_n, BLOCK_D=block_d,
             DOT_FP32=_dot_fp32(q.dtype), num_stages=launch.num_stages)
         _decode_attention_merge_kernel[(b, hq)](
-            acc, ml, o, o.stride(0), o.stride(1), split.splits, d,
-            BLOCK_S=ATTN_MERGE_BLOCK_S, BLOCK_D=block_d)
+            acc, ml, o, sinks.contiguous() if sinks is not None else ml, o.stride(0), o.stride(1), split.splits, d,
+            BLOCK_S=ATTN_MERGE_BLOCK_S, BLOCK_D=block_d, HAS_SINKS=sinks is not None)
     return o
 
 
@@ -696,6 +704,145 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     return y.view(x.shape)
 
 
+@triton.jit
+def _moe_swiglu_gate_up_kernel(
+    x_ptr,                    # [N, H] tokens, model dtype
+    order_ptr,                # [N*K] int64 pair indices (token * K + j) sorted by expert
+    table_ptr,                # [G, 3] int64 per block: expert, start, stop (a range of order)
+    gu_ptr,                   # [E, H, 2I] gate (even) / up (odd) columns interleaved, model dtype
+    gub_ptr,                  # [E, 2I] gate/up bias, interleaved the same way, model dtype
+    act_ptr,                  # [N*K, I] clamped SwiGLU out per pair, model dtype, contiguous
+    stride_x,                 # elements between rows of x
+    stride_ge, stride_gh,     # gate_up strides (expert, hidden row); columns contiguous
+    stride_be,                # gate/up bias stride (expert)
+    H, I,                     # hidden size, expert intermediate size
+    alpha, limit,             # SwiGLU sigmoid gain; clamp of gate (above) and up (both sides)
+    K: tl.constexpr,          # experts per token
+    BLOCK_M: tl.constexpr,    # pairs per block (rows of the tl.dot)
+    BLOCK_I: tl.constexpr,    # intermediate channels per program
+    BLOCK_H: tl.constexpr,    # hidden rows per iteration
+    DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
+):
+    expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
+    token = pair // K
+    ch = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
+    h_end = tl.where(busy, H, 0)  # an empty block reads nothing
+    for h0 in range(0, h_end, BLOCK_H):
+        rows = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + token[:, None] * stride_x + rows[None, :], mask=m_mask[:, None] & (rows < H)[None, :],
+                    other=0.0)
+        w_mask = (rows < H)[:, None] & (ch < I)[None, :]
+        w_base = gu_ptr + expert * stride_ge + rows[:, None] * stride_gh + 2 * ch[None, :]
+        wg = tl.load(w_base, mask=w_mask, other=0.0)       # [BLOCK_H, BLOCK_I]: once per block of pairs
+        wu = tl.load(w_base + 1, mask=w_mask, other=0.0)
+        if DOT_FP32:
+            x = x.to(tl.float32)
+            acc_g += tl.dot(x, wg.to(tl.float32), input_precision="ieee")
+            acc_u += tl.dot(x, wu.to(tl.float32), input_precision="ieee")
+        else:
+            acc_g += tl.dot(x, wg)
+            acc_u += tl.dot(x, wu)
+    dtype = act_ptr.dtype.element_ty
+    bias = gub_ptr + expert * stride_be + 2 * ch
+    bg = tl.load(bias, mask=ch < I, other=0.0).to(tl.float32)
+    bu = tl.load(bias + 1, mask=ch < I, other=0.0).to(tl.float32)
+    # rounded to the model dtype where the reference rounds: the product, the biased sum, glu, up + 1
+    gate = (acc_g.to(dtype).to(tl.float32) + bg[None, :]).to(dtype).to(tl.float32)
+    up = (acc_u.to(dtype).to(tl.float32) + bu[None, :]).to(dtype).to(tl.float32)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    glu = (gate * tl.sigmoid(gate * alpha)).to(dtype).to(tl.float32)
+    act = (up + 1.0).to(dtype).to(tl.float32) * glu
+    tl.store(act_ptr + pair[:, None] * I + ch[None, :], act.to(dtype), mask=m_mask[:, None] & (ch < I)[None, :])
+
+
+@triton.jit
+def _moe_swiglu_down_kernel(
+    act_ptr,                  # [N*K, I] expert activations per pair, model dtype, contiguous
+    w_ptr,                    # [N, K] routing weights, model dtype
+    order_ptr,                # [N*K] int64 pair indices sorted by expert
+    table_ptr,                # [G, 3] int64 per block: expert, start, stop
+    down_ptr,                 # [E, I, H] down projections, model dtype
+    db_ptr,                   # [E, H] down bias, model dtype
+    out_ptr,                  # [N*K, H] weighted expert outputs per pair, model dtype, contiguous
+    stride_w,                 # elements between rows of weights
+    stride_de, stride_di,     # down strides (expert, intermediate row); columns contiguous
+    stride_be,                # down bias stride (expert)
+    H, I,                     # hidden size, expert intermediate size
+    K: tl.constexpr,          # experts per token
+    BLOCK_M: tl.constexpr,    # pairs per block
+    BLOCK_H: tl.constexpr,    # output columns per program
+    BLOCK_I: tl.constexpr,    # intermediate rows per iteration
+    DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
+):
+    expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    i_end = tl.where(busy, I, 0)  # an empty block reads nothing
+    for i0 in range(0, i_end, BLOCK_I):
+        rows = i0 + tl.arange(0, BLOCK_I)
+        a = tl.load(act_ptr + pair[:, None] * I + rows[None, :], mask=m_mask[:, None] & (rows < I)[None, :],
+                    other=0.0)
+        w = tl.load(down_ptr + expert * stride_de + rows[:, None] * stride_di + hs[None, :],
+                    mask=(rows < I)[:, None] & (hs < H)[None, :], other=0.0)  # [BLOCK_I, BLOCK_H], once per block
+        if DOT_FP32:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    dtype = out_ptr.dtype.element_ty
+    bias = tl.load(db_ptr + expert * stride_be + hs, mask=hs < H, other=0.0).to(tl.float32)
+    weight = tl.load(w_ptr + (pair // K) * stride_w + pair % K, mask=m_mask, other=0.0).to(tl.float32)
+    out = (acc.to(dtype).to(tl.float32) + bias[None, :]).to(dtype).to(tl.float32)
+    out = (out * weight[:, None]).to(dtype)  # rounded like the reference
+    tl.store(out_ptr + pair[:, None] * H + hs[None, :], out, mask=m_mask[:, None] & (hs < H)[None, :])
+
+
+def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                       gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, alpha: float,
+                       limit: float) -> torch.Tensor:
+    """See `reference.moe_experts_swiglu`. Grouped like `moe_experts` (the pairs sorted by expert
+    in blocks of `MOE_BLOCK_M`, `moe_block_table`): gate/up + bias + clamped SwiGLU, then down +
+    bias + routing weight per block with `tl.dot` (each expert's weights read once per block of
+    tokens; a gate column and its up column are neighbours, so one program reads both); the k
+    weighted outputs of a token summed in float32 in a fixed order. No host synchronisation."""
+    h = x.shape[-1]
+    e, h2, two_i = gate_up.shape
+    i = two_i // 2
+    assert h2 == h and two_i == 2 * i, f"gate_up {tuple(gate_up.shape)} vs hidden {h}"
+    assert gate_up_bias.shape == (e, two_i), f"gate_up_bias {tuple(gate_up_bias.shape)} != ({e}, {two_i})"
+    assert down.shape == (e, i, h), f"down {tuple(down.shape)} != ({e}, {i}, {h})"
+    assert down_bias.shape == (e, h), f"down_bias {tuple(down_bias.shape)} != ({e}, {h})"
+    k = ids.shape[-1]
+    x2, w2, ids2 = x.reshape(-1, h), weights.reshape(-1, k), ids.reshape(-1, k)
+    n = x2.shape[0]
+    assert w2.shape == ids2.shape == (n, k), f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)} vs x {tuple(x.shape)}"
+    assert x.dtype == weights.dtype == gate_up.dtype == down.dtype == gate_up_bias.dtype == down_bias.dtype, \
+        "x, weights, expert weights and biases must share a dtype"
+    assert ids.dtype == torch.int64, f"ids dtype {ids.dtype}"
+    _check_last_contiguous(x=x2, weights=w2, ids=ids2, gate_up=gate_up, down=down, gate_up_bias=gate_up_bias,
+                           down_bias=down_bias)
+    if not n * k:
+        return torch.zeros_like(x)
+    order, table = moe_block_table(ids2, e)
+    act = torch.empty(n * k, i, dtype=x.dtype, device=x.device)
+    out = torch.empty(n * k, h, dtype=x.dtype, device=x.device)
+    dot_fp32 = _dot_fp32(x.dtype)
+    warps = MOE_WARPS if x.dtype == torch.float32 else 4
+    block_i, block_h = min(_pow2(i, 16), 64), min(_pow2(h, 16), 64)
+    _moe_swiglu_gate_up_kernel[(table.shape[0], triton.cdiv(i, block_i))](
+        x2, order, table, gate_up, gate_up_bias, act, x2.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gate_up_bias.stride(0), h, i, float(alpha), float(limit),
+        K=k, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32, num_warps=warps)
+    _moe_swiglu_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](
+        act, w2, order, table, down, down_bias, out, w2.stride(0), down.stride(0), down.stride(1),
+        down_bias.stride(0), h, i,
+        K=k, BLOCK_M=MOE_BLOCK_M, BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32, num_warps=warps)
+    y = torch.sum(out.view(n, k, h), dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
+    return y.view(x.shape)
+
+
 # ---------------------------------------------------------------------------------------------- sampling
 
 @triton.jit
@@ -780,3 +927,126 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                                                y.stride(0), s.stride(0), h, eps, OFFSET=bool(offset),
                                                BLOCK_H=_pow2(h))
     return y.view(x.shape), s.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------- MLA decode
+
+MLA_BLOCK_H = 16  # query heads per program (tl.dot needs 16 rows); every head block re-reads the latent rows
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_ptr,                    # [B, H, R + P] queries: absorbed latent part | rope part, model dtype
+    kv_ptr,                   # [B, L, R + P] latent cache rows (latent | rope key), ring buffer, model dtype
+    acc_ptr,                  # [B, H, S, R] float32 out: this split's unnormalised p·latent
+    ml_ptr,                   # [B, H, 2, S] float32 out: this split's running max, then its sum of exp
+    pos_ptr,                  # [B] int positions: attend positions <= pos (none when pos < 0)
+    stride_qb, stride_qh,     # q strides (batch, head)
+    stride_kb, stride_kl,     # cache strides (batch, slot)
+    H, L, R, P,               # heads, cache slots, latent width, rope width
+    SPLIT_LEN,                # positions per split (a multiple of BLOCK_N)
+    scale,                    # softmax scale
+    BLOCK_H: tl.constexpr,    # heads per program (>= 16)
+    BLOCK_N: tl.constexpr,    # cache slots per iteration
+    BLOCK_R: tl.constexpr,    # power of two >= max(R, 16)
+    BLOCK_P: tl.constexpr,    # power of two >= max(P, 16)
+    DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
+):
+    b = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < H
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    q_row = q_ptr + b * stride_qb + heads[:, None].to(tl.int64) * stride_qh
+    q_lat = tl.load(q_row + r[None, :], mask=h_mask[:, None] & (r < R)[None, :], other=0.0)
+    q_pe = tl.load(q_row + R + p[None, :], mask=h_mask[:, None] & (p < P)[None, :], other=0.0)
+    if DOT_FP32:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    first = tl.maximum(pos - L + 1, 0)
+    end = pos + 1
+    lo = first + split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, end)
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        slot = (n % L).to(tl.int64)
+        row = kv_ptr + b * stride_kb + slot[:, None] * stride_kl
+        c = tl.load(row + r[None, :], mask=(n < hi)[:, None] & (r < R)[None, :], other=0.0)     # latent = value
+        k_pe = tl.load(row + R + p[None, :], mask=(n < hi)[:, None] & (p < P)[None, :], other=0.0)
+        if DOT_FP32:
+            c = c.to(tl.float32)
+            s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
+            s += tl.dot(q_pe, tl.trans(k_pe.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(k_pe))
+        s = tl.where((n < hi)[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        prob = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        if DOT_FP32:
+            pv = tl.dot(prob, c, input_precision="ieee")
+        else:
+            pv = tl.dot(prob.to(c.dtype), c)  # probabilities in the model dtype, like the reference
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out_row = (b * H + heads).to(tl.int64)
+    tl.store(acc_ptr + ((out_row * num_splits + split) * R)[:, None] + r[None, :], acc,
+             mask=h_mask[:, None] & (r < R)[None, :])
+    ml = ml_ptr + out_row * (2 * num_splits) + split
+    tl.store(ml, m_i, mask=h_mask)
+    tl.store(ml + num_splits, l_i, mask=h_mask)
+
+
+def mla_plan(q: torch.Tensor, kv_cache: torch.Tensor, rank: int) -> tuple[targets.AttentionLaunch,
+                                                                          targets.AttentionSplit]:
+    """Block/stages (`targets.mla_launch`) and split-KV cut of `mla_decode_attention`, from
+    shapes, dtype and device only."""
+    b, h, slots = q.shape[0], q.shape[1], kv_cache.shape[1]
+    dot_fp32 = _dot_fp32(q.dtype)
+    launch = targets.mla_launch(_pow2(rank, 16), 4 if dot_fp32 else q.element_size(),
+                                targets.launch_smem_limit(q.device), ATTN_BLOCK_N)
+    head_blocks = -(-h // MLA_BLOCK_H)
+    split = targets.attention_split(b, head_blocks, max(slots, 1), launch.block_n, targets.launch_sm_count(q.device),
+                                    max(ATTN_MIN_SPLIT, launch.block_n))
+    return launch, split
+
+
+def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, positions: torch.Tensor, scale: float,
+                         rank: int) -> torch.Tensor:
+    """See `reference.mla_decode_attention`. Split-KV over the latent cache: grid (B, head blocks of
+    `MLA_BLOCK_H`, splits); each program loads a block of latent rows once for both products
+    (scores against [q_abs | q_pe], then p·latent) and writes its partial (max, sum of exp, p·latent);
+    `_decode_attention_merge_kernel` merges the splits. No host synchronisation."""
+    b, h, width = q.shape
+    assert kv_cache.dim() == 3 and kv_cache.shape[0] == b and kv_cache.shape[2] == width, \
+        f"cache {tuple(kv_cache.shape)} vs q {tuple(q.shape)}"
+    assert 0 < rank < width, f"rank {rank} of rows of {width}"
+    assert positions.shape == (b,), f"positions {tuple(positions.shape)} != ({b},)"
+    assert q.dtype == kv_cache.dtype, "q and cache must share a dtype"
+    slots = kv_cache.shape[1]
+    assert slots > 0, "empty cache"
+    _check_last_contiguous(q=q, kv_cache=kv_cache)
+    o = torch.empty(b, h, rank, dtype=q.dtype, device=q.device)
+    launch, split = mla_plan(q, kv_cache, rank)
+    block_r = _pow2(rank, 16)
+    if b:
+        acc = torch.empty(b, h, split.splits, rank, dtype=torch.float32, device=q.device)
+        ml = torch.empty(b, h, 2, split.splits, dtype=torch.float32, device=q.device)
+        _mla_decode_kernel[(b, -(-h // MLA_BLOCK_H), split.splits)](
+            q, kv_cache, acc, ml, positions.contiguous(),
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            h, slots, rank, width - rank, split.split_len, float(scale),
+            BLOCK_H=MLA_BLOCK_H, BLOCK_N=launch.block_n, BLOCK_R=block_r, BLOCK_P=_pow2(width - rank, 16),
+            DOT_FP32=_dot_fp32(q.dtype), num_warps=launch.num_warps, num_stages=launch.num_stages)
+        _decode_attention_merge_kernel[(b, h)](
+            acc, ml, o, ml, o.stride(0), o.stride(1), split.splits, rank,  # no sinks (`ml` fills the pointer)
+            BLOCK_S=ATTN_MERGE_BLOCK_S, BLOCK_D=block_r, HAS_SINKS=False)
+    return o
