@@ -193,6 +193,11 @@ def _kernel_cases(dtype, device, smoke: bool) -> list[tuple[str, str, list]]:
     apos[0] = -1  # padding row
     for window in (None, max(4, ctx // 4)):
         cases.append(("decode_attention", f"window={window}", [rnd(b, hq, d), kc, vc, apos, d ** -0.5, window]))
+    cases.append(("decode_attention", "window, sinks (GPT-OSS)", [rnd(b, hq, d), kc, vc, apos, d ** -0.5,
+                                                                 max(4, ctx // 4), rnd(hq)]))
+    lat, rope_dim = (32, 8) if smoke else (512, 64)   # DeepSeek-V3's latent + rope key per cached position
+    cases.append(("mla_decode_attention", f"R={lat} P={rope_dim}",
+                  [rnd(b, hq, lat + rope_dim), rnd(b, ctx, lat + rope_dim), apos, (2 * lat) ** -0.5, lat]))
     gpos = ints(50, gb)
     gpos[0], gpos[-1] = 0, -1
     g = -torch.rand(gb, ghv, generator=gen).to(device)
@@ -208,6 +213,9 @@ def _kernel_cases(dtype, device, smoke: bool) -> list[tuple[str, str, list]]:
     weights, ids = get_backend("torch").moe_route(rnd(mn, ne), topk, True)
     cases.append(("moe_experts", f"E={ne} k={topk}", [rnd(mn, mh), weights, ids, rnd(ne, 2 * mi, mh, scale=mh ** -0.5),
                                                       rnd(ne, mh, mi, scale=mi ** -0.5)]))
+    cases.append(("moe_experts_swiglu", f"E={ne} k={topk} (GPT-OSS)",
+                  [rnd(mn, mh), weights, ids, rnd(ne, mh, 2 * mi, scale=mh ** -0.5), rnd(ne, 2 * mi, scale=0.1),
+                   rnd(ne, mi, mh, scale=mi ** -0.5), rnd(ne, mh, scale=0.1), 1.702, 7.0]))
     cases.append(("argmax", f"V={vocab}", [rnd(rows, vocab)]))
     return cases
 
