@@ -52,10 +52,11 @@ def format_analysis(a: Analysis) -> str:
     lines = [f"Decode cost analysis of {a.model} on {', '.join(a.gpu_names)} ($ per million output tokens)",
              FIGURES_NOTE]
     lines += _table(header, rows)
-    scan_header = ("context", "gpu", "tp", "b_max", "colocated", "hom-ODS", "G_hom", "closed", "bound", "")
+    scan_header = ("context", "gpu", "tp", "b_max", "colocated", "hom-ODS", "G_hom", "closed", "bound", "chosen")
     scan_rows = [(context_label(p.context), g.gpu, str(t.tp), str(t.b_max), _money(t.cost_colocated),
                   _money(t.cost_hom_ods), _num(t.g_hom), _num(t.g_hom_closed), _num(t.g_hom_bound),
-                  " ".join(m for m, on in (("<- colocated", t.tp == g.tp), ("<- ODS", t.tp == g.ods_tp)) if on))
+                  " ".join(m for m, on in (("<- colocated", t.tp == g.tp and g.cost_colocated is not None),
+                                           ("<- ODS", t.tp == g.ods_tp)) if on))
                  for p in a.points for g in p.gpus for t in g.tp_scan]
     lines += ["", "TP scan (per TP degree: colocated at its memory-limited batch b_max, hom-ODS on that degree; "
                   "G_hom against the least hom-ODS of the scan)"]
