@@ -635,15 +635,18 @@ def _moe_down_kernel(
     w_ptr,                    # [N, K] routing weights, model dtype
     order_ptr,                # [N*K] int64 pair indices sorted by expert
     table_ptr,                # [G, 3] int64 per block: expert, start, stop
-    down_ptr,                 # [E, H, I] down projections, model dtype
+    down_ptr,                 # down projections, model dtype: [E, H, I] (Qwen, Mixtral) or [E, I, H] (GPT-OSS)
+    db_ptr,                   # [E, H] down bias, model dtype (read only with HAS_BIAS)
     out_ptr,                  # [N*K, H] weighted expert outputs per pair, model dtype, contiguous
     stride_w,                 # elements between rows of weights
-    stride_de, stride_dh,     # down strides (expert, row)
+    stride_de, stride_dh, stride_di,  # down strides (expert, output column, intermediate row)
+    stride_be,                # down bias stride (expert)
     H, I,                     # hidden size, expert intermediate size
     K: tl.constexpr,          # experts per token
+    HAS_BIAS: tl.constexpr,   # add the expert's down bias before the routing weight
     BLOCK_M: tl.constexpr,    # pairs per block
     BLOCK_H: tl.constexpr,    # output columns per program
-    BLOCK_I: tl.constexpr,    # intermediate columns per iteration
+    BLOCK_I: tl.constexpr,    # intermediate rows per iteration
     DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
 ):
     expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
@@ -651,18 +654,22 @@ def _moe_down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     i_end = tl.where(busy, I, 0)  # an empty block reads nothing
     for i0 in range(0, i_end, BLOCK_I):
-        cols = i0 + tl.arange(0, BLOCK_I)
-        a = tl.load(act_ptr + pair[:, None] * I + cols[None, :], mask=m_mask[:, None] & (cols < I)[None, :],
+        rows = i0 + tl.arange(0, BLOCK_I)
+        a = tl.load(act_ptr + pair[:, None] * I + rows[None, :], mask=m_mask[:, None] & (rows < I)[None, :],
                     other=0.0)
-        w = tl.load(down_ptr + expert * stride_de + hs[:, None] * stride_dh + cols[None, :],
-                    mask=(hs < H)[:, None] & (cols < I)[None, :], other=0.0)  # once per block
+        w = tl.load(down_ptr + expert * stride_de + rows[:, None] * stride_di + hs[None, :] * stride_dh,
+                    mask=(rows < I)[:, None] & (hs < H)[None, :], other=0.0)  # [BLOCK_I, BLOCK_H], once per block
         if DOT_FP32:
-            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(a, tl.trans(w))
+            acc += tl.dot(a, w)
     dtype = out_ptr.dtype.element_ty
+    out = acc.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(db_ptr + expert * stride_be + hs, mask=hs < H, other=0.0).to(tl.float32)
+        out = (out + bias[None, :]).to(dtype).to(tl.float32)
     weight = tl.load(w_ptr + (pair // K) * stride_w + pair % K, mask=m_mask, other=0.0).to(tl.float32)
-    out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)  # rounded like the reference
+    out = (out * weight[:, None]).to(dtype)  # rounded like the reference
     tl.store(out_ptr + pair[:, None] * H + hs[None, :], out, mask=m_mask[:, None] & (hs < H)[None, :])
 
 
@@ -698,8 +705,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
         x2, order, table, gate_up, act, x2.stride(0), gate_up.stride(0), gate_up.stride(1), h, i,
         K=k, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32, num_warps=warps)
     _moe_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](
-        act, w2, order, table, down, out, w2.stride(0), down.stride(0), down.stride(1), h, i,
-        K=k, BLOCK_M=MOE_BLOCK_M, BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32, num_warps=warps)
+        act, w2, order, table, down, down, out, w2.stride(0), down.stride(0), down.stride(1), down.stride(2), 0,
+        h, i, K=k, HAS_BIAS=False, BLOCK_M=MOE_BLOCK_M, BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32,
+        num_warps=warps)
     y = torch.sum(out.view(n, k, h), dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
     return y.view(x.shape)
 
@@ -758,47 +766,6 @@ def _moe_swiglu_gate_up_kernel(
     tl.store(act_ptr + pair[:, None] * I + ch[None, :], act.to(dtype), mask=m_mask[:, None] & (ch < I)[None, :])
 
 
-@triton.jit
-def _moe_swiglu_down_kernel(
-    act_ptr,                  # [N*K, I] expert activations per pair, model dtype, contiguous
-    w_ptr,                    # [N, K] routing weights, model dtype
-    order_ptr,                # [N*K] int64 pair indices sorted by expert
-    table_ptr,                # [G, 3] int64 per block: expert, start, stop
-    down_ptr,                 # [E, I, H] down projections, model dtype
-    db_ptr,                   # [E, H] down bias, model dtype
-    out_ptr,                  # [N*K, H] weighted expert outputs per pair, model dtype, contiguous
-    stride_w,                 # elements between rows of weights
-    stride_de, stride_di,     # down strides (expert, intermediate row); columns contiguous
-    stride_be,                # down bias stride (expert)
-    H, I,                     # hidden size, expert intermediate size
-    K: tl.constexpr,          # experts per token
-    BLOCK_M: tl.constexpr,    # pairs per block
-    BLOCK_H: tl.constexpr,    # output columns per program
-    BLOCK_I: tl.constexpr,    # intermediate rows per iteration
-    DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
-):
-    expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
-    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-    i_end = tl.where(busy, I, 0)  # an empty block reads nothing
-    for i0 in range(0, i_end, BLOCK_I):
-        rows = i0 + tl.arange(0, BLOCK_I)
-        a = tl.load(act_ptr + pair[:, None] * I + rows[None, :], mask=m_mask[:, None] & (rows < I)[None, :],
-                    other=0.0)
-        w = tl.load(down_ptr + expert * stride_de + rows[:, None] * stride_di + hs[None, :],
-                    mask=(rows < I)[:, None] & (hs < H)[None, :], other=0.0)  # [BLOCK_I, BLOCK_H], once per block
-        if DOT_FP32:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, w)
-    dtype = out_ptr.dtype.element_ty
-    bias = tl.load(db_ptr + expert * stride_be + hs, mask=hs < H, other=0.0).to(tl.float32)
-    weight = tl.load(w_ptr + (pair // K) * stride_w + pair % K, mask=m_mask, other=0.0).to(tl.float32)
-    out = (acc.to(dtype).to(tl.float32) + bias[None, :]).to(dtype).to(tl.float32)
-    out = (out * weight[:, None]).to(dtype)  # rounded like the reference
-    tl.store(out_ptr + pair[:, None] * H + hs[None, :], out, mask=m_mask[:, None] & (hs < H)[None, :])
-
-
 def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                        gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, alpha: float,
                        limit: float) -> torch.Tensor:
@@ -835,10 +802,10 @@ def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         x2, order, table, gate_up, gate_up_bias, act, x2.stride(0), gate_up.stride(0), gate_up.stride(1),
         gate_up_bias.stride(0), h, i, float(alpha), float(limit),
         K=k, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32, num_warps=warps)
-    _moe_swiglu_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](
-        act, w2, order, table, down, down_bias, out, w2.stride(0), down.stride(0), down.stride(1),
-        down_bias.stride(0), h, i,
-        K=k, BLOCK_M=MOE_BLOCK_M, BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32, num_warps=warps)
+    _moe_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](  # down is [E, I, H]: its rows are I
+        act, w2, order, table, down, down_bias, out, w2.stride(0), down.stride(0), down.stride(2), down.stride(1),
+        down_bias.stride(0), h, i, K=k, HAS_BIAS=True, BLOCK_M=MOE_BLOCK_M, BLOCK_H=block_h, BLOCK_I=block_i,
+        DOT_FP32=dot_fp32, num_warps=warps)
     y = torch.sum(out.view(n, k, h), dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
     return y.view(x.shape)
 
