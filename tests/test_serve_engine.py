@@ -39,11 +39,15 @@ class Collect:
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint, tmp_path_factory):
+    """Every rank runs its decode rounds under NoHostSync (OPWEAVE_CHECK_SYNC): a serving round,
+    the sampler included, must not synchronise with the host (it would break CUDA graph capture)."""
     folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
     art = str(tmp_path_factory.mktemp("serve") / "art")
     compile_pinned(folder, "afd", art)  # three ranks: attention, FFN at TP 2
-    engine = Engine(art, folder, max_queue=64)
-    engine.start()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OPWEAVE_CHECK_SYNC", "1")
+        engine = Engine(art, folder, max_queue=64)
+        engine.start()
     yield engine, folder
     engine.stop()
 
