@@ -512,3 +512,35 @@ def test_real_engine_greedy_text_equals_reference(tiny_checkpoint, tmp_path):
                 model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, stream=True))
             assert whole.choices[0].text == streamed == tok.decode(list(want))
             assert whole.usage.completion_tokens == NEW_TOKENS and whole.choices[0].finish_reason == "length"
+
+
+def test_sampling_defaults_come_from_the_checkpoint(tmp_path):
+    """A request without temperature / top_p takes generation_config.json's recommendation when
+    it samples (`do_sample`), greedy otherwise; a request's own values always win."""
+    import shutil
+
+    from opweave.errors import OpWeaveError
+    from opweave.serve.tokenizer import Tokenizer, generation_defaults
+
+    folder = write_tokenizer(str(tmp_path / "tok"))
+    assert generation_defaults(folder) == (0.0, 1.0)                      # no generation_config.json
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"do_sample": True, "temperature": 0.6, "top_p": 0.9}, f)
+    assert generation_defaults(folder) == (0.6, 0.9)
+    tok = Tokenizer.from_folder(folder)
+    engine = FakeEngine()
+    with serving(engine, tok) as url:
+        client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, seed=3)
+    first, second = (engine.submitted[i][1] for i in (0, 1))
+    assert (first.temperature, first.top_p) == (0.6, 0.9)
+    assert (second.temperature, second.top_p, second.seed) == (0.0, 0.9, 3)
+    other = str(tmp_path / "greedy")
+    shutil.copytree(folder, other)
+    with open(os.path.join(other, "generation_config.json"), "w") as f:
+        json.dump({"do_sample": False, "temperature": 0.6}, f)              # recommends no sampling
+    assert generation_defaults(other) == (0.0, 1.0)
+    with open(os.path.join(other, "generation_config.json"), "w") as f:
+        json.dump({"do_sample": True, "temperature": 9}, f)
+    with pytest.raises(OpWeaveError, match="temperature must be a number in"):
+        generation_defaults(other)
