@@ -589,44 +589,60 @@ def _moe_gate_up_act_kernel(
     x_ptr,                    # [N, H] tokens, model dtype
     order_ptr,                # [N*K] int64 pair indices (token * K + j) sorted by expert
     table_ptr,                # [G, 3] int64 per block: expert, start, stop (a range of order)
-    gu_ptr,                   # [E, 2I, H] gate rows then up rows, model dtype
-    act_ptr,                  # [N*K, I] silu(gate) * up out per pair, model dtype, contiguous
+    gu_ptr,                   # gate/up weights, model dtype: [E, 2I, H] gate rows then up rows (Qwen,
+                              # Mixtral), or [E, H, 2I] gate / up columns interleaved (GPT-OSS)
+    gub_ptr,                  # [E, 2I] gate/up bias laid out like a weight row (read only with GPT_OSS)
+    act_ptr,                  # [N*K, I] act(gate, up) per pair, model dtype, contiguous
     stride_x,                 # elements between rows of x
-    stride_ge, stride_gi,     # gate_up strides (expert, row)
+    stride_ge, stride_gh, stride_gc,  # gate_up strides: expert, hidden, intermediate channel
+    up_offset,                # elements from a gate weight to its up weight (I rows, or the next column)
+    stride_be,                # bias strides: expert (its channels are laid out as the weight's)
     H, I,                     # hidden size, expert intermediate size
+    alpha, limit,             # GPT_OSS: SwiGLU's sigmoid gain; clamp of gate (above) and up (both sides)
     K: tl.constexpr,          # experts per token
+    GPT_OSS: tl.constexpr,    # biases and the clamped SwiGLU; else silu(gate) * up
     BLOCK_M: tl.constexpr,    # pairs per block (rows of the tl.dot)
-    BLOCK_I: tl.constexpr,    # intermediate rows per program
+    BLOCK_I: tl.constexpr,    # intermediate channels per program
     BLOCK_H: tl.constexpr,    # hidden columns per iteration
     DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
 ):
     expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
     token = pair // K
-    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    w_base = gu_ptr + expert * stride_ge + rows[:, None] * stride_gi
+    ch = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     acc_g = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
     h_end = tl.where(busy, H, 0)  # an empty block reads nothing
     for h0 in range(0, h_end, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=m_mask[:, None] & (cols < H)[None, :],
+        hs = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + token[:, None] * stride_x + hs[None, :], mask=m_mask[:, None] & (hs < H)[None, :],
                     other=0.0)
-        w_mask = (rows < I)[:, None] & (cols < H)[None, :]
-        wg = tl.load(w_base + cols[None, :], mask=w_mask, other=0.0)  # the expert's weights: once per block
-        wu = tl.load(w_base + I * stride_gi + cols[None, :], mask=w_mask, other=0.0)
+        w_mask = (hs < H)[:, None] & (ch < I)[None, :]
+        w_base = gu_ptr + expert * stride_ge + hs[:, None] * stride_gh + ch[None, :] * stride_gc
+        wg = tl.load(w_base, mask=w_mask, other=0.0)       # [BLOCK_H, BLOCK_I]: once per block of pairs
+        wu = tl.load(w_base + up_offset, mask=w_mask, other=0.0)
         if DOT_FP32:
             x = x.to(tl.float32)
-            acc_g += tl.dot(x, tl.trans(wg.to(tl.float32)), input_precision="ieee")
-            acc_u += tl.dot(x, tl.trans(wu.to(tl.float32)), input_precision="ieee")
+            acc_g += tl.dot(x, wg.to(tl.float32), input_precision="ieee")
+            acc_u += tl.dot(x, wu.to(tl.float32), input_precision="ieee")
         else:
-            acc_g += tl.dot(x, tl.trans(wg))
-            acc_u += tl.dot(x, tl.trans(wu))
+            acc_g += tl.dot(x, wg)
+            acc_u += tl.dot(x, wu)
     dtype = act_ptr.dtype.element_ty
-    gate = acc_g.to(dtype).to(tl.float32)   # the reference rounds each step to the model dtype
+    # rounded to the model dtype where the reference rounds
+    gate = acc_g.to(dtype).to(tl.float32)
     up = acc_u.to(dtype).to(tl.float32)
-    a = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(act_ptr + pair[:, None] * I + rows[None, :], (a * up).to(dtype),
-             mask=m_mask[:, None] & (rows < I)[None, :])
+    if GPT_OSS:  # the biased sums, glu, up + 1
+        bias = gub_ptr + expert * stride_be + ch * stride_gc
+        bg = tl.load(bias, mask=ch < I, other=0.0).to(tl.float32)
+        bu = tl.load(bias + up_offset, mask=ch < I, other=0.0).to(tl.float32)
+        gate = tl.minimum((gate + bg[None, :]).to(dtype).to(tl.float32), limit)
+        up = (up + bu[None, :]).to(dtype).to(tl.float32)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        glu = (gate * tl.sigmoid(gate * alpha)).to(dtype).to(tl.float32)
+        act = (up + 1.0).to(dtype).to(tl.float32) * glu
+    else:        # silu(gate), then the product
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
+    tl.store(act_ptr + pair[:, None] * I + ch[None, :], act.to(dtype), mask=m_mask[:, None] & (ch < I)[None, :])
 
 
 @triton.jit
@@ -701,69 +717,17 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     # float32 tl.dot runs on FMA units: its tiles spill registers at 4 warps (ahead-of-time checks)
     warps = MOE_WARPS if x.dtype == torch.float32 else 4
     block_i, block_h = min(_pow2(i, 16), 64), min(_pow2(h, 16), 64)  # weight tiles of both kernels
-    _moe_gate_up_act_kernel[(table.shape[0], triton.cdiv(i, block_i))](
-        x2, order, table, gate_up, act, x2.stride(0), gate_up.stride(0), gate_up.stride(1), h, i,
-        K=k, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32, num_warps=warps)
+    _moe_gate_up_act_kernel[(table.shape[0], triton.cdiv(i, block_i))](  # gate_up [E, 2I, H]
+        x2, order, table, gate_up, gate_up, act, x2.stride(0), gate_up.stride(0), gate_up.stride(2),
+        gate_up.stride(1), i * gate_up.stride(1), 0, h, i, 0.0, 0.0,
+        K=k, GPT_OSS=False, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32,
+        num_warps=warps)
     _moe_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](
         act, w2, order, table, down, down, out, w2.stride(0), down.stride(0), down.stride(1), down.stride(2), 0,
         h, i, K=k, HAS_BIAS=False, BLOCK_M=MOE_BLOCK_M, BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32,
         num_warps=warps)
     y = torch.sum(out.view(n, k, h), dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
     return y.view(x.shape)
-
-
-@triton.jit
-def _moe_swiglu_gate_up_kernel(
-    x_ptr,                    # [N, H] tokens, model dtype
-    order_ptr,                # [N*K] int64 pair indices (token * K + j) sorted by expert
-    table_ptr,                # [G, 3] int64 per block: expert, start, stop (a range of order)
-    gu_ptr,                   # [E, H, 2I] gate (even) / up (odd) columns interleaved, model dtype
-    gub_ptr,                  # [E, 2I] gate/up bias, interleaved the same way, model dtype
-    act_ptr,                  # [N*K, I] clamped SwiGLU out per pair, model dtype, contiguous
-    stride_x,                 # elements between rows of x
-    stride_ge, stride_gh,     # gate_up strides (expert, hidden row); columns contiguous
-    stride_be,                # gate/up bias stride (expert)
-    H, I,                     # hidden size, expert intermediate size
-    alpha, limit,             # SwiGLU sigmoid gain; clamp of gate (above) and up (both sides)
-    K: tl.constexpr,          # experts per token
-    BLOCK_M: tl.constexpr,    # pairs per block (rows of the tl.dot)
-    BLOCK_I: tl.constexpr,    # intermediate channels per program
-    BLOCK_H: tl.constexpr,    # hidden rows per iteration
-    DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
-):
-    expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
-    token = pair // K
-    ch = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
-    h_end = tl.where(busy, H, 0)  # an empty block reads nothing
-    for h0 in range(0, h_end, BLOCK_H):
-        rows = h0 + tl.arange(0, BLOCK_H)
-        x = tl.load(x_ptr + token[:, None] * stride_x + rows[None, :], mask=m_mask[:, None] & (rows < H)[None, :],
-                    other=0.0)
-        w_mask = (rows < H)[:, None] & (ch < I)[None, :]
-        w_base = gu_ptr + expert * stride_ge + rows[:, None] * stride_gh + 2 * ch[None, :]
-        wg = tl.load(w_base, mask=w_mask, other=0.0)       # [BLOCK_H, BLOCK_I]: once per block of pairs
-        wu = tl.load(w_base + 1, mask=w_mask, other=0.0)
-        if DOT_FP32:
-            x = x.to(tl.float32)
-            acc_g += tl.dot(x, wg.to(tl.float32), input_precision="ieee")
-            acc_u += tl.dot(x, wu.to(tl.float32), input_precision="ieee")
-        else:
-            acc_g += tl.dot(x, wg)
-            acc_u += tl.dot(x, wu)
-    dtype = act_ptr.dtype.element_ty
-    bias = gub_ptr + expert * stride_be + 2 * ch
-    bg = tl.load(bias, mask=ch < I, other=0.0).to(tl.float32)
-    bu = tl.load(bias + 1, mask=ch < I, other=0.0).to(tl.float32)
-    # rounded to the model dtype where the reference rounds: the product, the biased sum, glu, up + 1
-    gate = (acc_g.to(dtype).to(tl.float32) + bg[None, :]).to(dtype).to(tl.float32)
-    up = (acc_u.to(dtype).to(tl.float32) + bu[None, :]).to(dtype).to(tl.float32)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    glu = (gate * tl.sigmoid(gate * alpha)).to(dtype).to(tl.float32)
-    act = (up + 1.0).to(dtype).to(tl.float32) * glu
-    tl.store(act_ptr + pair[:, None] * I + ch[None, :], act.to(dtype), mask=m_mask[:, None] & (ch < I)[None, :])
 
 
 def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
@@ -798,10 +762,11 @@ def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     dot_fp32 = _dot_fp32(x.dtype)
     warps = MOE_WARPS if x.dtype == torch.float32 else 4
     block_i, block_h = min(_pow2(i, 16), 64), min(_pow2(h, 16), 64)
-    _moe_swiglu_gate_up_kernel[(table.shape[0], triton.cdiv(i, block_i))](
+    _moe_gate_up_act_kernel[(table.shape[0], triton.cdiv(i, block_i))](  # gate_up [E, H, 2I] interleaved
         x2, order, table, gate_up, gate_up_bias, act, x2.stride(0), gate_up.stride(0), gate_up.stride(1),
-        gate_up_bias.stride(0), h, i, float(alpha), float(limit),
-        K=k, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32, num_warps=warps)
+        2 * gate_up.stride(2), gate_up.stride(2), gate_up_bias.stride(0), h, i, float(alpha), float(limit),
+        K=k, GPT_OSS=True, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32,
+        num_warps=warps)
     _moe_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](  # down is [E, I, H]: its rows are I
         act, w2, order, table, down, down_bias, out, w2.stride(0), down.stride(0), down.stride(2), down.stride(1),
         down_bias.stride(0), h, i, K=k, HAS_BIAS=True, BLOCK_M=MOE_BLOCK_M, BLOCK_H=block_h, BLOCK_I=block_i,
