@@ -689,27 +689,23 @@ def _moe_down_kernel(
     tl.store(out_ptr + pair[:, None] * H + hs[None, :], out, mask=m_mask[:, None] & (hs < H)[None, :])
 
 
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
-    """See `reference.moe_experts`. Grouped: the (token, expert) pairs sorted by expert in blocks
-    of `MOE_BLOCK_M` (`moe_block_table`, on the device), gate_up + activation then down + routing
-    weight per block with `tl.dot`, so each expert's weights are read once per block of tokens;
-    the k weighted outputs of a token are summed in float32 in a fixed order (no atomics). No host
-    synchronisation: the grid is sized from the shapes. Ids must be in [0, E)."""
-    h = x.shape[-1]
-    e, two_i, h2 = gate_up.shape
-    i = two_i // 2
-    assert h2 == h and two_i == 2 * i, f"gate_up {tuple(gate_up.shape)} vs hidden {h}"
-    assert down.shape == (e, h, i), f"down {tuple(down.shape)} != ({e}, {h}, {i})"
-    k = ids.shape[-1]
+def _grouped_experts(x, weights, ids, e: int, i: int, gate_up, gate_up_strides, up_offset: int, down,
+                     down_strides, gate_up_bias=None, down_bias=None, alpha: float = 0.0, limit: float = 0.0):
+    """The launch both expert layouts share: the (token, expert) pairs sorted by expert in blocks of
+    `MOE_BLOCK_M` (`moe_block_table`, on the device), `_moe_gate_up_act_kernel` then
+    `_moe_down_kernel` per block, and the k weighted outputs of a token summed in float32 in a fixed
+    order (no atomics). `gate_up_strides` = (hidden, intermediate channel), `down_strides` =
+    (output column, intermediate row); with the biases, GPT-OSS's clamped SwiGLU."""
+    h, k = x.shape[-1], ids.shape[-1]
     x2, w2, ids2 = x.reshape(-1, h), weights.reshape(-1, k), ids.reshape(-1, k)
     n = x2.shape[0]
     assert w2.shape == ids2.shape == (n, k), f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)} vs x {tuple(x.shape)}"
-    assert x.dtype == weights.dtype == gate_up.dtype == down.dtype, "x, weights and expert weights must share a dtype"
     assert ids.dtype == torch.int64, f"ids dtype {ids.dtype}"
-    _check_last_contiguous(x=x2, weights=w2, ids=ids2, gate_up=gate_up, down=down)
+    biases = {} if gate_up_bias is None else {"gate_up_bias": gate_up_bias, "down_bias": down_bias}
+    _check_last_contiguous(x=x2, weights=w2, ids=ids2, gate_up=gate_up, down=down, **biases)
     if not n * k:
         return torch.zeros_like(x)
+    gpt_oss = gate_up_bias is not None
     order, table = moe_block_table(ids2, e)
     act = torch.empty(n * k, i, dtype=x.dtype, device=x.device)
     out = torch.empty(n * k, h, dtype=x.dtype, device=x.device)
@@ -717,27 +713,42 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     # float32 tl.dot runs on FMA units: its tiles spill registers at 4 warps (ahead-of-time checks)
     warps = MOE_WARPS if x.dtype == torch.float32 else 4
     block_i, block_h = min(_pow2(i, 16), 64), min(_pow2(h, 16), 64)  # weight tiles of both kernels
-    _moe_gate_up_act_kernel[(table.shape[0], triton.cdiv(i, block_i))](  # gate_up [E, 2I, H]
-        x2, order, table, gate_up, gate_up, act, x2.stride(0), gate_up.stride(0), gate_up.stride(2),
-        gate_up.stride(1), i * gate_up.stride(1), 0, h, i, 0.0, 0.0,
-        K=k, GPT_OSS=False, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32,
+    _moe_gate_up_act_kernel[(table.shape[0], triton.cdiv(i, block_i))](
+        x2, order, table, gate_up, gate_up_bias if gpt_oss else gate_up, act, x2.stride(0), gate_up.stride(0),
+        *gate_up_strides, up_offset, gate_up_bias.stride(0) if gpt_oss else 0, h, i, float(alpha), float(limit),
+        K=k, GPT_OSS=gpt_oss, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32,
         num_warps=warps)
     _moe_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](
-        act, w2, order, table, down, down, out, w2.stride(0), down.stride(0), down.stride(1), down.stride(2), 0,
-        h, i, K=k, HAS_BIAS=False, BLOCK_M=MOE_BLOCK_M, BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32,
-        num_warps=warps)
+        act, w2, order, table, down, down_bias if gpt_oss else down, out, w2.stride(0), down.stride(0),
+        *down_strides, down_bias.stride(0) if gpt_oss else 0, h, i, K=k, HAS_BIAS=gpt_oss, BLOCK_M=MOE_BLOCK_M,
+        BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32, num_warps=warps)
     y = torch.sum(out.view(n, k, h), dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
     return y.view(x.shape)
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """See `reference.moe_experts`. Grouped (`_grouped_experts`): gate_up + activation then down +
+    routing weight per block of pairs of one expert with `tl.dot`, so each expert's weights are read
+    once per block of tokens. No host synchronisation: the grid is sized from the shapes. Ids must
+    be in [0, E)."""
+    h = x.shape[-1]
+    e, two_i, h2 = gate_up.shape
+    i = two_i // 2
+    assert h2 == h and two_i == 2 * i, f"gate_up {tuple(gate_up.shape)} vs hidden {h}"
+    assert down.shape == (e, h, i), f"down {tuple(down.shape)} != ({e}, {h}, {i})"
+    assert x.dtype == weights.dtype == gate_up.dtype == down.dtype, "x, weights and expert weights must share a dtype"
+    # gate_up [E, 2I, H]: gate rows then up rows; down [E, H, I]
+    return _grouped_experts(x, weights, ids, e, i, gate_up, (gate_up.stride(2), gate_up.stride(1)),
+                            i * gate_up.stride(1), down, (down.stride(1), down.stride(2)))
 
 
 def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                        gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, alpha: float,
                        limit: float) -> torch.Tensor:
-    """See `reference.moe_experts_swiglu`. Grouped like `moe_experts` (the pairs sorted by expert
-    in blocks of `MOE_BLOCK_M`, `moe_block_table`): gate/up + bias + clamped SwiGLU, then down +
-    bias + routing weight per block with `tl.dot` (each expert's weights read once per block of
-    tokens; a gate column and its up column are neighbours, so one program reads both); the k
-    weighted outputs of a token summed in float32 in a fixed order. No host synchronisation."""
+    """See `reference.moe_experts_swiglu`. Grouped like `moe_experts` (`_grouped_experts`), with the
+    biases and the clamped SwiGLU (a gate column and its up column are neighbours, so one program
+    reads both). No host synchronisation."""
     h = x.shape[-1]
     e, h2, two_i = gate_up.shape
     i = two_i // 2
@@ -745,34 +756,12 @@ def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     assert gate_up_bias.shape == (e, two_i), f"gate_up_bias {tuple(gate_up_bias.shape)} != ({e}, {two_i})"
     assert down.shape == (e, i, h), f"down {tuple(down.shape)} != ({e}, {i}, {h})"
     assert down_bias.shape == (e, h), f"down_bias {tuple(down_bias.shape)} != ({e}, {h})"
-    k = ids.shape[-1]
-    x2, w2, ids2 = x.reshape(-1, h), weights.reshape(-1, k), ids.reshape(-1, k)
-    n = x2.shape[0]
-    assert w2.shape == ids2.shape == (n, k), f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)} vs x {tuple(x.shape)}"
     assert x.dtype == weights.dtype == gate_up.dtype == down.dtype == gate_up_bias.dtype == down_bias.dtype, \
         "x, weights, expert weights and biases must share a dtype"
-    assert ids.dtype == torch.int64, f"ids dtype {ids.dtype}"
-    _check_last_contiguous(x=x2, weights=w2, ids=ids2, gate_up=gate_up, down=down, gate_up_bias=gate_up_bias,
-                           down_bias=down_bias)
-    if not n * k:
-        return torch.zeros_like(x)
-    order, table = moe_block_table(ids2, e)
-    act = torch.empty(n * k, i, dtype=x.dtype, device=x.device)
-    out = torch.empty(n * k, h, dtype=x.dtype, device=x.device)
-    dot_fp32 = _dot_fp32(x.dtype)
-    warps = MOE_WARPS if x.dtype == torch.float32 else 4
-    block_i, block_h = min(_pow2(i, 16), 64), min(_pow2(h, 16), 64)
-    _moe_gate_up_act_kernel[(table.shape[0], triton.cdiv(i, block_i))](  # gate_up [E, H, 2I] interleaved
-        x2, order, table, gate_up, gate_up_bias, act, x2.stride(0), gate_up.stride(0), gate_up.stride(1),
-        2 * gate_up.stride(2), gate_up.stride(2), gate_up_bias.stride(0), h, i, float(alpha), float(limit),
-        K=k, GPT_OSS=True, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32,
-        num_warps=warps)
-    _moe_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](  # down is [E, I, H]: its rows are I
-        act, w2, order, table, down, down_bias, out, w2.stride(0), down.stride(0), down.stride(2), down.stride(1),
-        down_bias.stride(0), h, i, K=k, HAS_BIAS=True, BLOCK_M=MOE_BLOCK_M, BLOCK_H=block_h, BLOCK_I=block_i,
-        DOT_FP32=dot_fp32, num_warps=warps)
-    y = torch.sum(out.view(n, k, h), dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
-    return y.view(x.shape)
+    # gate_up [E, H, 2I]: gate / up columns interleaved; down [E, I, H]: its rows are I
+    return _grouped_experts(x, weights, ids, e, i, gate_up, (gate_up.stride(1), 2 * gate_up.stride(2)),
+                            gate_up.stride(2), down, (down.stride(2), down.stride(1)), gate_up_bias, down_bias,
+                            alpha, limit)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
