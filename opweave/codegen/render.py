@@ -233,6 +233,7 @@ def render_rank(program: RankProgram, op_names: list[str], template: str, num_st
         version=__version__, model=program.model, plan_hash=program.plan_hash, template=template,
         num_stages=num_stages, rank=program.rank, world_size=program.world_size, owner=program.owner,
         replica=program.replica, tp_rank=program.tp_rank, tp=program.tp, tp_group=tuple(program.tp_group),
+        experts=program.experts,
         rows=tuple(program.rows), num_microbatches=program.num_microbatches,
         microbatch_size=program.microbatch_size, stage_indices=tuple(st.stage for st in program.stages),
         ops=tuple(program.ops), binds=binds, held=held,

@@ -74,7 +74,8 @@ def make_plan(fe: FrontEnd, cluster: Cluster, context: int, tpot_slo_s: float, r
                    for s in cand.stage_plan.stages)
     owners = tuple(PlanOwner(slot=o.slot, gpu=o.gpu.name, tp=o.tp, replicas=o.replicas,
                              memory_per_gpu_bytes=o.memory_per_gpu, occupancy=sim.owners[i].occupancy,
-                             bubble_ms=sim.owners[i].bubble_s * 1e3, gpus=set0[i], price_per_hour=o.gpu.price_per_hour)
+                             bubble_ms=sim.owners[i].bubble_s * 1e3, gpus=set0[i], price_per_hour=o.gpu.price_per_hour,
+                             experts=o.experts)
                    for i, o in enumerate(cand.owners))
     predicted = Predicted(
         tpot_ms=sim.tpot_s * 1e3, tokens_per_s=sim.tokens_per_s * sets, tokens_per_s_per_set=sim.tokens_per_s,

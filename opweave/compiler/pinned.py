@@ -2,7 +2,9 @@
 
 Used to check that any split runs and generates the reference tokens, and to reproduce a plan
 by hand: `pinned_plan(fe, cluster, "cad", [("h100", 2, 1), ("l40s", 1, 2)], batch=4,
-microbatches=2, context=64)`. The owners are (GPU type, TP degree, replicas) per slot.
+microbatches=2, context=64)`. The owners are (GPU type, TP degree, replicas) per slot, or
+(GPU type, TP degree, replicas, expert layout) with layout "tp" (routed experts sliced, the
+default) or "ep" (expert parallelism: each GPU of the group holds whole experts).
 
 Each owner is built and checked by the search's own code (`passes/search.py owner_config`: node
 size, TP dividing every sharded op, GPUs in the pool, memory per GPU at this batch and context),
@@ -27,7 +29,7 @@ from opweave.passes.simulate import simulate
 from opweave.passes.templates import build_stages, template_by_name
 
 
-def pinned_plan(fe: FrontEnd, cluster: Cluster, template: str, owners: list[tuple[str, int, int]], batch: int,
+def pinned_plan(fe: FrontEnd, cluster: Cluster, template: str, owners: list[tuple], batch: int,
                 microbatches: int, context: int, tpot_slo_s: float = math.inf,
                 cost_model: CostModel = CostModel()) -> Compiled:
     space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=context, tpot_slo_s=tpot_slo_s,
@@ -40,8 +42,8 @@ def pinned_plan(fe: FrontEnd, cluster: Cluster, template: str, owners: list[tupl
                            f"{k} owner(s) cannot take them round-robin")
     if not 1 <= microbatches <= batch or batch % microbatches:
         raise OpWeaveError(f"microbatches {microbatches} must be between 1 and the batch {batch} and divide it")
-    configs = tuple(owner_config(ev, plan, k, slot, gpu, tp, replicas, batch, microbatches)
-                    for slot, (gpu, tp, replicas) in enumerate(owners))
+    configs = tuple(owner_config(ev, plan, k, slot, *owner[:3], batch, microbatches, *owner[3:])
+                    for slot, owner in enumerate(owners))
     used: dict[str, int] = {}
     for c in configs:
         used[c.gpu.name] = used.get(c.gpu.name, 0) + c.num_gpus

@@ -49,6 +49,7 @@ from opweave.cost.model import CostModel, shards
 from opweave.hardware.catalog import GPUSpec
 from opweave.ir.graph import OpGraph
 from opweave.ir.kinds import OpClass
+from opweave.ir.tp import preferred_layout
 
 NUM_MICROBATCHES_CAD = 2
 """CAD pipelines at least two microbatches so that one computes while the other moves."""
@@ -186,16 +187,17 @@ def ods_terms(graph: OpGraph, gpu: GPUSpec, tp: int, context: int, cost_model: C
     effective bandwidth (the GEMM weight stream) and the memory accounting."""
     cost_model = cost_model or CostModel()
     hidden = _hidden_bytes(graph)
-    lo = cost_model.op_costs(graph.ops, gpu, tp, MARGINAL_BATCH, context, hidden)
-    hi = cost_model.op_costs(graph.ops, gpu, tp, 2 * MARGINAL_BATCH, context, hidden)
+    layout = preferred_layout(graph.ops, tp) or "tp"
+    lo = cost_model.op_costs(graph.ops, gpu, tp, MARGINAL_BATCH, context, hidden, layout)
+    hi = cost_model.op_costs(graph.ops, gpu, tp, 2 * MARGINAL_BATCH, context, hidden, layout)
     gemm = [op.cls == OpClass.GEMM for op in graph.ops]
     compute = [(b.compute_s - a.compute_s) / MARGINAL_BATCH for a, b in zip(lo, hi)]
     comm = [(b.comm_s - a.comm_s) / MARGINAL_BATCH for a, b in zip(lo, hi)]
-    footprint = memory.Footprint.of(graph.ops, tp, context)
+    footprint = memory.Footprint.of(graph.ops, tp, context, layout=layout)
     return ODSTerms(
         tp=tp, memory_s=sum(c + r for c, r, g in zip(compute, comm, gemm) if not g),
         gemm_s=sum(c for c, g in zip(compute, gemm) if g), comm_s=sum(r for r, g in zip(comm, gemm) if g),
-        weights_s=sum(op.weight_bytes / shards(op, tp) for op in graph.ops if op.cls == OpClass.GEMM)
+        weights_s=sum(op.weight_bytes / shards(op, tp, layout) for op in graph.ops if op.cls == OpClass.GEMM)
         / gpu.effective_bandwidth,
         weight_bytes=footprint.weights, sequence_bytes=footprint.per_slot + footprint.per_row,
         usable_bytes=gpu.usable_memory_bytes, price_per_s=tp * gpu.price_per_second)
@@ -327,8 +329,10 @@ def _cad(graph: OpGraph, gpu: GPUSpec, rest: GPUSpec, context: int,
     hidden = _hidden_bytes(graph)
     per_mb = _fitting_batch(memory.Footprint.of(attn, 1, context), gpu.usable_memory_bytes, NUM_MICROBATCHES_CAD)
     attn_max = cost_model.ops_latency(attn, gpu, 1, per_mb, context, hidden) if per_mb >= 1 else 0.0
-    floors = [(cost_model.ops_latency(others, rest, tp, 1, context, hidden), tp) for tp in scan_tps(graph, rest)
-              if _fitting_batch(memory.Footprint.of(others, tp, context), rest.usable_memory_bytes, 0) >= 1]
+    floors = [(cost_model.ops_latency(others, rest, tp, 1, context, hidden, preferred_layout(others, tp) or "tp"), tp)
+              for tp in scan_tps(graph, rest)
+              if _fitting_batch(memory.Footprint.of(others, tp, context, layout=preferred_layout(others, tp) or "tp"),
+                                rest.usable_memory_bytes, 0) >= 1]
     if not floors:
         return False, attn_max, math.inf, f"the rest of the model does not fit on {max(TP_SCAN)}x{rest.name}"
     floor, t_rest = min(floors)

@@ -15,8 +15,10 @@ The terms add up to the TPOT:
     overheads       per-op launch, per-step and per-sequence fixed costs
     communication   tensor-parallel collectives (all-reduces, the sampler's all-gather)
 
-A point that cannot run is reported, not raised: a TP degree that does not divide the model's
-sharded ops or exceeds a node has no TPOT; a point whose weights, state and activations exceed
+Routed experts are sliced over the group where that is legal, else held whole by expert
+parallelism (`opweave.ir.tp.preferred_layout`). A point that cannot run is reported, not raised:
+a TP degree that does not divide the model's sharded ops (in either expert layout) or exceeds a
+node has no TPOT; a point whose weights, state and activations exceed
 the GPU's usable memory has its TPOT and `fits: false`.
 """
 
@@ -28,7 +30,7 @@ from opweave.cost import memory
 from opweave.cost.model import CostModel
 from opweave.hardware.catalog import GPUSpec
 from opweave.ir.graph import OpGraph
-from opweave.ir.tp import legal_tp
+from opweave.ir.tp import legal_tp, preferred_layout
 
 TERMS = ("weights", "kv_state", "math", "overlap_hidden", "overheads", "communication")
 """The term names of a point, in the order `format_estimate` prints them (milliseconds)."""
@@ -75,7 +77,8 @@ def estimate_point(graph: OpGraph, gpu: GPUSpec, tp: int, batch: int, context: i
     if why is not None:
         return dataclasses.replace(base, error=why)
     hidden_bytes = graph.cuts[0].bytes_per_token if graph.cuts else 0
-    costs = cost_model.op_costs(graph.ops, gpu, tp, batch, context, hidden_bytes)
+    layout = preferred_layout(graph.ops, tp)
+    costs = cost_model.op_costs(graph.ops, gpu, tp, batch, context, hidden_bytes, layout)
     terms = dict.fromkeys(TERMS, 0.0)
     for c in costs:
         terms["weights"] += c.weights_s
@@ -85,7 +88,7 @@ def estimate_point(graph: OpGraph, gpu: GPUSpec, tp: int, batch: int, context: i
         terms["overheads"] += c.overhead_s
         terms["communication"] += c.comm_s
     tpot_s = sum(c.total_s for c in costs)
-    need = memory.memory_per_gpu(graph.ops, tp, batch, context)
+    need = memory.memory_per_gpu(graph.ops, tp, batch, context, layout=layout)
     error = None
     if need > gpu.usable_memory_bytes:
         error = (f"does not fit: needs {need / 1e9:.1f} GB per GPU, {gpu.name} has "
@@ -97,11 +100,12 @@ def tp_problem(graph: OpGraph, gpu: GPUSpec, tp: int) -> str | None:
     """Why one TP group of `tp` GPUs of `gpu` cannot run the whole model, or None."""
     if tp > gpu.gpus_per_node:
         return f"TP {tp} exceeds the {gpu.name} node size ({gpu.gpus_per_node} GPUs); a TP group stays inside one node"
-    if legal_tp(graph.ops, tp):
+    if preferred_layout(graph.ops, tp) is not None:
         return None
-    bad = next(op for op in graph.ops if not legal_tp([op], tp))
-    heads = f", {bad.kv_heads} KV heads" if bad.kv_heads else ""
-    return f"TP {tp} does not divide {bad.name} ({bad.kind.value}, {bad.tp_units} shardable units{heads})"
+    from opweave.passes.search import indivisible
+
+    bad = next(op for op in graph.ops if not legal_tp([op], tp) and not legal_tp([op], tp, "ep"))
+    return f"TP {tp} does not divide {indivisible(bad)}"
 
 
 def estimate(graph: OpGraph, gpu: GPUSpec, tps: list[int], batches: list[int], contexts: list[int],

@@ -108,12 +108,13 @@ def max_rows(batch: int, microbatches: int, replicas: int) -> int:
     return math.ceil((batch // microbatches) / replicas)
 
 
-def weight_bytes(ops, tp: int) -> float:
-    """One GPU's share of its ops' weights; a weight two ops share (tied) counted once."""
+def weight_bytes(ops, tp: int, layout: str = "tp") -> float:
+    """One GPU's share of its ops' weights (routed experts held as `layout`); a weight two ops
+    share (tied) counted once."""
     per_weight = {}
     for op in ops:
         for w in op.weights:
-            per_weight[w.name] = max(per_weight.get(w.name, 0.0), w.nbytes / shards(op, tp))
+            per_weight[w.name] = max(per_weight.get(w.name, 0.0), w.nbytes / shards(op, tp, layout))
     return sum(per_weight.values())
 
 
@@ -121,10 +122,10 @@ def state_bytes_per_slot(ops, tp: int, context: int) -> float:
     return sum(op.state_bytes(context) / state_shards(op, tp) for op in ops)
 
 
-def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int) -> float:
+def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int, layout: str = "tp") -> float:
     """Bytes an op allocates inside its forward beyond its inputs and outputs (freed on return),
-    for the block sizes of `opweave.models.activation`."""
-    n = shards(op, tp)
+    for the block sizes of `opweave.models.activation` (routed experts held as `layout`)."""
+    n = shards(op, tp, layout)
     if op.kind in (OpKind.ATTN_FULL, OpKind.ATTN_SLIDING):
         heads = op.tp_units / n                                   # query heads on this GPU
         kv = op.state.bytes_per_token / state_shards(op, tp)      # k and v bytes per cached position
@@ -133,7 +134,8 @@ def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int) -> fl
         return rows * (heads * width * block * SCORE_BYTES + block * kv * 3
                        + ATTN_ACCUMULATORS * width * heads * per_head * 2)
     if op.kind in (OpKind.MOE_EXPERTS, OpKind.MOE_EXPERTS_SWIGLU):  # the k experts' weights, a block of tokens
-        return min(rows * width, MOE_TOKEN_BLOCK) * op.active_weight_fraction * op.weight_bytes / n \
+        whole = layout == "ep" and tp > 1   # expert-parallel: each pair gathers a whole expert (or a masked one)
+        return min(rows * width, MOE_TOKEN_BLOCK) * op.active_weight_fraction * op.weight_bytes / (1 if whole else n) \
             + rows * width * op.act_bytes_per_token / n
     if op.kind == OpKind.ATTN_MLA:  # latent attention: every query head against the shared latent rows
         heads = op.tp_units / n                                   # query heads on this GPU
@@ -151,7 +153,7 @@ def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int) -> fl
     return 0.0
 
 
-def activation_bytes(ops, tp: int, rows: int, width: int, context: int) -> float:
+def activation_bytes(ops, tp: int, rows: int, width: int, context: int, layout: str = "tp") -> float:
     """Peak bytes of one step of `rows` rows and `width` tokens per row (module docstring): the
     residual stream, and the op with the largest inputs + outputs + scratch."""
     if rows <= 0 or not ops:
@@ -159,15 +161,15 @@ def activation_bytes(ops, tp: int, rows: int, width: int, context: int) -> float
     stream = STREAM_COPIES * max(op.act_bytes_per_token / shards(op, tp) for op in ops
                                  if op.kind not in (OpKind.LM_HEAD, OpKind.SAMPLE))
     return rows * width * stream + max(rows * width * op.act_bytes_per_token / shards(op, tp)
-                                       + op_scratch_bytes(op, tp, rows, width, context) for op in ops)
+                                       + op_scratch_bytes(op, tp, rows, width, context, layout) for op in ops)
 
 
 def memory_per_gpu(ops, tp: int, slots: int, context: int, rows: int | None = None,
-                   width: int = PREFILL_CHUNK) -> float:
+                   width: int = PREFILL_CHUNK, layout: str = "tp") -> float:
     """Bytes one GPU of a TP group running `ops` holds with `slots` state slots and steps of
     `rows` rows (default: all slots in one microbatch) of `width` tokens: weights + state +
     activations (message buffers: `plan_rank_memory`)."""
-    return Footprint.of(ops, tp, context, width).bytes_at(slots, slots if rows is None else rows)
+    return Footprint.of(ops, tp, context, width, layout).bytes_at(slots, slots if rows is None else rows)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,10 +181,10 @@ class Footprint:
     per_row: float    # activations of one row of a step
 
     @classmethod
-    def of(cls, ops, tp: int, context: int, width: int = PREFILL_CHUNK) -> Footprint:
+    def of(cls, ops, tp: int, context: int, width: int = PREFILL_CHUNK, layout: str = "tp") -> Footprint:
         ops = list(ops)
-        return cls(weights=weight_bytes(ops, tp), per_slot=state_bytes_per_slot(ops, tp, context),
-                   per_row=activation_bytes(ops, tp, 1, width, context))
+        return cls(weights=weight_bytes(ops, tp, layout), per_slot=state_bytes_per_slot(ops, tp, context),
+                   per_row=activation_bytes(ops, tp, 1, width, context, layout))
 
     def bytes_at(self, slots: int, rows: int) -> float:
         return self.weights + slots * self.per_slot + rows * self.per_row
@@ -269,8 +271,8 @@ def plan_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: in
     held = held_peak(graph, [(st.first_op, st.last_op) for st in plan.stages], owners).get(owner, 0) \
         if len(set(owners)) > 1 else 0
     return MemoryBreakdown(
-        weights=weight_bytes(ops, o.tp),
+        weights=weight_bytes(ops, o.tp, o.experts),
         state=plan.microbatches * (hi - lo) * state_bytes_per_slot(ops, o.tp, plan.context),
-        activations=activation_bytes(ops, o.tp, hi - lo, width, plan.context)
+        activations=activation_bytes(ops, o.tp, hi - lo, width, plan.context, o.experts)
         + plan.microbatches * (hi - lo) * width * held,
         buffers=buffer_bytes(plan, owner, replica, width, tp_rank))

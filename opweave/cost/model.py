@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 from typing import Protocol
 
 from opweave.hardware.catalog import GPUSpec
@@ -82,10 +83,11 @@ class OpCost:
         return self.compute_s + self.comm_s
 
 
-def shards(op: Op, tp: int) -> float:
+def shards(op: Op, tp: int, layout: str = "tp") -> float:
     """How many ways the op's weights and work divide over a TP group of `tp` GPUs (the TP
-    table's: full weight bytes over one rank's, so replicated KV heads and norm weights count)."""
-    return tp_table.compute_shards(op, tp)
+    table's: full weight bytes over one rank's, so replicated KV heads and norm weights count;
+    routed experts held as `layout`, `opweave.ir.tp.EXPERT_LAYOUTS`)."""
+    return tp_table.compute_shards(op, tp, layout)
 
 
 MOE_BLOCK_PAIRS = 16
@@ -110,6 +112,66 @@ def expert_reads(batch: int, probability: float, block: int = MOE_BLOCK_PAIRS) -
     return total
 
 
+@functools.lru_cache(maxsize=4096)
+def _reads_moments(batch: int, probability: float, block: int = MOE_BLOCK_PAIRS) -> tuple[float, float]:
+    """(mean, variance) of ceil(n / block), n ~ Binomial(batch, probability): one expert's reads."""
+    if probability <= 0.0 or batch <= 0:
+        return 0.0, 0.0
+    if probability >= 1.0:
+        return float(math.ceil(batch / block)), 0.0
+    log_p, log_q = math.log(probability), math.log1p(-probability)
+    m1 = m2 = 0.0
+    for n in range(1, batch + 1):
+        pmf = math.exp(math.lgamma(batch + 1) - math.lgamma(n + 1) - math.lgamma(batch - n + 1) + n * log_p
+                       + (batch - n) * log_q)
+        r = math.ceil(n / block)
+        m1 += r * pmf
+        m2 += r * r * pmf
+    return m1, max(0.0, m2 - m1 * m1)
+
+
+def expected_max_normal(ranks: int) -> float:
+    """E[max of `ranks` standard normals], Blom's approximation Phi^-1((n - 0.375) / (n + 0.25))
+    (within 5% of the exact value for n = 2..64)."""
+    if ranks <= 1:
+        return 0.0
+    return statistics.NormalDist().inv_cdf((ranks - 0.375) / (ranks + 0.25))
+
+
+@functools.lru_cache(maxsize=4096)
+def ep_imbalance(batch: int, experts: int, top_k: int, ranks: int) -> tuple[float, float]:
+    """(weight reads, pairs) of the busiest rank of an expert-parallel group over the group's
+    mean (>= 1): `ranks` GPUs each hold experts / ranks whole experts, and a step of `batch`
+    tokens routes each to `top_k` of the `experts` uniformly. The busiest rank sets the op's time.
+
+    Per rank, the reads (sum over its experts of ceil(pairs / MOE_BLOCK_PAIRS)) and the pairs are
+    taken as normal with the mean and variance of independent experts (routing is without
+    replacement within a token, so the true spread is a little smaller), and the busiest rank as
+    the mean plus `expected_max_normal(ranks)` standard deviations, capped at every one of its
+    experts read for every block of the batch (checked against sampled routings in
+    tests/test_expert_parallel_cost.py)."""
+    if ranks <= 1 or batch <= 0 or experts <= 0:
+        return 1.0, 1.0
+    per_rank = experts / ranks
+    p = top_k / experts
+    mean, var = _reads_moments(batch, p)
+    z = expected_max_normal(ranks)
+    reads_mean = per_rank * mean
+    reads_max = min(reads_mean + z * math.sqrt(per_rank * var), per_rank * math.ceil(batch / MOE_BLOCK_PAIRS))
+    pairs_mean = batch * top_k / ranks
+    pairs_max = min(pairs_mean + z * math.sqrt(batch * top_k * (1 / ranks) * (1 - 1 / ranks)), batch * min(top_k, per_rank))
+    return (max(1.0, reads_max / reads_mean) if reads_mean > 0 else 1.0,
+            max(1.0, pairs_max / pairs_mean) if pairs_mean > 0 else 1.0)
+
+
+def expert_parallel_factors(op: Op, tp: int, batch: int, layout: str) -> tuple[float, float]:
+    """`ep_imbalance` of `op` held as `layout` on `tp` GPUs; (1, 1) unless expert-parallel experts."""
+    if layout != "ep" or tp <= 1 or op.kind not in tp_table.EXPERT_KINDS or not op.weights:
+        return 1.0, 1.0
+    experts = op.weights[0].shape[0]
+    return ep_imbalance(batch, experts, max(1, round(op.active_weight_fraction * experts)), tp)
+
+
 def weight_bytes_read(op: Op, batch: int) -> float:
     """Weight bytes one step reads at resident batch `batch` (whole group, before sharding)."""
     if op.kind == OpKind.EMBED:
@@ -125,10 +187,12 @@ def state_shards(op: Op, tp: int) -> int:
     return tp_table.state_shards(op, tp)
 
 
-def op_stream_bytes(op: Op, tp: int, batch: int) -> float:
-    """Weight and activation bytes one GPU of the group moves for this op in one step."""
-    n = shards(op, tp)
-    return weight_bytes_read(op, batch) / n + batch * op.act_bytes_per_token / n
+def op_stream_bytes(op: Op, tp: int, batch: int, layout: str = "tp") -> float:
+    """Weight and activation bytes one GPU of the group moves for this op in one step (the
+    busiest GPU's, for expert-parallel experts: `ep_imbalance`)."""
+    n = shards(op, tp, layout)
+    reads, pairs = expert_parallel_factors(op, tp, batch, layout)
+    return reads * weight_bytes_read(op, batch) / n + pairs * batch * op.act_bytes_per_token / n
 
 
 def op_state_bytes(op: Op, tp: int, batch: int, context: int) -> float:
@@ -136,13 +200,13 @@ def op_state_bytes(op: Op, tp: int, batch: int, context: int) -> float:
     return batch * op.state_bytes(context) / state_shards(op, tp)
 
 
-def op_bytes(op: Op, tp: int, batch: int, context: int) -> float:
+def op_bytes(op: Op, tp: int, batch: int, context: int, layout: str = "tp") -> float:
     """Bytes one GPU of the group moves for this op in one step."""
-    return op_stream_bytes(op, tp, batch) + op_state_bytes(op, tp, batch, context)
+    return op_stream_bytes(op, tp, batch, layout) + op_state_bytes(op, tp, batch, context)
 
 
-def op_flops(op: Op, tp: int, batch: int, context: int) -> float:
-    return batch * op.flops_at(context) / shards(op, tp)
+def op_flops(op: Op, tp: int, batch: int, context: int, layout: str = "tp") -> float:
+    return expert_parallel_factors(op, tp, batch, layout)[1] * batch * op.flops_at(context) / shards(op, tp, layout)
 
 
 def allreduce_s(nbytes: float, tp: int, gpu: GPUSpec) -> float:
@@ -183,16 +247,21 @@ class CostModel:
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (the runtime on CUDA); False: eager launches
 
     def op_cost(self, op: Op, gpu: GPUSpec, tp: int, batch: int, context: int, hidden_bytes: int,
-                following: Op | None = None) -> OpCost:
+                following: Op | None = None, layout: str = "tp") -> OpCost:
         """The op's cost; `following` is the op after it in the stage (a shared expert after
-        routed experts takes their all-reduce: `needs_allreduce`)."""
-        weights_s, state_s, math_s = op_times(op, gpu, tp, batch, context)
+        routed experts takes their all-reduce: `needs_allreduce`); routed experts held as `layout`."""
+        weights_s, state_s, math_s = op_times(op, gpu, tp, batch, context, layout)
         memory_s = weights_s + state_s
         overhead_s = gpu.op_launch_s(self.cuda_graphs) + step_cost_s(op, gpu, batch)
         compute_s = overlapped_s(memory_s, math_s, gpu) + overhead_s
         measured = False
         if self.profile is not None:
-            figure = self._measured(op, gpu, tp, batch, context, compute_s)
+            if expert_parallel_factors(op, tp, batch, layout) == (1.0, 1.0):
+                figure = self._measured(op, gpu, tp, batch, context, compute_s)
+            else:  # profiles time sliced experts: the busiest expert-parallel GPU's share of that
+                sliced = roofline(op, gpu, tp, batch, context, self.cuda_graphs)[2]
+                figure = self._measured(op, gpu, tp, batch, context, sliced)
+                figure = None if figure is None else figure * (compute_s - step_cost_s(op, gpu, batch)) / sliced
             if figure is not None:  # the profile times the op alone: the step's costs stay
                 compute_s, measured = figure + step_cost_s(op, gpu, batch), True
         comm_s = self.collectives_s(op, gpu, tp, batch, hidden_bytes, following)
@@ -245,21 +314,24 @@ class CostModel:
         return self.profile is not None and hasattr(self.profile, "transfer_host_s")
 
     def op_costs(self, ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, batch: int, context: int,
-                 hidden_bytes: int) -> list[OpCost]:
+                 hidden_bytes: int, layout: str = "tp") -> list[OpCost]:
         """The cost of each op of a stage run in order (each op sees the next: all-reduce fusion)."""
-        return [self.op_cost(op, gpu, tp, batch, context, hidden_bytes, ops[i + 1] if i + 1 < len(ops) else None)
+        return [self.op_cost(op, gpu, tp, batch, context, hidden_bytes, ops[i + 1] if i + 1 < len(ops) else None,
+                             layout)
                 for i, op in enumerate(ops)]
 
     def ops_latency(self, ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, batch: int, context: int,
-                    hidden_bytes: int) -> float:
-        return sum(c.total_s for c in self.op_costs(ops, gpu, tp, batch, context, hidden_bytes))
+                    hidden_bytes: int, layout: str = "tp") -> float:
+        return sum(c.total_s for c in self.op_costs(ops, gpu, tp, batch, context, hidden_bytes, layout))
 
 
-def op_times(op: Op, gpu: GPUSpec, tp: int, batch: int, context: int) -> tuple[float, float, float]:
-    """(weight and activation streaming time, state reading time, math time) of one op, seconds."""
-    return (op_stream_bytes(op, tp, batch) / gpu.effective_bandwidth,
+def op_times(op: Op, gpu: GPUSpec, tp: int, batch: int, context: int,
+             layout: str = "tp") -> tuple[float, float, float]:
+    """(weight and activation streaming time, state reading time, math time) of one op, seconds
+    (routed experts held as `layout`: the busiest GPU's)."""
+    return (op_stream_bytes(op, tp, batch, layout) / gpu.effective_bandwidth,
             op_state_bytes(op, tp, batch, context) / gpu.effective_kv_bandwidth,
-            op_flops(op, tp, batch, context) / gpu.effective_flops)
+            op_flops(op, tp, batch, context, layout) / gpu.effective_flops)
 
 
 def overlapped_s(memory_s: float, math_s: float, gpu: GPUSpec) -> float:

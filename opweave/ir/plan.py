@@ -55,6 +55,7 @@ class PlanOwner:
     bubble_ms: float
     gpus: tuple[tuple[int, ...], ...]  # [replica] -> global GPU indices, in replica set 0
     price_per_hour: float | None = None  # USD per GPU-hour of its GPU type (the catalog's, when compiled)
+    experts: str = "tp"             # routed experts' layout: "tp" (sliced) or "ep" (whole, E / tp per GPU)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,7 +179,8 @@ def format_plan(plan: Plan, search_seconds: float | None = None) -> str:
              f"  batch {plan.batch} per replica set in {plan.microbatches} microbatch(es); "
              f"{plan.replica_sets:,} replica set(s) fit, {plan.gpus_used:,} GPUs used, {plan.num_idle_gpus:,} idle"]
     header = ("owner", "gpu", "tp", "replicas", "GPUs/set", "mem/GPU", "occupancy", "bubble")
-    rows = [(f"o{o.slot}", o.gpu, str(o.tp), str(o.replicas), str(o.tp * o.replicas),
+    rows = [(f"o{o.slot}", o.gpu, f"{o.tp} ep" if o.experts == "ep" else str(o.tp), str(o.replicas),
+             str(o.tp * o.replicas),
              f"{o.memory_per_gpu_bytes / 1e9:.1f} GB", f"{o.occupancy:.0%}", f"{o.bubble_ms:.2f} ms")
             for o in plan.owners]
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
@@ -225,6 +227,8 @@ def verify_plan(plan: Plan, num_ops: int | None = None) -> Plan:
             raise IRError(f"owner {k} has slot {o.slot}")
         if not any(s.owner == k for s in plan.stages):
             raise IRError(f"owner o{k} runs no stage")
+        if o.experts not in ("tp", "ep"):
+            raise IRError(f"owner o{o.slot}: expert layout {o.experts!r} is not tp or ep")
         if len(o.gpus) != o.replicas or any(len(r) != o.tp for r in o.gpus):
             raise IRError(f"owner o{k} lists {[len(r) for r in o.gpus]} GPUs per replica, "
                           f"expected {o.replicas} of {o.tp}")

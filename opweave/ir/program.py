@@ -94,6 +94,7 @@ class RankProgram:
     plan_hash: str
     context: int
     prefill_chunk: int = PREFILL_CHUNK  # at most this many tokens per row per step (chunked prefill)
+    experts: str = "tp"             # routed experts' layout in this TP group (`opweave.ir.tp.EXPERT_LAYOUTS`)
 
     @property
     def leader(self) -> int:

@@ -19,6 +19,18 @@ all-reduce completes (`allreduce_after`). Routed experts followed by a shared ex
 once, after the shared expert (it adds its own partial sum to theirs). The LM head is split over
 the vocabulary and the sampler gathers one (max logit, index) pair per token from each rank.
 
+Routed experts have a second layout, expert parallelism (`EXPERT_LAYOUTS`: "ep"): every rank holds
+E / t whole experts (a contiguous block of expert ids, `expert_block`) instead of a slice of every
+expert; each rank runs the (token, expert) pairs routed to its experts and the same all-reduce sums
+the partial outputs. Legal when t divides the expert count. Every rank of the group holds every row
+(the rows reach every rank as they do under TP), so no all-to-all is needed; the cost is the load
+imbalance between ranks (`opweave.cost.model.ep_imbalance`).
+
+Weights stored block-quantized (`QUANT_BLOCK`: fp8 with 128 x 128 scales, mxfp4 with one scale per
+32 values) are planned as stored: a TP split that would cut a quantization block is illegal (gpt-oss's
+expert down projection, 2880 channels in blocks of 32, splits over TP 2 but not 4 or 8); expert
+parallelism keeps every expert whole.
+
 Layouts of values crossing a stage cut are typed (`Replicated`, `Split`) and written to the
 rank programs in that form (`layout_to_json` / `layout_from_json`).
 """
@@ -33,6 +45,17 @@ from typing import Any
 
 from opweave.ir.graph import DTYPE_SIZE
 from opweave.ir.kinds import OpKind
+
+EXPERT_KINDS = (OpKind.MOE_EXPERTS, OpKind.MOE_EXPERTS_SWIGLU)
+"""Routed experts: the op kinds expert parallelism applies to."""
+
+EXPERT_LAYOUTS = ("tp", "ep")
+"""How an owner's TP group holds routed experts: "tp" (a slice of every expert's intermediate
+channels on every rank) or "ep" (whole experts, E / t per rank)."""
+
+QUANT_BLOCK = {"float8_e4m3fn": 128, "mxfp4": 32}
+"""Elements per quantization block along a split dimension, per stored weight dtype (one scale per
+128 x 128 block for fp8, per 32 values for mxfp4): a rank's slice must hold whole blocks."""
 
 # ---------------------------------------------------------------- splitting units over a group
 
@@ -231,6 +254,7 @@ class OpTP:
     units: int
     kv_heads: int
     weights: tuple[tuple[str, tuple[int, ...]], ...]   # (checkpoint key, full shape)
+    blocks: tuple[int, ...] = ()  # per weight, elements per quantization block (`QUANT_BLOCK`; () or 1: none)
 
     @property
     def rule(self) -> KindRule:
@@ -241,16 +265,48 @@ class OpTP:
         """A Gated-DeltaNet projection (its outputs are packed by key head, not q/k/v heads)."""
         return any(key.endswith("in_proj_qkvz.weight") for key, _ in self.weights)
 
-    def legal(self, tp: int) -> bool:
-        """Whether a TP group of `tp` can run this op (the planner's, pinned plans' and the
-        profiler's test)."""
+    @property
+    def experts(self) -> int:
+        """Routed experts' count (their weights' leading dimension); 0 for other kinds."""
+        return self.weights[0][1][0] if self.kind in EXPERT_KINDS and self.weights else 0
+
+    def expert_parallel(self, layout: str) -> bool:
+        """Whether `layout` ("tp" | "ep") holds this op's experts whole (only routed experts)."""
+        return layout == "ep" and self.kind in EXPERT_KINDS
+
+    def legal(self, tp: int, layout: str = "tp") -> bool:
+        """Whether a TP group of `tp` can run this op, its routed experts held as `layout` says
+        (the planner's, pinned plans' and the profiler's test)."""
         if tp == 1 or not self.rule.sharded:
             return True
+        if self.expert_parallel(layout):
+            return self.experts % tp == 0
         if not legal_units(self.units, tp):
             return False
         if self.rule.kv and self.kv_heads and not legal_units(self.kv_heads, tp, replicable=True):
             return False
-        return all(s.legal(tp) for s in self._splits().values() if s is not None)
+        if not all(s.legal(tp) for s in self._splits().values() if s is not None):
+            return False
+        return self._whole_blocks(tp)
+
+    def _whole_blocks(self, tp: int) -> bool:
+        """Whether every split of a block-quantized weight keeps whole quantization blocks. The
+        stored tensor is a matrix per leading index (rows: the dims before the last merged, as a
+        per-head view [heads, d, c] is stored [heads * d, c]), so a rank's part of split dim `dim`
+        spans its elements times the dims between it and the last."""
+        for (key, shape), block in zip(self.weights, self.blocks):
+            found = self.weight_split(key, shape) if block > 1 else None
+            if found is not None:
+                dim, split = found
+                inner = math.prod(shape[dim + 1:-1]) if dim < len(shape) - 1 else 1
+                if any(length * inner % block for _, length in split.blocks(tp, 0)):
+                    return False
+        return True
+
+    def expert_block(self, tp: int, rank: int) -> tuple[int, int]:
+        """(first expert id, experts) rank `rank` of an expert-parallel group of `tp` holds."""
+        per = self.experts // tp
+        return rank * per, per
 
     def _conv_parts(self) -> tuple[int, int]:
         """(q and k channels each, v channels) of a Gated-DeltaNet conv: v = A_log heads x norm size."""
@@ -260,19 +316,25 @@ class OpTP:
         dv = next(s for k, s in shapes.items() if k.endswith("norm.weight"))[0]
         return (conv - heads * dv) // 2, heads * dv
 
-    def added_once(self, key: str) -> bool:
+    def added_once(self, key: str, layout: str = "tp") -> bool:
         """Whether tensor `key` is a partial-sum op's bias that only the group's first rank adds
-        (every rank holds it whole: the others hold zeros)."""
-        if not self.rule.sharded:
+        (every rank holds it whole: the others hold zeros). An expert-parallel expert's bias is
+        its own rank's."""
+        if not self.rule.sharded or self.expert_parallel(layout):
             return False
         found = next((units for suffix, _, units in self.rule.weights if key.endswith(suffix)), None)
         return found == "once"
 
-    def weight_split(self, key: str, shape: Sequence[int]) -> tuple[int, Split] | None:
+    def weight_split(self, key: str, shape: Sequence[int], layout: str = "tp") -> tuple[int, Split] | None:
         """(dim, split) of checkpoint tensor `key` of full `shape`; None: replicated (or held
-        whole, `added_once`)."""
+        whole, `added_once`). Expert-parallel experts split every fused tensor by expert (its
+        leading dimension); a per-expert checkpoint tensor is read whole by the rank holding it."""
         if not self.rule.sharded:
             return None
+        if self.expert_parallel(layout):
+            e = self.experts
+            return (0, Split(sizes=(e,), units=(e,))) if shape and shape[0] == e and key in dict(self.weights) \
+                else None
         for suffix, dim, units in self.rule.weights:
             if key.endswith(suffix):
                 if units == "once":
@@ -296,9 +358,9 @@ class OpTP:
             out[key] = None if found is None else found[1]
         return out
 
-    def local_shape(self, key: str, shape: Sequence[int], tp: int) -> tuple[int, ...]:
+    def local_shape(self, key: str, shape: Sequence[int], tp: int, layout: str = "tp") -> tuple[int, ...]:
         """The shape of rank-local tensor `key` at degree `tp` (any rank: blocks are equal)."""
-        found = self.weight_split(key, shape) if tp > 1 else None
+        found = self.weight_split(key, shape, layout) if tp > 1 else None
         return tuple(shape) if found is None else split_on(found[0], shape, found[1], tp)
 
     def output_layout(self, index: int, shapes: Mapping[int, Sequence[int]]) -> Layout:
@@ -321,60 +383,85 @@ class OpTP:
 
 
 def of_op(op) -> OpTP:
-    """The table's view of an IR `Op`."""
+    """The table's view of an IR `Op` (with its weights' quantization blocks, as stored)."""
     return OpTP(kind=op.kind, units=op.tp_units, kv_heads=op.kv_heads,
-                weights=tuple((w.name, tuple(w.shape)) for w in op.weights))
+                weights=tuple((w.name, tuple(w.shape)) for w in op.weights),
+                blocks=tuple(QUANT_BLOCK.get(w.dtype, 1) for w in op.weights))
 
 
 # ---------------------------------------------------------------- what the consumers ask
 
 
-def legal_tp(ops: Sequence, tp: int) -> bool:
-    """Whether one TP group of `tp` can run all of `ops` (IR ops)."""
-    return all(of_op(op).legal(tp) for op in ops)
+def legal_tp(ops: Sequence, tp: int, layout: str = "tp") -> bool:
+    """Whether one TP group of `tp` can run all of `ops` (IR ops), routed experts held as `layout`."""
+    return all(of_op(op).legal(tp, layout) for op in ops)
 
 
-def weight_bytes_per_rank(op, tp: int) -> int:
-    """Bytes of the op's weights one rank of a TP group of `tp` holds (tied weights included)."""
+def has_experts(ops: Sequence) -> bool:
+    """Whether any of `ops` are routed experts (an owner running them chooses their layout)."""
+    return any(op.kind in EXPERT_KINDS for op in ops)
+
+
+def expert_layouts(ops: Sequence, tp: int) -> tuple[str, ...]:
+    """The layouts ("tp", "ep") of `EXPERT_LAYOUTS` a TP group of `tp` can run `ops` with: "ep"
+    only where the ops hold routed experts and `tp` > 1 (at TP 1 the two are the same)."""
+    layouts = ("tp", "ep") if tp > 1 and has_experts(ops) else ("tp",)
+    return tuple(layout for layout in layouts if legal_tp(ops, tp, layout))
+
+
+def preferred_layout(ops: Sequence, tp: int) -> str | None:
+    """The layout a single group uses where nothing else decides (analysis, estimates): "tp" when
+    legal (expert parallelism never reads less, `opweave.cost.model.ep_imbalance`), else "ep",
+    else None."""
+    layouts = expert_layouts(ops, tp)
+    return layouts[0] if layouts else None
+
+
+def weight_bytes_per_rank(op, tp: int, layout: str = "tp") -> int:
+    """Bytes of the op's weights one rank of a TP group of `tp` holds (tied weights included),
+    routed experts held as `layout`."""
     view = of_op(op)
     total = 0
     for w in op.weights:
-        total += math.ceil(math.prod(view.local_shape(w.name, w.shape, tp)) * DTYPE_SIZE[w.dtype])
+        total += math.ceil(math.prod(view.local_shape(w.name, w.shape, tp, layout)) * DTYPE_SIZE[w.dtype])
     return total
 
 
-def rank_weight_bytes(ops: Sequence, tp: int) -> int:
+def rank_weight_bytes(ops: Sequence, tp: int, layout: str = "tp") -> int:
     """Bytes of weights one rank running `ops` holds: a weight two ops share (the tied embedding
     and LM head) once, at the larger of the two shares (the runtime views the smaller in it)."""
     per_name: dict[str, float] = {}
     for op in ops:
         view = of_op(op)
         for w in op.weights:
-            nbytes = math.ceil(math.prod(view.local_shape(w.name, w.shape, tp)) * DTYPE_SIZE[w.dtype])
+            nbytes = math.ceil(math.prod(view.local_shape(w.name, w.shape, tp, layout)) * DTYPE_SIZE[w.dtype])
             per_name[w.name] = max(per_name.get(w.name, 0), nbytes)
     return int(sum(per_name.values()))
 
 
-_SHARDS: dict[tuple[int, int], tuple[object, float]] = {}
-"""compute_shards memo: (id(op), tp) -> (op, shards); the op is kept so its id cannot be reused."""
+_SHARDS: dict[tuple[int, int, str], tuple[object, float]] = {}
+"""compute_shards memo: (id(op), tp, layout) -> (op, shards); the op is kept so its id cannot be reused."""
 
 
-def compute_shards(op, tp: int) -> float:
+def compute_shards(op, tp: int, layout: str = "tp") -> float:
     """How many ways the op's weight reads and work divide over a group of `tp`: the full
-    weights over one rank's weights for ops with weights, tp for sharded weightless ops.
-    Memoized per op object (the planner asks millions of times)."""
-    hit = _SHARDS.get((id(op), tp))
+    weights over one rank's weights for ops with weights, tp for sharded weightless ops
+    (routed experts held as `layout`: on average, an expert-parallel rank runs 1 / tp of the
+    pairs). Memoized per op object (the planner asks millions of times)."""
+    if layout != "tp" and op.kind not in EXPERT_KINDS:
+        layout = "tp"
+    hit = _SHARDS.get((id(op), tp, layout))
     if hit is not None and hit[0] is op:
         return hit[1]
     if tp <= 1 or not rule(op.kind).sharded:
         value = 1
     elif op.weight_bytes:
-        value = op.weight_bytes / weight_bytes_per_rank(op, tp)
+        value = op.weight_bytes / weight_bytes_per_rank(op, tp, layout)
     else:
         value = tp
     if len(_SHARDS) > 1 << 20:
         _SHARDS.clear()
-    _SHARDS[(id(op), tp)] = (op, value)
+    _SHARDS[(id(op), tp, layout)] = (op, value)
     return value
 
 

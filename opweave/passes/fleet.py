@@ -153,7 +153,8 @@ def fleet_to_json(fleet: Fleet) -> dict:
             "cost_per_hour_usd": fleet.cost_per_hour, "cost_per_mtok_usd": fleet.cost_per_mtok_usd,
             "idle_gpus": fleet.idle, "stop": fleet.stop,
             "members": [{"cluster": m.cluster.canonical_spec, "template": m.best.stage_plan.template.name,
-                         "owners": [{"gpu": o.gpu.name, "tp": o.tp, "replicas": o.replicas} for o in m.best.owners],
+                         "owners": [{"gpu": o.gpu.name, "tp": o.tp, "replicas": o.replicas, "experts": o.experts}
+                                    for o in m.best.owners],
                          "batch": m.best.batch, "microbatches": m.best.microbatches, "sets": m.sets, "gpus": m.gpus,
                          "tpot_ms": m.best.tpot_s * 1e3, "tokens_per_s": m.tokens_per_s,
                          "cost_per_mtok_usd": m.best.cost} for m in fleet.members]}

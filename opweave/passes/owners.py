@@ -20,10 +20,15 @@ max-plus schedule), so A dominates B when
     that fit. No per-slot comparison can see that, so configurations of different shapes are
     never compared (a random search found plans where a node-filling configuration's shape let
     a later owner sit beside each of its replicas).
-With one shape per (GPU type, TP, replicas) and latencies a function of them, this leaves nothing
-to prune in the planner's own grid: Pareto is kept as a sound hook for owner dimensions that vary
-at a fixed shape (comparing GPU types is unsound for the same reason: changing a slot's GPU type
-moves the owners placed after it too).
+The owner dimension that varies at a fixed shape is the routed experts' layout (sliced "tp" or
+expert-parallel "ep", `opweave.ir.tp`): the two configurations of one shape take the same GPUs,
+cost the same and send the same rows, so the one whose stages are no faster is dropped. Memory
+is not compared: every configuration built already fits, and no other owner depends on it. With
+uniform routing expert parallelism reads as much per GPU as slicing plus the busiest GPU's excess
+(`opweave.cost.model.ep_imbalance`), so the "ep" configuration survives only where the sliced one
+is illegal (a TP split that would cut a quantization block, `opweave.ir.tp.QUANT_BLOCK`).
+Comparing GPU types stays unsound for the reason above: changing a slot's GPU type moves the
+owners placed after it too.
 Ties (equal in every respect) keep the first in enumeration order.
 """
 
@@ -44,6 +49,7 @@ class OwnerConfig:
     share: int                     # sequences of each microbatch one replica processes (and sends on)
     latencies: tuple[float, ...]   # per occurrence of the slot's stages, one microbatch on one replica
     memory_per_gpu: float
+    experts: str = "tp"            # routed experts' layout (`opweave.ir.tp.EXPERT_LAYOUTS`)
     # derived once (the search reads them millions of times)
     num_gpus: int = dataclasses.field(init=False)
     cost_per_hour: float = dataclasses.field(init=False)
@@ -55,10 +61,10 @@ class OwnerConfig:
         object.__setattr__(self, "busy_s", sum(self.latencies))
 
     def key(self) -> tuple:
-        return (self.gpu.name, self.tp, self.replicas)
+        return (self.gpu.name, self.tp, self.replicas, self.experts)
 
     def describe(self) -> str:
-        return f"{self.replicas}x {self.gpu.name} tp{self.tp}"
+        return f"{self.replicas}x {self.gpu.name} tp{self.tp}" + (" ep" if self.experts == "ep" else "")
 
 
 def microbatch_share(batch: int, microbatches: int, replicas: int) -> int:

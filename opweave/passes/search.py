@@ -4,7 +4,9 @@ Search state, outermost first:
     template t (regularity-aware family, or one named template)      -> StagePlan (stages, slots)
     k owner slots (k divides stages per block; 1 only for colocated)
     resident batch B of one replica set, microbatches n (n <= B)
-    per slot o = 0..k-1: an owner configuration (GPU type, TP degree, replicas)   <- DFS level o
+    per slot o = 0..k-1: an owner configuration (GPU type, TP degree, replicas, and for a slot
+                         with routed experts their layout, sliced "tp" or expert-parallel "ep")
+                                                                                  <- DFS level o
 
 Reductions, each switchable for ablation:
   1. Pareto (`pareto`): per slot, drop configurations another one dominates (owners.py).
@@ -32,7 +34,7 @@ from opweave.cost.model import CostModel, boundary_s, transfer_s
 from opweave.errors import OpWeaveError
 from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import OpGraph
-from opweave.ir.tp import legal_tp
+from opweave.ir.tp import has_experts, legal_tp, of_op
 from opweave.passes.blocks import BlockedGraph
 from opweave.passes.carry import held_bytes_per_token, round_robin, send_bytes_per_token
 from opweave.passes.owners import OwnerConfig, microbatch_share, pareto_frontier
@@ -175,6 +177,7 @@ class _Evaluator:
         self.hidden_bytes = space.graph.cuts[0].bytes_per_token if space.graph.cuts else 0
         self._sig_ids: dict[tuple, int] = {}
         self._sig_stage: list = []                       # sig id -> a representative stage
+        self._sig_experts: list[bool] = []               # sig id -> whether the stage runs routed experts
         self._latency: dict[tuple[int, int, int, int], float] = {}
         self._footprint: dict[tuple, tuple[float, float] | None] = {}
         self._plans: dict[str, tuple[int, ...]] = {}
@@ -223,20 +226,31 @@ class _Evaluator:
                 if st.signature not in self._sig_ids:
                     self._sig_ids[st.signature] = len(self._sig_stage)
                     self._sig_stage.append(st)
+                    self._sig_experts.append(has_experts(self.space.graph.ops[st.first:st.last + 1]))
                 ids.append(self._sig_ids[st.signature])
             self._plans[name] = tuple(ids)
         return self._plans[name]
 
-    def latency(self, sig: int, pool: int, tp: int, share: int) -> float:
-        key = (sig, pool, tp, share)
+    def latency(self, sig: int, pool: int, tp: int, share: int, layout: str = "tp") -> float:
+        """One occurrence of stage signature `sig` on one replica (routed experts held as `layout`)."""
+        if layout != "tp" and (tp <= 1 or not self._sig_experts[sig]):
+            layout = "tp"
+        key = (sig, pool, tp, share, layout)
         value = self._latency.get(key)
         if value is None:
             st = self._sig_stage[sig]
             value = self.space.cost_model.ops_latency(
                 self.space.graph.ops[st.first:st.last + 1], self.space.cluster.pools[pool].gpu, tp, share,
-                self.space.context, self.hidden_bytes)
+                self.space.context, self.hidden_bytes, layout)
             self._latency[key] = value
         return value
+
+    def floor_latency(self, sig: int, pool: int, tp: int, share: int) -> float:
+        """The least `latency` of `sig` over the expert layouts (a bound: legality not checked)."""
+        lat = self.latency(sig, pool, tp, share)
+        if tp > 1 and self._sig_experts[sig]:
+            lat = min(lat, self.latency(sig, pool, tp, share, "ep"))
+        return lat
 
     def host_s(self, plan: StagePlan, k: int, index: int, pool: int, share: int) -> float:
         """Host time of stage `index`'s transfers on its own stream (`CostModel.transfer_host_s`):
@@ -266,16 +280,21 @@ class _Evaluator:
             self._slots[key] = (stages, tuple(ids[s.index] for s in stages), ops)
         return self._slots[key]
 
-    def footprint(self, key: tuple, ops, tp: int) -> Footprint | None:
+    def footprint(self, key: tuple, ops, tp: int, layout: str = "tp") -> Footprint | None:
         """The memory accounting (`opweave.cost.memory`) of a GPU of a TP group of `tp` running
-        `ops`; None when `tp` does not divide every sharded op."""
-        full = key + (tp,)
+        `ops`, routed experts held as `layout`; None when that group cannot split every sharded op."""
+        full = key + (tp, layout)
         if full not in self._footprint:
-            if not legal_tp(ops, tp):
+            if not legal_tp(ops, tp, layout):
                 self._footprint[full] = None
             else:
-                self._footprint[full] = Footprint.of(ops, tp, self.space.context, self.space.prefill_chunk)
+                self._footprint[full] = Footprint.of(ops, tp, self.space.context, self.space.prefill_chunk, layout)
         return self._footprint[full]
+
+    def layouts(self, plan: StagePlan, k: int, slot: int, tp: int) -> tuple[str, ...]:
+        """The expert layouts a slot chooses among at TP `tp`: both where it runs routed experts
+        (and tp > 1), else "tp" alone."""
+        return ("tp", "ep") if tp > 1 and has_experts(self.slot(plan, k, slot)[2]) else ("tp",)
 
 
 def _gpus_by_type(owners) -> dict[str, int]:
@@ -290,12 +309,14 @@ def slot_of(stage_index: int, stages_per_block: int, k: int) -> int:
     return (stage_index % stages_per_block) % k
 
 
-def _tp_misfit(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: int) -> str | None:
-    """Why no configuration of `slot` on pool `pool` can use TP `tp` (a `Counters` field), or None."""
+def _tp_misfit(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: int,
+              layout: str = "tp") -> str | None:
+    """Why no configuration of `slot` on pool `pool` can use TP `tp` with expert layout `layout`
+    (a `Counters` field), or None."""
     p = ev.space.cluster.pools[pool]
     if tp > p.gpu.gpus_per_node or tp > p.count:
         return "configs_over_node"
-    if ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp) is None:
+    if ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp, layout) is None:
         return "configs_tp_indivisible"
     return None
 
@@ -313,71 +334,79 @@ def _replica_misfit(ev: _Evaluator, pool: int, tp: int, replicas: int, batch: in
 
 
 def _config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: int, replicas: int,
-            batch: int, n: int, memory: float) -> OwnerConfig:
+            batch: int, n: int, memory: float, layout: str = "tp") -> OwnerConfig:
     stages, sigs, _ = ev.slot(plan, k, slot)
     share = microbatch_share(batch, n, replicas)
-    by_sig = {sig: ev.latency(sig, pool, tp, share) for sig in set(sigs)}
+    by_sig = {sig: ev.latency(sig, pool, tp, share, layout) for sig in set(sigs)}
     if ev.space.cost_model.charges_host:
         latencies = tuple(by_sig[sig] + ev.host_s(plan, k, s.index, pool, share) for s, sig in zip(stages, sigs))
     else:
         latencies = tuple(by_sig[sig] for sig in sigs)
     return OwnerConfig(slot=slot, gpu=ev.space.cluster.pools[pool].gpu, tp=tp, replicas=replicas, share=share,
-                       latencies=latencies, memory_per_gpu=memory)
+                       latencies=latencies, memory_per_gpu=memory, experts=layout)
 
 
-def _memory(ev: _Evaluator, plan: StagePlan, k: int, slot: int, tp: int, batch: int, n: int, replicas: int) -> float:
+def _memory(ev: _Evaluator, plan: StagePlan, k: int, slot: int, tp: int, batch: int, n: int, replicas: int,
+            layout: str = "tp") -> float:
     """Bytes per GPU of `slot` at TP `tp`: weights, the state of n x (its replica's rows) slots,
     one step's activations (`opweave.cost.memory.Footprint`; TP must divide), and the values the
     slot keeps for its later stages instead of sending them (`carry.held_bytes_per_token`), for
     every microbatch of a prefill-wide step."""
     held = ev.held_bytes(plan, k)[slot] * max_rows(batch, n, replicas) * ev.space.prefill_chunk * n
-    return ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp).bytes(batch, n, replicas) + held
+    return ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp, layout).bytes(
+        batch, n, replicas) + held
 
 
 def _owner_configs(ev: _Evaluator, plan: StagePlan, k: int, slot: int, batch: int, n: int,
                    options: SearchOptions, counters: Counters) -> list[OwnerConfig]:
-    """Every configuration of `slot` that fits (node, TP divisibility, pool, memory); the
-    misfits are counted in `counters` by reason."""
+    """Every configuration of `slot` that fits (node, TP divisibility, pool, memory), for each
+    expert layout of `_Evaluator.layouts`; the misfits are counted in `counters` by reason."""
     out = []
     for p in range(len(ev.space.cluster.pools)):
         for tp in options.tp_degrees:
-            why = _tp_misfit(ev, plan, k, slot, p, tp)
-            if why is not None:
-                setattr(counters, why, getattr(counters, why) + 1)
-                continue
-            for r in options.replicas:
-                mem = _memory(ev, plan, k, slot, tp, batch, n, r)
-                why = _replica_misfit(ev, p, tp, r, batch, n, mem)
+            for layout in ev.layouts(plan, k, slot, tp):
+                why = _tp_misfit(ev, plan, k, slot, p, tp, layout)
                 if why is not None:
                     setattr(counters, why, getattr(counters, why) + 1)
+                    if why == "configs_over_node":
+                        break
                     continue
-                out.append(_config(ev, plan, k, slot, p, tp, r, batch, n, mem))
+                for r in options.replicas:
+                    mem = _memory(ev, plan, k, slot, tp, batch, n, r, layout)
+                    why = _replica_misfit(ev, p, tp, r, batch, n, mem)
+                    if why is not None:
+                        setattr(counters, why, getattr(counters, why) + 1)
+                        continue
+                    out.append(_config(ev, plan, k, slot, p, tp, r, batch, n, mem, layout))
     return out
 
 
 def owner_config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, gpu: str, tp: int, replicas: int,
-                 batch: int, n: int) -> OwnerConfig:
-    """The configuration (GPU type `gpu`, TP `tp`, `replicas`) of `slot`, built and checked as the
-    search does; a one-line `OpWeaveError` naming what does not fit (pinned plans)."""
+                 batch: int, n: int, layout: str = "tp") -> OwnerConfig:
+    """The configuration (GPU type `gpu`, TP `tp`, `replicas`, expert layout `layout`) of `slot`,
+    built and checked as the search does; a one-line `OpWeaveError` naming what does not fit
+    (pinned plans)."""
     pools = ev.space.cluster.pools
     pool = next((i for i, p in enumerate(pools) if p.gpu.name == gpu), None)
-    what = f"owner o{slot} ({replicas}x {gpu} tp{tp})"
+    what = f"owner o{slot} ({replicas}x {gpu} tp{tp}{' ep' if layout == 'ep' else ''})"
+    if layout not in ("tp", "ep"):
+        raise OpWeaveError(f"{what}: expert layout {layout!r} is not one of tp, ep")
     if pool is None:
         raise OpWeaveError(f"{what}: the cluster {ev.space.cluster.spec} has no {gpu}")
     if tp < 1 or replicas < 1:
         raise OpWeaveError(f"{what}: TP and replicas must be at least 1")
     p = pools[pool]
-    why = _tp_misfit(ev, plan, k, slot, pool, tp)
+    if layout == "ep" and not has_experts(ev.slot(plan, k, slot)[2]):
+        raise OpWeaveError(f"{what}: expert parallelism needs routed experts; this owner runs none")
+    why = _tp_misfit(ev, plan, k, slot, pool, tp, layout)
     if why == "configs_over_node":
         raise OpWeaveError(f"{what}: TP {tp} exceeds the {gpu} node size ({p.gpu.gpus_per_node} GPUs) "
                            f"or the pool ({p.count} GPUs); a TP group stays inside one node")
     if why == "configs_tp_indivisible":
         _, _, ops = ev.slot(plan, k, slot)
-        bad = next((op for op in ops if not legal_tp([op], tp)), None)
-        detail = (f"{bad.name} ({bad.kind.value}, {bad.tp_units} shardable units"
-                  + (f", {bad.kv_heads} KV heads" if bad.kv_heads else "") + ")") if bad else "its sharded ops"
-        raise OpWeaveError(f"{what}: TP {tp} does not divide {detail}")
-    mem = _memory(ev, plan, k, slot, tp, batch, n, replicas)
+        bad = next((op for op in ops if not legal_tp([op], tp, layout)), None)
+        raise OpWeaveError(f"{what}: TP {tp} does not divide {indivisible(bad, layout)}")
+    mem = _memory(ev, plan, k, slot, tp, batch, n, replicas, layout)
     why = _replica_misfit(ev, pool, tp, replicas, batch, n, mem)
     if why == "configs_over_pool":
         if replicas * n > batch:
@@ -387,7 +416,20 @@ def owner_config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, gpu: str, t
     if why == "configs_over_memory":
         raise OpWeaveError(f"{what}: needs {mem / 1e9:.1f} GB per GPU at batch {batch}, context "
                            f"{ev.space.context}; a {gpu} has {p.gpu.usable_memory_bytes / 1e9:.1f} GB usable")
-    return _config(ev, plan, k, slot, pool, tp, replicas, batch, n, mem)
+    return _config(ev, plan, k, slot, pool, tp, replicas, batch, n, mem, layout)
+
+
+def indivisible(op, layout: str = "tp") -> str:
+    """What a TP degree fails to divide in `op` (for one-line errors)."""
+    if op is None:
+        return "its sharded ops"
+    view = of_op(op)
+    if view.expert_parallel(layout):
+        return f"{op.name}'s {view.experts} experts (expert parallelism)"
+    blocked = [b for b in view.blocks if b > 1]
+    return (f"{op.name} ({op.kind.value}, {op.tp_units} shardable units"
+            + (f", {op.kv_heads} KV heads" if op.kv_heads else "")
+            + (f", stored in quantization blocks of {blocked[0]}" if blocked else "") + ")")
 
 
 def owner_groups(owners: tuple[OwnerConfig, ...]) -> tuple[Group, ...]:
@@ -623,7 +665,7 @@ class _Search:
                     for r in self.options.replicas:
                         if r * tp > pool.count or r * n > batch:
                             continue
-                        lat = self.ev.latency(sig, p, tp, microbatch_share(batch, n, r))
+                        lat = self.ev.floor_latency(sig, p, tp, microbatch_share(batch, n, r))
                         best_lat = min(best_lat, lat)
                         best_ct = min(best_ct, r * tp * pool.gpu.price_per_hour * n * lat)
                         best_gt = min(best_gt, r * tp * n * lat)

@@ -7,7 +7,7 @@ name in a comment is escaped to one line.
 
 OPWEAVE_VERSION = '0.1.0'
 MODEL = 'tiny_llama_num_hidden_layers3_0'
-PLAN_HASH = '1966039777792139ce5ccfb58602183bf1ccd36a5739ef7e897f7bd9e99c98f7'  # sha256 of the artifact's plan.json
+PLAN_HASH = '93d2551f2632d7ee8add6726d58549ac29664bb80d9231424d7039f04dfcf459'  # sha256 of the artifact's plan.json
 TEMPLATE = 'afd'
 NUM_STAGES = 6  # stages per token in the whole plan
 RANK = 0
@@ -17,6 +17,7 @@ REPLICA = 0
 TP = 1
 TP_RANK = 0
 TP_GROUP = (0,)  # global ranks of this replica's TP group, leader first
+EXPERTS = 'tp'  # routed experts: "tp" sliced over the group, "ep" whole experts per rank
 ROWS = (0, 2)  # rows [lo, hi) of each microbatch this replica serves
 NUM_MICROBATCHES = 2
 MICROBATCH_SIZE = 2
