@@ -14,7 +14,9 @@ one rank's for sharded ops (so replicated KV heads and norm weights count), 1 fo
 (the embedding too); the state divides by its KV heads at most. Weights read at batch b are all
 of them for dense ops, b rows of the embedding, and for routed experts what the grouped kernel
 reads: each expert's weights once per block of `MOE_BLOCK_PAIRS` (token, expert) pairs, in
-expectation over uniform routing (`expert_reads`). The launch overhead is per op, the figure
+expectation over uniform routing (`expert_reads`); expert-parallel experts (each GPU holds
+E / tp whole experts) take the busiest GPU's reads and pairs (`ep_imbalance`). The launch
+overhead is per op, the figure
 under CUDA-graph replay unless `CostModel(cuda_graphs=False)`. The embedding op, which begins a
 step, also carries the step's fixed costs: `step_overhead + b * sequence_overhead`.
 
