@@ -203,7 +203,7 @@ PROMPTS = [PROMPT, [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11], [42]]
 RUN_TOKENS = 5
 PLANS = [
     ("colocated", [("h100", 2, 1)]),                      # TP 2: heads split, latent cache replicated
-    ("afd", [("h100", 2, 1), ("l40s", 1, 1)]),            # MLA on a TP 2 attention owner
+    ("afd", [("h100", 2, 1), ("l40s", 2, 1, "ep")]),      # MLA on a TP 2 attention owner, experts EP 2
     ("cad", [("l40s", 1, 1), ("h100", 2, 1)]),            # core latent attention apart, the rest TP 2
     ("F:post_attn+mid", [("h100", 1, 1), ("l40s", 2, 1)]),  # mixed: W_UV + o_proj with the FFN, experts TP 2
 ]

@@ -115,7 +115,7 @@ RUN_TOKENS = 5
 CONTEXT = 64
 PLANS = {  # every template family, TP 2 on the owners whose ops GPT-OSS changes
     "colocated": ("colocated", [("h100", 2, 1)]),                              # everything split over 2
-    "afd": ("afd", [("h100", 2, 1), ("l40s", 2, 1)]),                          # sinks / experts, both TP 2
+    "afd": ("afd", [("h100", 2, 1), ("l40s", 2, 1, "ep")]),                    # sinks TP 2 / experts whole, EP 2
     "cad": ("cad", [("l40s", 1, 1), ("h100", 2, 1)]),                          # sink attention apart, TP 2
     "mixed": ("S:pre_attn+post_attn|F:mid+end", [("h100", 2, 1), ("l40s", 1, 1)]),  # CAD sliding, AFD full
 }
@@ -140,10 +140,11 @@ def test_plan_generates_reference_tokens(ckpt, tmp_path, plan):
 
 def test_triton_kernel_path_generates_reference_tokens(ckpt, tmp_path, monkeypatch):
     """The CUDA path's kernels under TRITON_INTERPRET=1: sink-aware decode attention (sliding and
-    full), the biased router and the clamped-SwiGLU experts, on a TP 2 colocated plan."""
+    full), the biased router and the clamped-SwiGLU experts, on a TP 2 colocated plan whose
+    experts are expert-parallel (each rank's kernel runs its own experts' pairs)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("OPWEAVE_KERNELS", "triton")
-    template, owners = PLANS["colocated"]
+    template, owners = "colocated", [("h100", 2, 1, "ep")]
     prompt = PROMPTS[2]  # 10 tokens: the decode steps attend past the window of 8
     outputs, _ = _run(ckpt, tmp_path, template, owners, (Request(index=0, prompt=prompt, max_new_tokens=2),))
     assert [tuple(r.output) for r in outputs] == [tuple(_hf(ckpt, tuple(prompt), RUN_TOKENS)[1][:2])]

@@ -117,3 +117,46 @@ def test_dump_memory_refuses_a_bad_artifact(tmp_path, capsys):
     assert main(["dump", str(tmp_path), "--what", "memory"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def _expert_owners(fe, template: str, tp: int) -> list[tuple]:
+    """Two owners of `template` (TP `tp`, 1 and 2 replicas), expert-parallel where they run experts."""
+    from opweave.ir.tp import has_experts
+    from opweave.passes.search import slot_of
+    from opweave.passes.templates import build_stages, template_by_name
+
+    plan = build_stages(fe.blocks, template_by_name(fe.blocks, template))
+    owners = []
+    for slot, replicas in enumerate((1, 2)):
+        ops = [op for s in plan.stages if slot_of(s.index, plan.stages_per_block, 2) == slot
+               for op in fe.graph.ops[s.first:s.last + 1]]
+        owners.append(("h100", tp, replicas) + (("ep",) if has_experts(ops) else ()))
+    assert any(len(o) == 4 for o in owners)
+    return owners
+
+
+@pytest.mark.parametrize("tp", (2, 8))
+def test_expert_parallel_allocated_equals_planned(front_ends, tp):
+    """Whole experts per GPU (E / tp of them): the planner counts what the ranks allocate, and
+    they hold the sliced layout's share."""
+    fe = front_ends["qwen3_moe"]
+    template = _two_owner_template(fe)
+    owners = _expert_owners(fe, template, tp)
+    ranks = pinned_memory(fe, template, owners, batch=8, microbatches=2, context=2048, activations=False)
+    sliced = pinned_memory(fe, template, [o[:3] for o in owners], batch=8, microbatches=2, context=2048,
+                           activations=False)
+    for r, s in zip(ranks, sliced):
+        for what in ("weights", "state", "buffers"):
+            planned, allocated = getattr(r.planned, what), getattr(r.allocated, what)
+            assert allocated == pytest.approx(planned, rel=0.01, abs=1), (tp, r.rank, what)
+        assert r.allocated.weights == pytest.approx(s.allocated.weights, rel=0.01)   # the same share
+
+
+@pytest.mark.parametrize("family", ("qwen3_moe", "gpt_oss"))
+def test_expert_parallel_activation_peak_is_bounded_by_the_plan(tiny_checkpoint, family):
+    fe = run_front_end(tiny_checkpoint(family))
+    template = _two_owner_template(fe)
+    for r in pinned_memory(fe, template, _expert_owners(fe, template, 2), batch=8, microbatches=2, context=64,
+                           activations=True):
+        measured, planned = r.allocated.activations, r.planned.activations
+        assert 0 < measured <= planned <= ACTIVATION_SLACK * measured, (family, r.rank)

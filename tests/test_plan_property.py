@@ -23,7 +23,7 @@ from opweave.compiler.frontend import run_front_end
 from opweave.compiler.pinned import pinned_plan
 from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import parse_cluster
-from opweave.ir.tp import legal_tp
+from opweave.ir.tp import expert_layouts
 from opweave.passes.search import slot_of
 from opweave.passes.templates import build_stages, enumerate_templates
 from opweave.runtime.launch import RunConfig, run
@@ -54,7 +54,7 @@ def _owner_counts(stage_plan) -> list[int]:
 
 @st.composite
 def plans(draw, fe):
-    """(template name, owners [(gpu, tp, replicas)], microbatches) from the search space."""
+    """(template name, owners [(gpu, tp, replicas, expert layout)], microbatches) from the search space."""
     plans = [build_stages(fe.blocks, t) for t in enumerate_templates(fe.blocks, "all")]
     plans = [p for p in plans if _owner_counts(p)]
     stage_plan = draw(st.sampled_from(plans[::-1]))
@@ -66,9 +66,10 @@ def plans(draw, fe):
         ops = [op for s in stage_plan.stages if slot_of(s.index, spb, k) == slot
                for op in fe.graph.ops[s.first:s.last + 1]]
         room = MAX_RANKS - ranks - (k - slot - 1)  # leave one rank for each owner still to draw
-        tp = draw(st.sampled_from([t for t in (4, 2, 1) if t <= room and legal_tp(ops, t)]))
+        tp = draw(st.sampled_from([t for t in (4, 2, 1) if t <= room and expert_layouts(ops, t)]))
+        layout = draw(st.sampled_from(expert_layouts(ops, tp)[::-1]))   # routed experts: "ep" first
         replicas = draw(st.sampled_from([r for r in (2, 1) if r * tp <= room and r * microbatches <= BATCH]))
-        owners.append((draw(st.sampled_from(GPUS[slot % 2:] + GPUS[:slot % 2])), tp, replicas))
+        owners.append((draw(st.sampled_from(GPUS[slot % 2:] + GPUS[:slot % 2])), tp, replicas, layout))
         ranks += tp * replicas
     return template.name, owners, microbatches
 

@@ -424,34 +424,65 @@ class MoERouter(OpModule):
         return OpFacts(flops_per_token=2 * self.weight_numel() + 4 * self.cfg.moe.num_experts)
 
 
-class MoEExperts(OpModule):
+class RoutedExperts(OpModule):
+    """Base of the routed-expert modules: the block of experts the module holds.
+
+    A module holds experts [first_expert, first_expert + num_local_experts) of the model's E (its
+    weights' leading dimension is num_local_experts): all of them (first 0, count E) unless built
+    as an expert-parallel shard (`experts=(first, count)`, `opweave.runtime.tp.rebuild`). Its
+    inputs carry global expert ids; `local_ids` maps them to its own, every pair routed elsewhere
+    to the sentinel num_local_experts, which the kernels drop (`reference.local_expert_ids`)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None):
+        super().__init__(cfg, layer)
+        first, count = (0, cfg.moe.num_experts) if experts is None else experts
+        if first < 0 or count < 1 or first + count > cfg.moe.num_experts:
+            raise ValueError(f"experts [{first}, {first + count}) outside the model's {cfg.moe.num_experts}")
+        self.first_expert, self.num_local_experts = first, count
+
+    @property
+    def is_expert_shard(self) -> bool:
+        """Whether the module holds only some of the model's experts."""
+        return self.num_local_experts != self.cfg.moe.num_experts
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids [..., k] -> this module's (the sentinel for experts it does not hold)."""
+        if not self.is_expert_shard:
+            return ids
+        return K.local_expert_ids(ids, self.first_expert, self.num_local_experts)
+
+
+class MoEExperts(RoutedExperts):
     """Routed experts: sum_k w_k * down_k(silu(gate_k x) * up_k x).
 
     Stored fused like transformers v5 (`gate_up_proj` [E, 2I, H], gate rows first; `down_proj`
-    [E, H, I]); per-expert checkpoints (`experts.{e}.gate_proj.weight` …) are stacked on load.
+    [E, H, I]); per-expert checkpoints (`experts.{e}.gate_proj.weight` …) are stacked on load
+    (an expert-parallel shard reads its own experts' only).
     The compute gathers the k selected experts per token, so shapes never depend on the routing."""
 
     kind = OpKind.MOE_EXPERTS
 
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(cfg, layer)
+    def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None):
+        super().__init__(cfg, layer, experts)
         m, p = cfg.moe, layer_prefix(layer) + "mlp.experts."
         self.prefix = p
-        self._param("gate_up", p + "gate_up_proj", m.num_experts, 2 * m.intermediate_size, cfg.hidden_size)
-        self._param("down", p + "down_proj", m.num_experts, cfg.hidden_size, m.intermediate_size)
+        e = self.num_local_experts
+        self._param("gate_up", p + "gate_up_proj", e, 2 * m.intermediate_size, cfg.hidden_size)
+        self._param("down", p + "down_proj", e, cfg.hidden_size, m.intermediate_size)
 
     def load_weights(self, reader) -> None:
         if reader.has(self.weight_keys["gate_up"]):
             return super().load_weights(reader)
         m, p = self.cfg.moe, self.prefix
         i, h = m.intermediate_size, self.cfg.hidden_size
-        for e in range(m.num_experts):  # each expert straight into its rows (gate rows first)
-            load_into(self.gate_up[e, :i], reader.get(f"{p}{e}.gate_proj.weight", (i, h)))
-            load_into(self.gate_up[e, i:], reader.get(f"{p}{e}.up_proj.weight", (i, h)))
-            load_into(self.down[e], reader.get(f"{p}{e}.down_proj.weight", (h, i)))
+        for local in range(self.num_local_experts):  # each expert straight into its rows (gate rows first)
+            e = self.first_expert + local
+            load_into(self.gate_up[local, :i], reader.get(f"{p}{e}.gate_proj.weight", (i, h)))
+            load_into(self.gate_up[local, i:], reader.get(f"{p}{e}.up_proj.weight", (i, h)))
+            load_into(self.down[local], reader.get(f"{p}{e}.down_proj.weight", (h, i)))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return K.moe_experts(x, weights, ids, self.gate_up, self.down)
+        return K.moe_experts(x, weights, self.local_ids(ids), self.gate_up, self.down)
 
     def facts(self) -> OpFacts:
         m = self.cfg.moe

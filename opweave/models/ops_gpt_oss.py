@@ -10,6 +10,7 @@ Checkpoint keys and math follow transformers' `modeling_gpt_oss`:
 Under tensor parallelism (`opweave.ir.tp`) the sinks split with the heads, the interleaved
 gate/up columns in blocks of whole (gate, up) pairs, and the biases of the partial-sum ops
 (o_proj, the experts' down projection) are held whole and added by the group's first rank only.
+Under expert parallelism a rank holds a block of whole experts, each with its own biases.
 
 MXFP4-quantised checkpoints (`*_blocks` / `*_scales` expert tensors) are refused with a one-line
 error: dequantise them to bf16 first.
@@ -25,7 +26,7 @@ from opweave.errors import OpWeaveError
 from opweave.ir.facts import OpFacts
 from opweave.ir.kinds import OpKind, TPRule
 from opweave.models.config import SLIDING, ModelConfig
-from opweave.models.ops import Attention, MoERouter, OpModule, OProj, layer_prefix
+from opweave.models.ops import Attention, MoERouter, OpModule, OProj, RoutedExperts, layer_prefix
 
 
 class SinkAttention(Attention):
@@ -96,17 +97,17 @@ class GptOssRouter(MoERouter):
         return OpFacts(flops_per_token=2 * self.weight.numel() + e + 4 * e)
 
 
-class GptOssExperts(OpModule):
+class GptOssExperts(RoutedExperts):
     """Routed experts with biases and the clamped SwiGLU (`reference.moe_experts_swiglu`), stored
     as in the checkpoint: `gate_up` [E, H, 2I] interleaved, `gate_up_bias` [E, 2I], `down` [E, I, H],
-    `down_bias` [E, H]."""
+    `down_bias` [E, H] (E: the experts held, `RoutedExperts`)."""
 
     kind = OpKind.MOE_EXPERTS_SWIGLU
 
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(cfg, layer)
+    def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None):
+        super().__init__(cfg, layer, experts)
         m, p = cfg.moe, layer_prefix(layer) + "mlp.experts."
-        e, h, i = m.num_experts, cfg.hidden_size, m.intermediate_size
+        e, h, i = self.num_local_experts, cfg.hidden_size, m.intermediate_size
         self.prefix = p
         self._param("gate_up", p + "gate_up_proj", e, h, 2 * i)
         self._param("gate_up_bias", p + "gate_up_proj_bias", e, 2 * i)
@@ -122,8 +123,8 @@ class GptOssExperts(OpModule):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         m = self.cfg.moe
-        return K.moe_experts_swiglu(x, weights, ids, self.gate_up, self.gate_up_bias, self.down, self.down_bias,
-                                    m.swiglu_alpha, m.swiglu_limit)
+        return K.moe_experts_swiglu(x, weights, self.local_ids(ids), self.gate_up, self.gate_up_bias, self.down,
+                                    self.down_bias, m.swiglu_alpha, m.swiglu_limit)
 
     def facts(self) -> OpFacts:
         m = self.cfg.moe

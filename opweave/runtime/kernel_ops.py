@@ -61,10 +61,10 @@ class KernelOp(nn.Module):
                                        op.cfg.moe.norm_topk_prob)
             return weights.to(args[0].dtype), ids
         if kind == OpKind.MOE_EXPERTS:
-            return k.moe_experts(args[0], args[1], args[2], op.gate_up, op.down)
+            return k.moe_experts(args[0], args[1], op.local_ids(args[2]), op.gate_up, op.down)
         if kind == OpKind.MOE_EXPERTS_SWIGLU:  # GPT-OSS
             m = op.cfg.moe
-            return k.moe_experts_swiglu(args[0], args[1], args[2], op.gate_up, op.gate_up_bias, op.down,
+            return k.moe_experts_swiglu(args[0], args[1], op.local_ids(args[2]), op.gate_up, op.gate_up_bias, op.down,
                                         op.down_bias, m.swiglu_alpha, m.swiglu_limit)
         if kind == OpKind.SAMPLE:
             return k.argmax(args[0][:, -1, :])

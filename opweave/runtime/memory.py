@@ -63,7 +63,7 @@ def build_modules(cfg, op_names: list[str], program: RankProgram) -> dict:
 
     modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
     return materialize({i: modules[op_names[i]] for i in program.ops}, MetaWeights, program.tp,
-                       program.tp_rank, META)
+                       program.tp_rank, META, experts=program.experts)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -335,7 +335,7 @@ def unbounded_cluster(gpu: str = "h100", count: int = 8):
     return parse_cluster(f"{gpu}x{count}", catalog)
 
 
-def pinned_memory(fe, template: str, owners: list[tuple[str, int, int]], batch: int, microbatches: int,
+def pinned_memory(fe, template: str, owners: list[tuple], batch: int, microbatches: int,
                   context: int, activations: bool = True, ranks: list[int] | None = None) -> list[RankMemory]:
     """Planned and allocated bytes of each rank of a pinned plan on an `unbounded_cluster`
     (`ranks`: only these; activations measured by running the rendered rank module on meta)."""
@@ -345,7 +345,7 @@ def pinned_memory(fe, template: str, owners: list[tuple[str, int, int]], batch: 
     from opweave.compiler.pinned import pinned_plan
     from opweave.passes.lower import lower
 
-    count = sum(tp * replicas for _, tp, replicas in owners)
+    count = sum(o[1] * o[2] for o in owners)
     plan = pinned_plan(fe, unbounded_cluster(owners[0][0], max(8, count)), template, owners, batch=batch,
                        microbatches=microbatches, context=context).plan
     programs = lower(plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, "",

@@ -4,7 +4,9 @@ Operators are built on the meta device with the model; a rank materialises the o
 With TP degree t an operator the TP table (`opweave.ir.tp`) shards is rebuilt for a sharded
 configuration (its share of the heads, of the intermediate size, of the vocabulary) and loads the
 table's blocks of its checkpoint tensors (`runtime/tp.py`); the runtime all-reduces the partial
-sums the table names. Replicated operators (the embedding, norms, the router) load whole.
+sums the table names. Replicated operators (the embedding, norms, the router) load whole. Routed
+experts follow the rank program's expert layout (`experts`: "tp" slices every expert's channels,
+"ep" gives each rank E / t whole experts; `runtime/tp.shard_module`).
 
 Weights are copied into the tensors the module already holds on the run device
 (`opweave.models.ops.load_into`), and `check_placement` then asserts that every parameter, buffer
@@ -22,7 +24,7 @@ from opweave.errors import OpWeaveError
 from opweave.ir.kinds import OpKind
 from opweave.models.ops import OpModule
 from opweave.runtime.heartbeat import Phase, report
-from opweave.runtime.tp import module_tp, needs_shard, shard_module
+from opweave.runtime.tp import check_layout, module_tp, needs_shard, shard_module
 
 
 class RandomWeights:
@@ -74,13 +76,15 @@ def _reader(weights: str, cfg, modules: dict[int, OpModule]):
 
 def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: int,
                 device: torch.device, load: bool | None = None, names: list[str] | None = None,
-                who: str = "") -> dict[int, OpModule]:
+                who: str = "", experts: str = "tp") -> dict[int, OpModule]:
     """The rank's operators on `device` with their (sharded) weights loaded: the TP table
-    (`opweave.ir.tp`) says which are sharded and how. A tied LM head on the rank that also holds
+    (`opweave.ir.tp`) says which are sharded and how, `experts` ("tp" | "ep", the rank program's
+    `experts`) how routed experts are held. A tied LM head on the rank that also holds
     the embedding views its block of the embedding's weight (held once, as the planner counts).
     On the meta device nothing is read unless `load` says so (by default, `load` is whether the
     device is a real one): the modules show what the rank would allocate. Every tensor of the
     result is checked to be on `device` (`check_placement`: `names` names the ops, `who` the rank)."""
+    check_layout(experts)
     if not modules:
         return {}
     device = torch.device(device)
@@ -90,7 +94,7 @@ def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: in
     out = {}
     for index, module in modules.items():
         if tp > 1 and needs_shard(module):
-            module = shard_module(module, tp, tp_rank, reader, device)
+            module = shard_module(module, tp, tp_rank, reader, device, experts)
         else:
             module = module.to_empty(device=device)
             module.init_buffers()

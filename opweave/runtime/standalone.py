@@ -33,7 +33,7 @@ class _LoneRuntime:
             names = json.load(f)
         modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
         self.ops = materialize({i: modules[names[i]] for i in program.ops}, "random", program.tp, program.tp_rank,
-                               device)
+                               device, experts=program.experts)
         self.rows = program.rows[1] - program.rows[0]
         self.state = RankState.allocate(self.ops, self.rows, program.num_microbatches, program.context, device)
         self.program, self.width, self.dtype, self.device = program, width, torch_dtype(cfg), device

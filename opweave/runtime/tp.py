@@ -7,6 +7,11 @@ the vocabulary. Its weights are the table's blocks of the checkpoint tensors (`O
 which dimension, which packed parts), read with safetensors slices; the module's parameter shapes
 are checked against the table, so the two never drift apart. The generated code all-reduces the
 partial sums the table names.
+
+With the expert-parallel layout ("ep", `opweave.ir.tp.EXPERT_LAYOUTS`) a routed-experts module is
+instead rebuilt as its rank's block of whole experts (`OpTP.expert_block`: E / t experts, each
+with every intermediate channel), reading its block of every fused expert tensor and, from a
+per-expert checkpoint, only its own experts' tensors. Every other op shards as under TP.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import dataclasses
 import torch
 
 from opweave.errors import OpWeaveError
-from opweave.ir.tp import OpTP, share
+from opweave.ir.tp import EXPERT_LAYOUTS, OpTP, share
 from opweave.models.config import ModelConfig
 from opweave.models.ops import OpModule
 
@@ -48,11 +53,18 @@ def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return dataclasses.replace(cfg, **changes)
 
 
-class ShardReader:
-    """Reads this rank's block of each checkpoint tensor of one operator (see the module docstring)."""
+def check_layout(layout: str) -> None:
+    """Raises a one-line OpWeaveError unless `layout` is one of `EXPERT_LAYOUTS`."""
+    if layout not in EXPERT_LAYOUTS:
+        raise OpWeaveError(f"routed-experts layout {layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
 
-    def __init__(self, reader, view: OpTP, tp: int, rank: int):
-        self.reader, self.view, self.tp, self.rank = reader, view, tp, rank
+
+class ShardReader:
+    """Reads this rank's block of each checkpoint tensor of one operator (see the module docstring),
+    routed experts held as `layout` says ("tp" | "ep")."""
+
+    def __init__(self, reader, view: OpTP, tp: int, rank: int, layout: str = "tp"):
+        self.reader, self.view, self.tp, self.rank, self.layout = reader, view, tp, rank, layout
 
     def has(self, key: str) -> bool:
         return self.reader.has(key)
@@ -62,18 +74,21 @@ class ShardReader:
         expected = dict(self.view.weights).get(key)
         if expected is not None and full != tuple(expected):  # before splitting it: name the tensor
             raise OpWeaveError(f"tensor '{key}' has shape {full}, the model's config implies {tuple(expected)}")
-        found = self.view.weight_split(key, full)
-        local = self.view.local_shape(key, full, self.tp)
+        found = self.view.weight_split(key, full, self.layout)
+        local = self.view.local_shape(key, full, self.tp, self.layout)
         if shape is not None and tuple(shape) != local:
-            raise OpWeaveError(f"tensor '{key}' has shape {full}: a TP {self.tp} shard is {local}, "
+            raise OpWeaveError(f"tensor '{key}' has shape {full}: a {self._degree()} shard is {local}, "
                                f"the operator expects {tuple(shape)}")
-        if self.view.added_once(key) and self.rank != 0:  # a partial-sum op's bias: the first rank adds it
+        if self.view.added_once(key, self.layout) and self.rank != 0:  # a partial-sum op's bias: the first rank adds it
             return torch.zeros(full)
         if found is None:
             return self.reader.get(key, full)
         dim, split = found
         return torch.cat([self.reader.get_slice(key, dim, start, start + length)
                           for start, length in split.blocks(self.tp, self.rank)], dim=dim)
+
+    def _degree(self) -> str:
+        return f"{'EP' if self.view.expert_parallel(self.layout) else 'TP'} {self.tp}"
 
 
 def needs_shard(module: OpModule) -> bool:
@@ -84,31 +99,50 @@ def needs_shard(module: OpModule) -> bool:
     return any(True for _ in module.parameters(recurse=False)) or bool(module.state_attrs)
 
 
-def shard_module(module: OpModule, tp: int, rank: int, reader, device: torch.device) -> OpModule:
-    """This rank's shard of `module`, materialised on `device` with its weight blocks."""
+def shard_module(module: OpModule, tp: int, rank: int, reader, device: torch.device,
+                 layout: str = "tp") -> OpModule:
+    """This rank's shard of `module`, materialised on `device` with its weight blocks.
+
+    Args:
+        module: the full (unsharded) operator, on the meta device.
+        tp, rank: the group's degree and this rank's place in it.
+        reader: checkpoint reader of the full tensors (None: shapes only, nothing loaded).
+        layout: how the group holds routed experts ("tp": a slice of every expert's channels;
+            "ep": E / tp whole experts per rank); other ops shard the same under both.
+    Raises:
+        OpWeaveError (one line) when the op does not split over the group as `layout` says."""
+    check_layout(layout)
     view = module_tp(module)
-    if not view.legal(tp):
+    if not view.legal(tp, layout):
+        if view.expert_parallel(layout):
+            raise OpWeaveError(f"{module.cfg.name}: {module.kind.value} ({view.experts} experts) "
+                               f"does not split over EP {tp}")
         raise OpWeaveError(f"{module.cfg.name}: {module.kind.value} ({view.units} units, {view.kv_heads} KV heads) "
                            f"does not split over TP {tp}")
-    sharded = rebuild(module, sharded_config(module.cfg, tp), tp)
+    block = view.expert_block(tp, rank) if view.expert_parallel(layout) else None
+    sharded = rebuild(module, sharded_config(module.cfg, tp), tp, block)
     for attr, p in sharded.named_parameters(recurse=False, remove_duplicate=False):
         key = sharded.tied.get(attr) or sharded.weight_keys[attr]
-        expected = view.local_shape(key, dict(view.weights)[key], tp)
+        expected = view.local_shape(key, dict(view.weights)[key], tp, layout)
         if tuple(p.shape) != expected:
             raise AssertionError(f"{module.kind.value} shard {attr}: built {tuple(p.shape)}, the TP table says {expected}")
     sharded = sharded.to_empty(device=device)
     sharded.init_buffers()
     if reader is not None:  # None: on the meta device, shapes only
-        sharded.load_weights(ShardReader(reader, view, tp, rank))
+        sharded.load_weights(ShardReader(reader, view, tp, rank, layout))
     return sharded
 
 
-def rebuild(module: OpModule, cfg: ModelConfig, tp: int) -> OpModule:
-    """The same operator for the TP-`tp` sharded configuration `cfg`, on the meta device."""
+def rebuild(module: OpModule, cfg: ModelConfig, tp: int, experts: tuple[int, int] | None = None) -> OpModule:
+    """The same operator for the TP-`tp` sharded configuration `cfg`, on the meta device; routed
+    experts given `experts` (first expert id, count: an expert-parallel block) hold those whole
+    experts instead (built from the module's full configuration: every intermediate channel)."""
     from opweave.models import ops
 
     cls = type(module)
     with torch.device("meta"):
+        if experts is not None:
+            return cls(module.cfg, module.layer, experts=experts)
         if cls is ops.Attention:
             return ops.Attention(cfg, module.layer, module.window)
         if cls is ops.Rope:

@@ -69,7 +69,7 @@ class Runtime:
         op_names = artifact.json("ops.json")
         self.modules: dict[int, OpModule] = materialize(
             {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device,
-            names=op_names, who=f"rank {program.rank}")
+            names=op_names, who=f"rank {program.rank}", experts=program.experts)
         self.ops = with_kernels(self.modules, self.device)  # what the generated code calls
         self.kernels = device_kernels(self.device)  # the backend of the fused ops the runtime calls itself
         self.rows = program.rows[1] - program.rows[0]

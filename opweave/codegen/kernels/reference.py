@@ -353,16 +353,31 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
     return weights.to(logits.dtype), ids
 
 
+def local_expert_ids(ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Global expert ids -> the ids an expert-parallel shard holding experts [first, first + count)
+    runs them with: id - first for its own experts, `count` (the foreign-pair sentinel: the pair
+    contributes nothing on this shard) for the others. On the device, no host synchronisation."""
+    local = ids - first
+    return torch.where((local >= 0) & (local < count), local, count)
+
+
+def _held_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids clamped into [0, E) for gathering, whether each pair's expert is held: id < E)."""
+    return ids.clamp(max=num_experts - 1), ids < num_experts
+
+
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
     """Routed experts: sum_k weights_k * down[ids_k] (silu(gate) * up), [gate | up] = gate_up[ids_k] x.
 
     The selected experts' weights are gathered per token (shapes never depend on the routing), in
-    blocks of `MOE_TOKEN_BLOCK` tokens so the gathered copy stays bounded.
+    blocks of `MOE_TOKEN_BLOCK` tokens so the gathered copy stays bounded. An id equal to E (the
+    foreign-pair sentinel of an expert-parallel shard, `local_expert_ids`) contributes exactly
+    zero: its pair is computed with a held expert's weights and then dropped, not multiplied.
 
     Args:
         x: [..., H].
-        weights: [..., k] (x's dtype); ids: [..., k] int expert ids.
+        weights: [..., k] (x's dtype); ids: [..., k] int expert ids in [0, E].
         gate_up: [E, 2I, H], gate rows first; down: [E, H, I].
     Returns:
         [..., H] in x's dtype.
@@ -370,7 +385,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     h = x.shape[-1]
     flat = x.reshape(-1, 1, h, 1)
     n = flat.shape[0]
-    idx = ids.reshape(n, -1)
+    idx, held = _held_pairs(ids.reshape(n, -1), gate_up.shape[0])
     w = weights.reshape(n, -1, 1)
     parts = []
     for start in range(0, n, MOE_TOKEN_BLOCK):
@@ -380,7 +395,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
         gate, up = gu.chunk(2, dim=-1)
         act = (F.silu(gate) * up)[..., None]
         out = torch.matmul(down[i], act)[..., 0]                                        # N,k,H
-        parts.append((out * w[sl]).sum(dim=1))
+        parts.append(torch.where(held[sl, :, None], out * w[sl], 0.0).sum(dim=1))
     if not parts:
         return torch.zeros_like(x)
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -403,9 +418,11 @@ def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     Gathered per token in blocks of `MOE_TOKEN_BLOCK` tokens like `moe_experts` (shapes never
     depend on the routing). A TP shard holds a block of the intermediate channels (gate/up pairs)
     and, on its first rank only, the down bias (zeros elsewhere): the partial sums add up to it once.
+    An expert-parallel shard holds whole experts with their biases; an id equal to E (the
+    foreign-pair sentinel, `local_expert_ids`) contributes exactly zero, bias included.
 
     Args:
-        x: [..., H]; weights: [..., k] (x's dtype); ids: [..., k] int expert ids.
+        x: [..., H]; weights: [..., k] (x's dtype); ids: [..., k] int expert ids in [0, E].
         gate_up: [E, H, 2I] gate/up columns interleaved; gate_up_bias: [E, 2I].
         down: [E, I, H]; down_bias: [E, H].
         alpha, limit: `swiglu_clamped`'s gain and clamp.
@@ -415,7 +432,7 @@ def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     h = x.shape[-1]
     flat = x.reshape(-1, 1, 1, h)
     n = flat.shape[0]
-    idx = ids.reshape(n, -1)
+    idx, held = _held_pairs(ids.reshape(n, -1), gate_up.shape[0])
     w = weights.reshape(n, -1, 1)
     parts = []
     for start in range(0, n, MOE_TOKEN_BLOCK):
@@ -424,7 +441,7 @@ def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         gu = torch.matmul(flat[sl].expand(-1, i.shape[1], -1, -1), gate_up[i])[:, :, 0] + gate_up_bias[i]  # N,k,2I
         act = swiglu_clamped(gu, alpha, limit)[:, :, None]                                             # N,k,1,I
         out = torch.matmul(act, down[i])[:, :, 0] + down_bias[i]                                       # N,k,H
-        parts.append((out * w[sl]).sum(dim=1))
+        parts.append(torch.where(held[sl, :, None], out * w[sl], 0.0).sum(dim=1))
     if not parts:
         return torch.zeros_like(x)
     out = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -548,9 +548,11 @@ def moe_block_table(ids: torch.Tensor, num_experts: int,
     expert. The number of blocks is data dependent, so the table has a static upper bound of rows,
     min(N*k, N*k // block_m + min(E, N*k)) (each expert with pairs adds at most one partial block);
     the rows past the real blocks are empty (start == stop) and their programs do no work.
+    Pairs of id num_experts (the foreign-pair sentinel of an expert-parallel shard) sort last and
+    fall in no block: no program computes them.
 
     Args:
-        ids: [N, k] int64 expert ids, each in [0, num_experts).
+        ids: [N, k] int64 expert ids, each in [0, num_experts].
     Returns:
         (order [N*k] int64: pair indices sorted by expert, table [G, 3] int64: per block its
         expert, and the range [start, stop) of `order` it covers).
@@ -694,8 +696,10 @@ def _grouped_experts(x, weights, ids, e: int, i: int, gate_up, gate_up_strides, 
     """The launch both expert layouts share: the (token, expert) pairs sorted by expert in blocks of
     `MOE_BLOCK_M` (`moe_block_table`, on the device), `_moe_gate_up_act_kernel` then
     `_moe_down_kernel` per block, and the k weighted outputs of a token summed in float32 in a fixed
-    order (no atomics). `gate_up_strides` = (hidden, intermediate channel), `down_strides` =
-    (output column, intermediate row); with the biases, GPT-OSS's clamped SwiGLU."""
+    order (no atomics). Sentinel pairs (id == e: not on this expert-parallel shard) have no block,
+    so their output rows are never written: they are zeroed before the sum (on the device).
+    `gate_up_strides` = (hidden, intermediate channel), `down_strides` = (output column,
+    intermediate row); with the biases, GPT-OSS's clamped SwiGLU."""
     h, k = x.shape[-1], ids.shape[-1]
     x2, w2, ids2 = x.reshape(-1, h), weights.reshape(-1, k), ids.reshape(-1, k)
     n = x2.shape[0]
@@ -722,7 +726,8 @@ def _grouped_experts(x, weights, ids, e: int, i: int, gate_up, gate_up_strides, 
         act, w2, order, table, down, down_bias if gpt_oss else down, out, w2.stride(0), down.stride(0),
         *down_strides, down_bias.stride(0) if gpt_oss else 0, h, i, K=k, HAS_BIAS=gpt_oss, BLOCK_M=MOE_BLOCK_M,
         BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32, num_warps=warps)
-    y = torch.sum(out.view(n, k, h), dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
+    out = out.view(n, k, h).masked_fill_((ids2 >= e)[..., None], 0.0)  # sentinel rows: never written
+    y = torch.sum(out, dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
     return y.view(x.shape)
 
 
@@ -731,7 +736,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     """See `reference.moe_experts`. Grouped (`_grouped_experts`): gate_up + activation then down +
     routing weight per block of pairs of one expert with `tl.dot`, so each expert's weights are read
     once per block of tokens. No host synchronisation: the grid is sized from the shapes. Ids must
-    be in [0, E)."""
+    be in [0, E]; id E (the foreign-pair sentinel, `reference.local_expert_ids`) contributes
+    nothing."""
     h = x.shape[-1]
     e, two_i, h2 = gate_up.shape
     i = two_i // 2
@@ -748,7 +754,8 @@ def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                        limit: float) -> torch.Tensor:
     """See `reference.moe_experts_swiglu`. Grouped like `moe_experts` (`_grouped_experts`), with the
     biases and the clamped SwiGLU (a gate column and its up column are neighbours, so one program
-    reads both). No host synchronisation."""
+    reads both). No host synchronisation. Ids must be in [0, E]; id E contributes nothing (nor its
+    bias)."""
     h = x.shape[-1]
     e, h2, two_i = gate_up.shape
     i = two_i // 2
