@@ -2,6 +2,7 @@
 rank's cost against sampled routings, Pareto pruning the dominated layout without changing the
 optimum, and plans that hold experts whole where slicing cannot split them."""
 
+import dataclasses
 import functools
 import math
 import random
@@ -11,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opweave.compiler.frontend import run_front_end
-from opweave.cost.model import MOE_BLOCK_PAIRS, CostModel, ep_imbalance, expected_max_normal
+from opweave.cost.model import (MOE_BLOCK_PAIRS, CostModel, allreduce_s, ep_imbalance, expected_max_normal,
+                                inter_bandwidth, intra_bandwidth, spans_nodes)
 from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import Cluster, Pool, parse_cluster
 from opweave.ir.kinds import OpKind
@@ -20,7 +22,8 @@ from opweave.ir.trace import build_graph
 from opweave.models.config import config_from_hf
 from opweave.models.model import build_model
 from opweave.passes.blocks import find_blocks
-from opweave.passes.search import PlanSpace, SearchOptions, search
+from opweave.passes.placement import Group, place, transfer_locality, verify_placement
+from opweave.passes.search import PlanSpace, SearchOptions, fits_group, search
 from test_search import gpu
 
 TINY_MOE = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=128, intermediate_size=256,
@@ -131,7 +134,7 @@ def test_pareto_drops_the_dominated_layout():
     """Both layouts fit every TP > 1 configuration of a slot with experts; Pareto keeps the
     sliced one of each shape (equal cost and rows, no slower), so it prunes and the optimum stays."""
     graph, blocks = tiny_moe()
-    cluster = Cluster(pools=(Pool(gpu=gpu("g", 2e10, 2e12, graph.weight_bytes * 2, 1.0), count=8),), spec="gx8")
+    cluster = Cluster(pools=(Pool(gpu=gpu("g", 2e10, 2e12, graph.weight_bytes * 8, 1.0), count=8),), spec="gx8")
     space = PlanSpace(graph=graph, blocks=blocks, cluster=cluster, context=1024, tpot_slo_s=0.05)
     on = search(space, SearchOptions(**GRID))
     off = search(space, SearchOptions(**GRID, pareto=False))
@@ -152,3 +155,71 @@ def test_planner_holds_experts_whole_where_slicing_cannot_split_them():
                                         replicas=(1,)))
     assert found.best is not None and [(o.tp, o.experts) for o in found.best.owners] == [(4, "ep")]
     assert "ep" in found.best.owners[0].describe()
+
+
+# ---------------------------------------------------------------- expert-parallel groups of whole nodes
+
+
+def test_allreduce_over_whole_nodes_is_hierarchical():
+    """16 GPUs on 2 nodes of 8: the node's ring reduce-scatters and all-gathers over NVLink, each
+    GPU all-reduces its eighth with its peer of the other node over its NIC."""
+    h100 = load_catalog()["h100"]
+    nbytes = 8e6
+    intra = intra_bandwidth(h100)
+    want = h100.collective_latency + 14 * h100.intra_link_latency + 14 / 8 * nbytes / intra \
+        + 2 * h100.inter_link_latency + 2 / 2 * (nbytes / 8) / inter_bandwidth(h100)
+    assert allreduce_s(nbytes, 16, h100) == pytest.approx(want, rel=1e-12)
+    assert allreduce_s(nbytes, 8, h100) < allreduce_s(nbytes, 16, h100) < allreduce_s(nbytes, 32, h100)
+    assert spans_nodes(16, h100) and not spans_nodes(8, h100)
+
+
+def test_placement_gives_a_wide_group_whole_nodes():
+    cluster = parse_cluster("h100x44", load_catalog())   # 5 full nodes and one of 4
+    where = verify_placement(place((Group(gpu="h100", tp=1, replicas=4), Group(gpu="h100", tp=16, replicas=1)),
+                                   cluster), cluster)
+    assert where.num_sets == 2                            # 2 x (4 + 16) GPUs; the third set has no 2 full nodes
+    first, wide = where.replica_set(0)
+    assert first == ((0,), (1,), (2,), (3,)) and wide == (tuple(range(8, 24)),)
+    assert where.replica_set(1)[1] == (tuple(range(24, 40)),)
+    assert transfer_locality(where, cluster, 8) == {(0, 1): False, (1, 0): False}
+    assert fits_group(16, cluster.pools[0].gpu, 44, "ep") and not fits_group(16, cluster.pools[0].gpu, 44, "tp")
+    assert not fits_group(12, cluster.pools[0].gpu, 44, "ep")   # not a whole number of nodes
+
+
+def test_deepseek_v3_fits_h100s_with_experts_spread_over_two_nodes():
+    """673 GB of fp8 weights do not fit one node of 8 H100s (80 GB each); an expert-parallel
+    FFN owner over two nodes holds them, beside attention replicas on the third."""
+    fe = run_front_end("deepseek-v3")
+    cluster = parse_cluster("h100x24", load_catalog())
+    space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=8192, tpot_slo_s=0.05)
+    narrow = search(space, SearchOptions(templates="afd", batches=(64,), microbatches=(2,), tp_degrees=(1, 2, 4, 8)))
+    assert narrow.best is None
+    found = search(space, SearchOptions(templates="afd", batches=(64,), microbatches=(2,)))
+    owners = [(o.tp, o.experts) for o in found.best.owners]
+    assert owners[1] == (16, "ep") and owners[0][0] <= 8
+    assert found.best.problem.stages[0].inter_node or found.best.problem.stages[1].inter_node
+
+
+@pytest.mark.parametrize("family", ("qwen3_moe",))
+def test_wide_expert_group_generates_reference_tokens(tiny_checkpoint, tmp_path, family):
+    """An expert-parallel FFN owner of 4 ranks on nodes of 2 (two whole nodes) on gloo CPU ranks
+    generates transformers' tokens."""
+    from hf_fixtures import hf_generate
+    from opweave.compiler.compile import write_artifact
+    from opweave.compiler.pinned import pinned_plan
+    from opweave.runtime.launch import RunConfig, run
+    from opweave.runtime.scheduler import Request
+
+    folder = tiny_checkpoint(family)
+    catalog = load_catalog()
+    catalog = {**catalog, "h100": dataclasses.replace(catalog["h100"], gpus_per_node=2)}
+    cluster = parse_cluster("h100x6", catalog)
+    compiled = pinned_plan(run_front_end(folder), cluster, "afd", [("h100", 1, 1), ("h100", 4, 1, "ep")],
+                           batch=2, microbatches=2, context=32)
+    assert compiled.plan.owners[1].gpus == ((2, 3, 4, 5),) and compiled.plan.stages[0].send_inter_node
+    out = str(tmp_path / "art")
+    write_artifact(out, compiled)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    outputs = run(RunConfig(artifact=out, weights=folder, device="cpu", timeout_s=300,
+                            requests=tuple(Request(index=i, prompt=p, max_new_tokens=4) for i, p in enumerate(prompts))))
+    assert [tuple(r.output) for r in outputs] == [tuple(hf_generate(folder, p, 4)[1]) for p in prompts]

@@ -20,29 +20,51 @@ CATALOG = load_catalog()
 
 
 def reference_place(groups, cluster):
-    """The per-GPU first fit placement used to be: one free list per node, copied per replica set.
-    Returns (sets, gpus[set][group][replica] -> indices, idle indices)."""
-    free = {}
+    """The per-GPU first fit placement used to be: one free list per node, copied per replica set;
+    a group larger than a node (whole nodes) takes the first run of full, untouched nodes after
+    every node any group has taken from. Returns (sets, gpus[set][group][replica] -> indices,
+    idle indices)."""
+    free, per_node = {}, {}
     for g in cluster.physical_gpus():
         nodes = free.setdefault(g.gpu_name, [])
         while len(nodes) <= g.node_index:
             nodes.append([])
         nodes[g.node_index].append(g.global_index)
+    for p in cluster.pools:
+        per_node[p.gpu.name] = p.gpu.gpus_per_node
+    touched = {name: -1 for name in free}
     sets = []
     while True:
         trial = {name: [list(n) for n in nodes] for name, nodes in free.items()}
+        reach = dict(touched)
         taken = []
         for o in groups:
             replicas = []
             for _ in range(o.replicas):
-                node = next((n for n in trial.get(o.gpu, []) if len(n) >= o.tp), None)
-                if node is None:
+                nodes = trial.get(o.gpu, [])
+                got = None
+                if o.tp > per_node[o.gpu]:
+                    need = o.tp // per_node[o.gpu]
+                    if o.tp % per_node[o.gpu] == 0:
+                        start = next((s for s in range(reach[o.gpu] + 1, len(nodes) - need + 1)
+                                      if all(len(nodes[s + i]) == per_node[o.gpu] for i in range(need))), None)
+                        if start is not None:
+                            got = tuple(x for i in range(need) for x in nodes[start + i])
+                            for i in range(need):
+                                nodes[start + i].clear()
+                            reach[o.gpu] = start + need - 1
+                else:
+                    index = next((i for i, n in enumerate(nodes) if len(n) >= o.tp), None)
+                    if index is not None:
+                        got = tuple(nodes[index][:o.tp])
+                        del nodes[index][:o.tp]
+                        reach[o.gpu] = max(reach[o.gpu], index)
+                if got is None:
                     idle = sorted(i for nodes in free.values() for n in nodes for i in n)
                     return len(sets), sets, idle
-                replicas.append(tuple(node[:o.tp]))
-                del node[:o.tp]
+                replicas.append(got)
             taken.append(tuple(replicas))
-        free = trial
+        free, touched = trial, reach
         sets.append(tuple(taken))
 
 

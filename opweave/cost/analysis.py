@@ -55,7 +55,8 @@ NUM_MICROBATCHES_CAD = 2
 """CAD pipelines at least two microbatches so that one computes while the other moves."""
 
 TP_SCAN = (1, 2, 4, 8)
-"""TP degrees the analysis scans: the planner's (`opweave.passes.search.SearchOptions.tp_degrees`)."""
+"""TP degrees the analysis scans: the planner's inside one node (`opweave.passes.search.SearchOptions.tp_degrees`
+without `WIDE_TP`, the expert-parallel groups of whole nodes, which the analysis does not model)."""
 
 MARGINAL_BATCH = 1 << 14
 """Batch at which `ods_terms` measures the cost model's added time per sequence, (T(2b) − T(b)) / b:
@@ -199,7 +200,7 @@ def ods_terms(graph: OpGraph, gpu: GPUSpec, tp: int, context: int, cost_model: C
         gemm_s=sum(c for c, g in zip(compute, gemm) if g), comm_s=sum(r for r, g in zip(comm, gemm) if g),
         weights_s=sum(op.weight_bytes / shards(op, tp, layout) for op in graph.ops if op.cls == OpClass.GEMM)
         / gpu.effective_bandwidth,
-        weight_bytes=footprint.weights, sequence_bytes=footprint.per_slot + footprint.per_row,
+        weight_bytes=footprint.weights + footprint.fixed, sequence_bytes=footprint.per_slot + footprint.per_row,
         usable_bytes=gpu.usable_memory_bytes, price_per_s=tp * gpu.price_per_second)
 
 
@@ -315,7 +316,7 @@ class Analysis:
 def _fitting_batch(footprint: memory.Footprint, usable: float, slots_per_row: int) -> int:
     """Most rows of a step whose `slots_per_row` state slots each fit beside the weights."""
     per_row = slots_per_row * footprint.per_slot + footprint.per_row
-    return math.floor(max(usable - footprint.weights, 0.0) / per_row) if per_row > 0 else 0
+    return math.floor(max(usable - footprint.weights - footprint.fixed, 0.0) / per_row) if per_row > 0 else 0
 
 
 def _cad(graph: OpGraph, gpu: GPUSpec, rest: GPUSpec, context: int,

@@ -122,9 +122,11 @@ def state_bytes_per_slot(ops, tp: int, context: int) -> float:
     return sum(op.state_bytes(context) / state_shards(op, tp) for op in ops)
 
 
-def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int, layout: str = "tp") -> float:
+def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int, layout: str = "tp",
+                     gather: bool = True) -> float:
     """Bytes an op allocates inside its forward beyond its inputs and outputs (freed on return),
-    for the block sizes of `opweave.models.activation` (routed experts held as `layout`)."""
+    for the block sizes of `opweave.models.activation` (routed experts held as `layout`; without
+    their gathered weights unless `gather`)."""
     n = shards(op, tp, layout)
     if op.kind in (OpKind.ATTN_FULL, OpKind.ATTN_SLIDING):
         heads = op.tp_units / n                                   # query heads on this GPU
@@ -134,8 +136,7 @@ def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int, layou
         return rows * (heads * width * block * SCORE_BYTES + block * kv * 3
                        + ATTN_ACCUMULATORS * width * heads * per_head * 2)
     if op.kind in (OpKind.MOE_EXPERTS, OpKind.MOE_EXPERTS_SWIGLU):  # the k experts' weights, a block of tokens
-        whole = layout == "ep" and tp > 1   # expert-parallel: each pair gathers a whole expert (or a masked one)
-        return min(rows * width, MOE_TOKEN_BLOCK) * op.active_weight_fraction * op.weight_bytes / (1 if whole else n) \
+        return (expert_gather_bytes(op, tp, rows * width, layout) if gather else 0.0) \
             + rows * width * op.act_bytes_per_token / n
     if op.kind == OpKind.ATTN_MLA:  # latent attention: every query head against the shared latent rows
         heads = op.tp_units / n                                   # query heads on this GPU
@@ -153,15 +154,28 @@ def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int, layou
     return 0.0
 
 
-def activation_bytes(ops, tp: int, rows: int, width: int, context: int, layout: str = "tp") -> float:
+def expert_gather_bytes(op: Op, tp: int, tokens: int, layout: str = "tp") -> float:
+    """The routed experts' weights the torch path gathers for a block of at most `MOE_TOKEN_BLOCK`
+    of `tokens` tokens: k experts' slices each (whole experts when expert-parallel: a pair of
+    another rank gathers a clamped one). It stops growing at one block."""
+    if op.kind not in (OpKind.MOE_EXPERTS, OpKind.MOE_EXPERTS_SWIGLU):
+        return 0.0
+    whole = layout == "ep" and tp > 1
+    return min(tokens, MOE_TOKEN_BLOCK) * op.active_weight_fraction * op.weight_bytes / (1 if whole else shards(op, tp))
+
+
+def activation_bytes(ops, tp: int, rows: int, width: int, context: int, layout: str = "tp",
+                     gather: bool = True) -> float:
     """Peak bytes of one step of `rows` rows and `width` tokens per row (module docstring): the
-    residual stream, and the op with the largest inputs + outputs + scratch."""
+    residual stream, and the op with the largest inputs + outputs + scratch (`gather`: with the
+    experts' gathered weights)."""
     if rows <= 0 or not ops:
         return 0.0
     stream = STREAM_COPIES * max(op.act_bytes_per_token / shards(op, tp) for op in ops
                                  if op.kind not in (OpKind.LM_HEAD, OpKind.SAMPLE))
     return rows * width * stream + max(rows * width * op.act_bytes_per_token / shards(op, tp)
-                                       + op_scratch_bytes(op, tp, rows, width, context, layout) for op in ops)
+                                       + op_scratch_bytes(op, tp, rows, width, context, layout, gather)
+                                       for op in ops)
 
 
 def memory_per_gpu(ops, tp: int, slots: int, context: int, rows: int | None = None,
@@ -174,20 +188,24 @@ def memory_per_gpu(ops, tp: int, slots: int, context: int, rows: int | None = No
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Footprint:
-    """The accounting of one op list on one TP degree, linear in slots and rows."""
+    """The accounting of one op list on one TP degree, linear in slots and rows: an upper bound
+    of `activation_bytes` at any rows (the experts' gathered weights, which stop growing at one
+    block of tokens, are a fixed term; the rest is linear in rows)."""
 
     weights: float
     per_slot: float   # state
-    per_row: float    # activations of one row of a step
+    per_row: float    # activations of one row of a step, without the experts' gathered weights
+    fixed: float = 0.0  # the largest block of gathered expert weights (`expert_gather_bytes`)
 
     @classmethod
     def of(cls, ops, tp: int, context: int, width: int = PREFILL_CHUNK, layout: str = "tp") -> Footprint:
         ops = list(ops)
         return cls(weights=weight_bytes(ops, tp, layout), per_slot=state_bytes_per_slot(ops, tp, context),
-                   per_row=activation_bytes(ops, tp, 1, width, context, layout))
+                   per_row=activation_bytes(ops, tp, 1, width, context, layout, gather=False),
+                   fixed=max((expert_gather_bytes(op, tp, MOE_TOKEN_BLOCK, layout) for op in ops), default=0.0))
 
     def bytes_at(self, slots: int, rows: int) -> float:
-        return self.weights + slots * self.per_slot + rows * self.per_row
+        return self.weights + slots * self.per_slot + (self.fixed + rows * self.per_row if rows > 0 else 0.0)
 
     def bytes(self, batch: int, microbatches: int, replicas: int) -> float:
         """A rank of the largest replica of an owner with `replicas` replicas, resident batch

@@ -212,19 +212,40 @@ def op_flops(op: Op, tp: int, batch: int, context: int, layout: str = "tp") -> f
 
 
 def allreduce_s(nbytes: float, tp: int, gpu: GPUSpec) -> float:
-    """Ring all-reduce of `nbytes` over `tp` GPUs of one node: the collective's fixed cost, then
-    2 (tp - 1) hops of the link's latency and the ring's share of the bytes."""
+    """All-reduce of `nbytes` over `tp` GPUs: the collective's fixed cost, then a ring inside the
+    node, 2 (m - 1) hops of the link's latency and the ring's share of the bytes (m = the GPUs of
+    the group in one node). A group of whole nodes (`spans_nodes`) reduces hierarchically: the
+    node's ring reduce-scatters, each GPU all-reduces its 1/m of the bytes with its peers of the
+    other nodes over its own NIC (a ring of 2 (nodes - 1) hops), and the node's ring all-gathers."""
     if tp <= 1 or nbytes <= 0:
         return 0.0
-    steps = 2 * (tp - 1)
-    return gpu.collective_latency + steps * gpu.intra_link_latency + steps / tp * nbytes / intra_bandwidth(gpu)
+    m = min(tp, gpu.gpus_per_node)
+    steps = 2 * (m - 1)
+    total = gpu.collective_latency + steps * gpu.intra_link_latency + steps / m * nbytes / intra_bandwidth(gpu)
+    nodes = tp // m
+    if nodes > 1:
+        hops = 2 * (nodes - 1)
+        total += hops * gpu.inter_link_latency + hops / nodes * (nbytes / m) / inter_bandwidth(gpu)
+    return total
 
 
 def allgather_s(nbytes_per_rank: float, tp: int, gpu: GPUSpec) -> float:
-    """Ring all-gather: every rank ends with all `tp` pieces of `nbytes_per_rank`."""
+    """Ring all-gather: every rank ends with all `tp` pieces of `nbytes_per_rank` (over whole
+    nodes: the node's ring, then each GPU's node-sized piece from the other nodes over its NIC)."""
     if tp <= 1 or nbytes_per_rank <= 0:
         return 0.0
-    return gpu.collective_latency + (tp - 1) * (gpu.intra_link_latency + nbytes_per_rank / intra_bandwidth(gpu))
+    m = min(tp, gpu.gpus_per_node)
+    total = gpu.collective_latency + (m - 1) * (gpu.intra_link_latency + nbytes_per_rank / intra_bandwidth(gpu))
+    nodes = tp // m
+    if nodes > 1:
+        total += (nodes - 1) * (gpu.inter_link_latency + m * nbytes_per_rank / inter_bandwidth(gpu))
+    return total
+
+
+def spans_nodes(tp: int, gpu: GPUSpec) -> bool:
+    """Whether a TP group of `tp` GPUs of `gpu` takes several whole nodes (expert-parallel groups
+    may: `opweave.passes.search.WIDE_TP`)."""
+    return tp > gpu.gpus_per_node
 
 
 SAMPLE_CANDIDATE_BYTES = 16
@@ -278,7 +299,7 @@ class CostModel:
         gathers = tp_table.rule(op.kind).gathers
         reduce_bytes = allreduce_bytes(op, batch, hidden_bytes, following)
         measured = getattr(self.profile, "collective_s", None) if self.profile is not None else None
-        if measured is not None and tp > 1 and measured(gpu.name, tp, 0.0) is not None:
+        if measured is not None and 1 < tp <= gpu.gpus_per_node and measured(gpu.name, tp, 0.0) is not None:
             comm = measured(gpu.name, tp, reduce_bytes) if reduce_bytes > 0 else 0.0
             return comm + (measured(gpu.name, tp, batch * SAMPLE_CANDIDATE_BYTES) if gathers else 0.0)
         comm = allreduce_s(reduce_bytes, tp, gpu)
@@ -406,7 +427,13 @@ def boundary_s(per_token: float, src: GPUSpec, src_rows: int, dst: GPUSpec, dst_
     if per_token <= 0:
         return 0.0
     received = per_token * dst_rows
-    fanout = 0.0 if dst_tp <= 1 else dst.intra_link_latency + received / intra_bandwidth(dst)
+    if dst_tp <= 1:
+        fanout = 0.0
+    elif spans_nodes(dst_tp, dst):  # the port's node, then one copy to each other node over the NICs
+        fanout = dst.intra_link_latency + received / intra_bandwidth(dst) \
+            + dst.inter_link_latency + received / inter_bandwidth(dst)
+    else:
+        fanout = dst.intra_link_latency + received / intra_bandwidth(dst)
     return transfer_s(per_token * src_rows, src, dst, inter_node, received) + fanout
 
 

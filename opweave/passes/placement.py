@@ -3,7 +3,8 @@
 The rule: replica sets are placed one after another while a whole set fits. Within a set, owners
 go in plan order and each owner's replicas in order; a replica (a TP group of `tp` GPUs, which
 stays inside one node) takes the first `tp` free GPUs of the first node of its GPU type with `tp`
-free. GPUs no set takes are idle.
+free; a group of several whole nodes (expert-parallel owners, `opweave.passes.search.WIDE_TP`)
+takes the next untouched full nodes. GPUs no set takes are idle.
 
 Note: cost. Groups are taken from the front of a node, so a node's free GPUs are always its last
 ones and its state is one number (GPUs taken); nodes no group has reached are fresh, and a node
@@ -101,7 +102,16 @@ class _Pool:
         self.closed_idle: list[tuple[int, int]] = []  # idle runs of closed nodes, global indices
 
     def take(self, tp: int) -> int | None:
-        """The first GPU of a group of `tp` on the first node with room, or None."""
+        """The first GPU of a group of `tp` on the first node with room, or None. A group larger
+        than a node (a whole number of them, expert-parallel owners) takes the next fresh full
+        nodes."""
+        if tp > self.layout.per_node:
+            nodes = tp // self.layout.per_node
+            if tp % self.layout.per_node or self.fresh + nodes > self.layout.num_full_nodes:
+                return None
+            first = self.layout.gpu(self.fresh, 0)
+            self.fresh += nodes
+            return first
         for entry in self.open:
             node, taken = entry
             if self.layout.node_size(node) - taken >= tp:
@@ -238,8 +248,8 @@ def format_placement(where: Placement) -> str:
 
 def verify_placement(where: Placement, cluster) -> Placement:
     """Checks a placement's invariants on `cluster`; returns it or raises `IRError`: in the first
-    and last replica sets every TP group sits inside one node of its GPU type, and no GPU is
-    taken twice or also listed idle."""
+    and last replica sets every TP group sits inside one node of its GPU type (or fills whole
+    nodes of it), and no GPU is taken twice or also listed idle."""
     from opweave.ir.graph import IRError
 
     idle = [(lo, hi) for lo, hi in where.idle]
@@ -250,7 +260,10 @@ def verify_placement(where: Placement, cluster) -> Placement:
                 nodes = {cluster.locate(x).node_index for x in gpus}
                 kinds = {cluster.pools[cluster.locate(x).pool_index].gpu.name for x in gpus}
                 here = f"set {k} {g.gpu} tp{g.tp} replica {j}"
-                if len(nodes) != 1 or kinds != {g.gpu}:
+                per_node = where.layouts[g.gpu].per_node
+                whole = g.tp > per_node and g.tp % per_node == 0 and len(nodes) == g.tp // per_node \
+                    and all(cluster.locate(x).local_index == i % per_node for i, x in enumerate(gpus))
+                if (len(nodes) != 1 and not whole) or kinds != {g.gpu}:
                     raise IRError(f"{here} spans nodes {sorted(nodes)} of types {sorted(kinds)}")
                 for x in gpus:
                     if x in taken:
@@ -274,8 +287,9 @@ def transfer_locality(where: Placement, cluster: Cluster, rows: int) -> dict[tup
     """For every pair of owners (groups) (a, b), True when every transfer between them is inside a
     node: in every replica set, each replica of `a` and each replica of `b` whose microbatch rows
     overlap (a microbatch of `rows` sequences, split as the lowering splits it) sit in one node.
-    A replica's TP group never spans nodes, so any of its GPUs (the port of any cut) says where it
-    is. Pairs of different GPU types are never inside a node. Empty when no set is placed."""
+    A replica's TP group inside one node is located by any of its GPUs (the port of any cut); one
+    of several whole nodes is in no single node, so its transfers cross nodes. Pairs of different
+    GPU types are never inside a node. Empty when no set is placed."""
     groups = where.groups
     splits = [replica_rows(rows, g.replicas) for g in groups]
     pairs = [(a, b) for a in range(len(groups)) for b in range(len(groups))
@@ -286,7 +300,9 @@ def transfer_locality(where: Placement, cluster: Cluster, rows: int) -> dict[tup
     for a, b in pairs:
         out[(a, b)] = True
     for k in simulated_sets(where):
-        nodes = [[cluster.locate(gpus[0]).node_index for gpus in replicas] for replicas in where.replica_set(k)]
+        nodes = [[cluster.locate(gpus[0]).node_index if len(gpus) <= where.layouts[g.gpu].per_node else (-1 - a, j)
+                  for j, gpus in enumerate(replicas)]
+                 for a, (g, replicas) in enumerate(zip(groups, where.replica_set(k)))]
         for a, b in pairs:
             if not out[(a, b)]:
                 continue

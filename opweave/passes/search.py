@@ -58,6 +58,12 @@ GEMM call, so 4096 leaves room for microbatches and replicas), and as far as the
 while planning a §7 setting stays well under a minute on a 2-core machine."""
 
 
+WIDE_TP = (16, 32)
+"""Group sizes above a node that the default grid tries for owners running routed experts,
+expert-parallel only (whole nodes; the all-reduce is hierarchical: `cost.model.allreduce_s`):
+models whose experts do not fit one node (DeepSeek-V3 on H100s) or serve cheaper spread wider."""
+
+
 def batch_grid(limit: int) -> tuple[int, ...]:
     """Powers of two and their midpoints (1, 2, 3, 4, 6, 8, 12, 16, 24 ...) up to `limit`."""
     out, p = [], 1
@@ -89,7 +95,7 @@ class SearchOptions:
     batches: tuple[int, ...] | None = None          # None: `batch_grid` up to what fits (and max_batch)
     max_batch: int = DEFAULT_MAX_BATCH              # the auto grid's ceiling (the memory limit may be lower)
     microbatches: tuple[int, ...] = (1, 2, 4)
-    tp_degrees: tuple[int, ...] = (1, 2, 4, 8)
+    tp_degrees: tuple[int, ...] = (1, 2, 4, 8) + WIDE_TP
     replicas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     max_owners: int = 3
     objective: str = "cost"                         # cost: least $/Mtoken; throughput: most tokens/s on the cluster
@@ -245,6 +251,10 @@ class _Evaluator:
             self._latency[key] = value
         return value
 
+    def sig_experts(self, sig: int) -> bool:
+        """Whether stage signature `sig` runs routed experts."""
+        return self._sig_experts[sig]
+
     def floor_latency(self, sig: int, pool: int, tp: int, share: int) -> float:
         """The least `latency` of `sig` over the expert layouts (a bound: legality not checked)."""
         lat = self.latency(sig, pool, tp, share)
@@ -309,12 +319,22 @@ def slot_of(stage_index: int, stages_per_block: int, k: int) -> int:
     return (stage_index % stages_per_block) % k
 
 
+def fits_group(tp: int, gpu, count: int, layout: str) -> bool:
+    """Whether a TP group of `tp` GPUs of type `gpu` can exist in a pool of `count`: inside one
+    node, or for expert-parallel experts (`layout` "ep") a whole number of nodes (`WIDE_TP`)."""
+    if tp > count:
+        return False
+    if tp <= gpu.gpus_per_node:
+        return True
+    return layout == "ep" and tp % gpu.gpus_per_node == 0
+
+
 def _tp_misfit(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: int,
               layout: str = "tp") -> str | None:
     """Why no configuration of `slot` on pool `pool` can use TP `tp` with expert layout `layout`
     (a `Counters` field), or None."""
     p = ev.space.cluster.pools[pool]
-    if tp > p.gpu.gpus_per_node or tp > p.count:
+    if not fits_group(tp, p.gpu, p.count, layout):
         return "configs_over_node"
     if ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp, layout) is None:
         return "configs_tp_indivisible"
@@ -368,8 +388,6 @@ def _owner_configs(ev: _Evaluator, plan: StagePlan, k: int, slot: int, batch: in
                 why = _tp_misfit(ev, plan, k, slot, p, tp, layout)
                 if why is not None:
                     setattr(counters, why, getattr(counters, why) + 1)
-                    if why == "configs_over_node":
-                        break
                     continue
                 for r in options.replicas:
                     mem = _memory(ev, plan, k, slot, tp, batch, n, r, layout)
@@ -401,7 +419,8 @@ def owner_config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, gpu: str, t
     why = _tp_misfit(ev, plan, k, slot, pool, tp, layout)
     if why == "configs_over_node":
         raise OpWeaveError(f"{what}: TP {tp} exceeds the {gpu} node size ({p.gpu.gpus_per_node} GPUs) "
-                           f"or the pool ({p.count} GPUs); a TP group stays inside one node")
+                           f"or the pool ({p.count} GPUs); a TP group stays inside one node, except an "
+                           "expert-parallel one of whole nodes")
     if why == "configs_tp_indivisible":
         _, _, ops = ev.slot(plan, k, slot)
         bad = next((op for op in ops if not legal_tp([op], tp, layout)), None)
@@ -660,7 +679,7 @@ class _Search:
             best_lat = best_ct = best_gt = math.inf
             for p, pool in enumerate(self.space.cluster.pools):
                 for tp in self.options.tp_degrees:
-                    if tp > pool.gpu.gpus_per_node or tp > pool.count:
+                    if not fits_group(tp, pool.gpu, pool.count, "ep" if self.ev.sig_experts(sig) else "tp"):
                         continue
                     for r in self.options.replicas:
                         if r * tp > pool.count or r * n > batch:
