@@ -216,6 +216,12 @@ def _kernel_cases(dtype, device, smoke: bool) -> list[tuple[str, str, list]]:
     cases.append(("moe_experts_swiglu", f"E={ne} k={topk} (GPT-OSS)",
                   [rnd(mn, mh), weights, ids, rnd(ne, mh, 2 * mi, scale=mh ** -0.5), rnd(ne, 2 * mi, scale=0.1),
                    rnd(ne, mi, mh, scale=mi ** -0.5), rnd(ne, mh, scale=0.1), 1.702, 7.0]))
+    # an expert-parallel shard holding the first half of the experts: the others' pairs carry the sentinel
+    half = ne // 2
+    local = get_backend("torch").local_expert_ids(ids, 0, half)
+    cases.append(("moe_experts", f"E={half} of {ne} k={topk} (expert-parallel shard)",
+                  [rnd(mn, mh), weights, local, rnd(half, 2 * mi, mh, scale=mh ** -0.5),
+                   rnd(half, mh, mi, scale=mi ** -0.5)]))
     cases.append(("argmax", f"V={vocab}", [rnd(rows, vocab)]))
     return cases
 
