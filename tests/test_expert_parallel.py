@@ -28,6 +28,7 @@ from opweave.models.registry import resolve
 from opweave.runtime.shard import materialize
 from opweave.runtime.syncguard import NoHostSync
 from opweave.runtime.tp import shard_module
+from test_device import CountingReader
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32, as tests/test_kernels.py
 ALPHA, LIMIT = 1.702, 7.0         # GPT-OSS's clamped SwiGLU
@@ -191,27 +192,6 @@ def _experts_op(cfg) -> ops.RoutedExperts:
     return next(m for m in DecodeStep(build_model(cfg, "meta")).modules() if isinstance(m, ops.RoutedExperts))
 
 
-class _Counting:
-    """A checkpoint reader recording the keys it hands out."""
-
-    def __init__(self, inner):
-        self.inner, self.keys = inner, set()
-
-    def has(self, key):
-        return self.inner.has(key)
-
-    def shape(self, key):
-        return self.inner.shape(key)
-
-    def get(self, key, shape=None):
-        self.keys.add(key)
-        return self.inner.get(key, shape)
-
-    def get_slice(self, key, dim, start, stop):
-        self.keys.add(key)
-        return self.inner.get_slice(key, dim, start, stop)
-
-
 @pytest.mark.parametrize("source", ["random", "checkpoint"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ep_ranks_sum_to_the_unsharded_module(models, family, source):
@@ -223,7 +203,7 @@ def test_ep_ranks_sum_to_the_unsharded_module(models, family, source):
     def weights():
         if source == "random":
             return "random"
-        return lambda _shapes: readers.append(_Counting(CheckpointReader(folder))) or readers[-1]
+        return lambda _shapes: readers.append(CountingReader(CheckpointReader(folder))) or readers[-1]
 
     full = materialize({0: copy.deepcopy(meta)}, weights(), 1, 0, torch.device("cpu"))[0]
     gen = torch.Generator().manual_seed(0)
