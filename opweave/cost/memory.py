@@ -178,6 +178,31 @@ def activation_bytes(ops, tp: int, rows: int, width: int, context: int, layout: 
                                        for op in ops)
 
 
+_TERMS: dict[tuple, tuple] = {}
+"""`_op_terms` memo: (id(op), tp, context, width, layout) -> (op, terms); the op is kept so its id
+cannot be reused."""
+
+
+def _op_terms(op: Op, tp: int, context: int, width: int, layout: str) -> tuple:
+    """One op's part of a `Footprint`: ((weight name, bytes per GPU) ..., state bytes per slot, its
+    residual-stream bytes per token (0 for the LM head and sampler), its peak bytes at one row
+    without gathered expert weights, those gathered weights at one block)."""
+    key = (id(op), tp, context, width, layout)
+    hit = _TERMS.get(key)
+    if hit is not None and hit[0] is op:
+        return hit[1]
+    n = shards(op, tp)
+    weights = tuple((w.name, w.nbytes / shards(op, tp, layout)) for w in op.weights)
+    stream = 0.0 if op.kind in (OpKind.LM_HEAD, OpKind.SAMPLE) else op.act_bytes_per_token / n
+    peak = width * op.act_bytes_per_token / n + op_scratch_bytes(op, tp, 1, width, context, layout, gather=False)
+    terms = (weights, op.state_bytes(context) / state_shards(op, tp), stream, peak,
+             expert_gather_bytes(op, tp, MOE_TOKEN_BLOCK, layout))
+    if len(_TERMS) > 1 << 20:
+        _TERMS.clear()
+    _TERMS[key] = (op, terms)
+    return terms
+
+
 def memory_per_gpu(ops, tp: int, slots: int, context: int, rows: int | None = None,
                    width: int = PREFILL_CHUNK, layout: str = "tp") -> float:
     """Bytes one GPU of a TP group running `ops` holds with `slots` state slots and steps of
@@ -199,10 +224,22 @@ class Footprint:
 
     @classmethod
     def of(cls, ops, tp: int, context: int, width: int = PREFILL_CHUNK, layout: str = "tp") -> Footprint:
-        ops = list(ops)
-        return cls(weights=weight_bytes(ops, tp, layout), per_slot=state_bytes_per_slot(ops, tp, context),
-                   per_row=activation_bytes(ops, tp, 1, width, context, layout, gather=False),
-                   fixed=max((expert_gather_bytes(op, tp, MOE_TOKEN_BLOCK, layout) for op in ops), default=0.0))
+        """`weight_bytes`, `state_bytes_per_slot`, `activation_bytes` at one row without the gathered
+        expert weights, and those as `fixed`: combined from each op's terms (`_op_terms`, memoized:
+        the planner asks for many op lists that share ops)."""
+        per_weight: dict[str, float] = {}
+        state = stream = peak = fixed = 0.0
+        for op in ops:
+            weights, op_state, op_stream, op_peak, gather = _op_terms(op, tp, context, width, layout)
+            for name, nbytes in weights:
+                if nbytes > per_weight.get(name, -1.0):
+                    per_weight[name] = nbytes
+            state += op_state
+            stream, peak, fixed = max(stream, op_stream), max(peak, op_peak), max(fixed, gather)
+        if not per_weight and not peak:
+            return cls(weights=0.0, per_slot=state, per_row=0.0, fixed=0.0)
+        return cls(weights=sum(per_weight.values()), per_slot=state, per_row=width * STREAM_COPIES * stream + peak,
+                   fixed=fixed)
 
     def bytes_at(self, slots: int, rows: int) -> float:
         return self.weights + slots * self.per_slot + (self.fixed + rows * self.per_row if rows > 0 else 0.0)

@@ -392,9 +392,25 @@ def of_op(op) -> OpTP:
 # ---------------------------------------------------------------- what the consumers ask
 
 
+_LEGAL: dict[tuple[int, int, str], tuple[object, bool]] = {}
+"""legal_tp memo: (id(op), tp, layout) -> (op, legal); the op is kept so its id cannot be reused."""
+
+
+def _legal_op(op, tp: int, layout: str) -> bool:
+    hit = _LEGAL.get((id(op), tp, layout))
+    if hit is not None and hit[0] is op:
+        return hit[1]
+    value = of_op(op).legal(tp, layout)
+    if len(_LEGAL) > 1 << 20:
+        _LEGAL.clear()
+    _LEGAL[(id(op), tp, layout)] = (op, value)
+    return value
+
+
 def legal_tp(ops: Sequence, tp: int, layout: str = "tp") -> bool:
-    """Whether one TP group of `tp` can run all of `ops` (IR ops), routed experts held as `layout`."""
-    return all(of_op(op).legal(tp, layout) for op in ops)
+    """Whether one TP group of `tp` can run all of `ops` (IR ops), routed experts held as `layout`
+    (memoized per op object: the planner asks for every slot of every template)."""
+    return all(_legal_op(op, tp, layout) for op in ops)
 
 
 def has_experts(ops: Sequence) -> bool:

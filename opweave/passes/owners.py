@@ -89,25 +89,25 @@ def dominates(a: OwnerConfig, b: OwnerConfig) -> bool:
 def pareto_frontier(configs: list[OwnerConfig]) -> list[OwnerConfig]:
     """The configurations no other configuration dominates (first of equal ones kept), in input order.
 
-    Candidates that could dominate a configuration cost no more, so each is compared only with
-    the configurations at or below its cost rate (sorted once)."""
-    rates = [c.cost_per_hour for c in configs]
-    order = sorted(range(len(configs)), key=rates.__getitem__)
-    keep = []
+    Only configurations of one shape (GPU type, TP degree, replicas) are compared (`dominates`),
+    so each is compared with the others of its shape alone: linear in the configurations."""
+    shapes: dict[tuple, list[int]] = {}
     for i, c in enumerate(configs):
-        dominated = False
-        for j in order:
-            if rates[j] > rates[i]:
+        shapes.setdefault((c.gpu.name, c.tp, c.replicas), []).append(i)
+    dropped = set()
+    for members in shapes.values():
+        if len(members) < 2:
+            continue
+        for i in members:
+            c = configs[i]
+            for j in members:
+                if i == j:
+                    continue
+                d = configs[j]
+                if not dominates(d, c):
+                    continue
+                if i < j and dominates(c, d):  # equal in every respect: keep the first
+                    continue
+                dropped.add(i)
                 break
-            if i == j:
-                continue
-            d = configs[j]
-            if not dominates(d, c):
-                continue
-            if i < j and dominates(c, d):  # equal in every respect: keep the first
-                continue
-            dominated = True
-            break
-        if not dominated:
-            keep.append(c)
-    return keep
+    return [c for i, c in enumerate(configs) if i not in dropped]

@@ -188,6 +188,8 @@ class _Evaluator:
         self._footprint: dict[tuple, tuple[float, float] | None] = {}
         self._plans: dict[str, tuple[int, ...]] = {}
         self._slots: dict[tuple[str, int, int], tuple[list, tuple[int, ...], list]] = {}
+        self._slot_keys: dict[tuple[str, int, int], tuple] = {}
+        self._slot_experts: dict[tuple[str, int, int], bool] = {}
         self._placements: dict[tuple[Group, ...], object] = {}
         self._locality: dict[tuple, dict[tuple[int, int], bool] | None] = {}
         self._sent: dict[tuple[str, int], tuple[int, ...]] = {}
@@ -288,7 +290,15 @@ class _Evaluator:
             stages = [s for s in plan.stages if slot_of(s.index, plan.stages_per_block, k) == slot]
             ops = [op for s in stages for op in self.space.graph.ops[s.first:s.last + 1]]
             self._slots[key] = (stages, tuple(ids[s.index] for s in stages), ops)
+            # what the memory accounting depends on: the slot's op ranges (templates share them)
+            self._slot_keys[key] = tuple((s.first, s.last) for s in stages)
+            self._slot_experts[key] = has_experts(ops)
         return self._slots[key]
+
+    def slot_key(self, plan: StagePlan, k: int, slot: int) -> tuple:
+        """The slot's op ranges: the key of its memory accounting (`footprint`)."""
+        self.slot(plan, k, slot)
+        return self._slot_keys[(plan.template.name, k, slot)]
 
     def footprint(self, key: tuple, ops, tp: int, layout: str = "tp") -> Footprint | None:
         """The memory accounting (`opweave.cost.memory`) of a GPU of a TP group of `tp` running
@@ -304,7 +314,8 @@ class _Evaluator:
     def layouts(self, plan: StagePlan, k: int, slot: int, tp: int) -> tuple[str, ...]:
         """The expert layouts a slot chooses among at TP `tp`: both where it runs routed experts
         (and tp > 1), else "tp" alone."""
-        return ("tp", "ep") if tp > 1 and has_experts(self.slot(plan, k, slot)[2]) else ("tp",)
+        self.slot(plan, k, slot)
+        return ("tp", "ep") if tp > 1 and self._slot_experts[(plan.template.name, k, slot)] else ("tp",)
 
 
 def _gpus_by_type(owners) -> dict[str, int]:
@@ -336,7 +347,7 @@ def _tp_misfit(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp
     p = ev.space.cluster.pools[pool]
     if not fits_group(tp, p.gpu, p.count, layout):
         return "configs_over_node"
-    if ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp, layout) is None:
+    if ev.footprint(ev.slot_key(plan, k, slot), ev.slot(plan, k, slot)[2], tp, layout) is None:
         return "configs_tp_indivisible"
     return None
 
@@ -373,7 +384,7 @@ def _memory(ev: _Evaluator, plan: StagePlan, k: int, slot: int, tp: int, batch: 
     slot keeps for its later stages instead of sending them (`carry.held_bytes_per_token`), for
     every microbatch of a prefill-wide step."""
     held = ev.held_bytes(plan, k)[slot] * max_rows(batch, n, replicas) * ev.space.prefill_chunk * n
-    return ev.footprint((plan.template.name, k, slot), ev.slot(plan, k, slot)[2], tp, layout).bytes(
+    return ev.footprint(ev.slot_key(plan, k, slot), ev.slot(plan, k, slot)[2], tp, layout).bytes(
         batch, n, replicas) + held
 
 
