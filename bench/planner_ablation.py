@@ -195,10 +195,14 @@ def main(argv: list[str] | None = None) -> int:
               "- **Pareto** drops an owner configuration only for another of the same group shape (GPU type, TP "
               "degree, replicas) that is no slower, no dearer and sends no more: shapes are never compared, because "
               "which transfers stay inside a node comes from placing every owner, and another shape moves every "
-              "owner placed after it (`opweave/passes/owners.py`). In this grid one shape has one latency vector, so "
-              "Pareto removes nothing and the simulator calls do not change; the paper's Pareto gains (1.85x, "
-              "3.75x) come from an owner space richer than (GPU type, TP, replicas), which OpWeave does not have yet "
-              "(expert parallelism, data-parallel attention inside one owner).",
+              "owner placed after it (`opweave/passes/owners.py`). Within one shape the routed experts' layout "
+              "varies: sliced over the group or expert-parallel (whole experts per GPU). Both take the same GPUs, "
+              "cost the same and send the same rows, and under uniform routing the expert-parallel one reads as "
+              "much per GPU plus the busiest GPU's excess, so Pareto drops it wherever slicing is legal: that is "
+              "every configuration Pareto removes for Qwen3-Next (512 experts), and why Gemma-3 (no experts) "
+              "loses none. Expert-parallel groups of whole nodes (TP 16, 32) have no sliced twin and stay. The "
+              "paper's larger Pareto gains (1.85x, 3.75x) come from comparing configurations across shapes, "
+              "which is unsound here (above).",
               "- **Branch-and-bound at the root** skips a (template, batch, microbatches) before building any "
               "owner when its stages at their fastest already exceed the SLO (TPOT cuts) or at their cheapest "
               "GPU-time cannot beat the incumbent (cost cuts); **in the DFS** it cuts a prefix of owner choices "
