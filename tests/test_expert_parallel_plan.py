@@ -188,15 +188,16 @@ def test_placement_gives_a_wide_group_whole_nodes():
 
 def test_deepseek_v3_fits_h100s_with_experts_spread_over_two_nodes():
     """673 GB of fp8 weights do not fit one node of 8 H100s (80 GB each); an expert-parallel
-    FFN owner over two nodes holds them, beside attention replicas on the third."""
+    FFN owner over two nodes holds them, beside data-parallel attention (TP 1 replicas, each
+    with its own sequences' latent cache) on the third."""
     fe = run_front_end("deepseek-v3")
     cluster = parse_cluster("h100x24", load_catalog())
     space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=8192, tpot_slo_s=0.05)
-    narrow = search(space, SearchOptions(templates="afd", batches=(64,), microbatches=(2,), tp_degrees=(1, 2, 4, 8)))
+    narrow = search(space, SearchOptions(templates="afd", batches=(256,), microbatches=(2,), tp_degrees=(1, 2, 4, 8)))
     assert narrow.best is None
-    found = search(space, SearchOptions(templates="afd", batches=(64,), microbatches=(2,)))
-    owners = [(o.tp, o.experts) for o in found.best.owners]
-    assert owners[1] == (16, "ep") and owners[0][0] <= 8
+    found = search(space, SearchOptions(templates="afd", batches=(256,), microbatches=(2,)))
+    owners = [(o.tp, o.replicas, o.experts) for o in found.best.owners]
+    assert owners == [(1, 8, "tp"), (16, 1, "ep")]
     assert found.best.problem.stages[0].inter_node or found.best.problem.stages[1].inter_node
 
 
