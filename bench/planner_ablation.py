@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
               "much per GPU plus the busiest GPU's excess, so Pareto drops it wherever slicing is legal: that is "
               "every configuration Pareto removes for Qwen3-Next (512 experts), and why Gemma-3 (no experts) "
               "loses none. Expert-parallel groups of whole nodes (TP 16, 32) have no sliced twin and stay. The "
-              "paper's larger Pareto gains (1.85x, 3.75x) come from comparing configurations across shapes, "
-              "which is unsound here (above).",
+              "paper's Pareto gains (1.85x, 3.75x) hold for dense models too, because it compares configurations "
+              "across shapes, which is unsound here (above); here Pareto acts on models with routed experts.",
               "- **Branch-and-bound at the root** skips a (template, batch, microbatches) before building any "
               "owner when its stages at their fastest already exceed the SLO (TPOT cuts) or at their cheapest "
               "GPU-time cannot beat the incumbent (cost cuts); **in the DFS** it cuts a prefix of owner choices "
