@@ -160,3 +160,12 @@ def test_expert_parallel_activation_peak_is_bounded_by_the_plan(tiny_checkpoint,
                            activations=True):
         measured, planned = r.allocated.activations, r.planned.activations
         assert 0 < measured <= planned <= ACTIVATION_SLACK * measured, (family, r.rank)
+
+
+def test_colocated_tp_ranks_allocate_what_is_planned(front_ends):
+    """One owner at TP 2: only the leader runs the scheduler and takes the token ids back (the
+    other rank holds no token buffers), as the planner counts."""
+    for r in pinned_memory(front_ends["llama"], "colocated", [("h100", 2, 1)], batch=8, microbatches=1,
+                           context=2048, activations=False):
+        for what in ("weights", "state", "buffers"):
+            assert getattr(r.allocated, what) == pytest.approx(getattr(r.planned, what), rel=0.01, abs=1), (r.rank, what)

@@ -97,7 +97,8 @@ def buffer_bytes(program: RankProgram, dtype: torch.dtype, width: int) -> int:
     from opweave.runtime.transport import Transport
 
     transport = Transport.__new__(Transport)  # its sizing only: no inbox, no process group
-    transport.program, transport.dtype, transport.tokens_back = program, dtype, program.scheduler
+    transport.program, transport.dtype, transport.tokens_back = program, dtype, \
+        program.scheduler and program.tp_rank == 0  # as the worker: only the leader runs the scheduler
     static, wide = 0, {}
     for slot in transport.receive_slots():
         element = torch.empty(0, dtype=slot.dtype).element_size()
