@@ -189,6 +189,8 @@ class _Evaluator:
         self._plans: dict[str, tuple[int, ...]] = {}
         self._slots: dict[tuple[str, int, int], tuple[list, tuple[int, ...], list]] = {}
         self._slot_keys: dict[tuple[str, int, int], tuple] = {}
+        self._vectors: dict[tuple, tuple[float, ...]] = {}
+        self._labels: dict[tuple[int, int, int], str] = {}
         self._slot_experts: dict[tuple[str, int, int], bool] = {}
         self._placements: dict[tuple[Group, ...], object] = {}
         self._locality: dict[tuple, dict[tuple[int, int], bool] | None] = {}
@@ -252,6 +254,31 @@ class _Evaluator:
                 self.space.context, self.hidden_bytes, layout)
             self._latency[key] = value
         return value
+
+    def latencies(self, plan: StagePlan, k: int, slot: int, pool: int, tp: int, share: int,
+                  layout: str) -> tuple[float, ...]:
+        """A slot's latency vector (one entry per occurrence of its stages, in token order) on one
+        replica of (pool, tp, layout) processing `share` rows: what an `OwnerConfig` carries
+        (memoized: batches and replica counts with the same share reuse it)."""
+        key = (plan.template.name, k, slot, pool, tp, share, layout)
+        hit = self._vectors.get(key)
+        if hit is None:
+            stages, sigs, _ = self.slot(plan, k, slot)
+            by_sig = {sig: self.latency(sig, pool, tp, share, layout) for sig in set(sigs)}
+            if self.space.cost_model.charges_host:
+                hit = tuple(by_sig[sig] + self.host_s(plan, k, s.index, pool, share) for s, sig in zip(stages, sigs))
+            else:
+                hit = tuple(by_sig[sig] for sig in sigs)
+            self._vectors[key] = hit
+        return hit
+
+    def label(self, stage) -> str:
+        """`_label` of a stage (memoized: every simulated plan labels its stages)."""
+        key = (stage.index, stage.first, stage.last)
+        hit = self._labels.get(key)
+        if hit is None:
+            hit = self._labels[key] = _label(self.space.graph, stage)
+        return hit
 
     def sig_experts(self, sig: int) -> bool:
         """Whether stage signature `sig` runs routed experts."""
@@ -366,15 +393,10 @@ def _replica_misfit(ev: _Evaluator, pool: int, tp: int, replicas: int, batch: in
 
 def _config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: int, replicas: int,
             batch: int, n: int, memory: float, layout: str = "tp") -> OwnerConfig:
-    stages, sigs, _ = ev.slot(plan, k, slot)
     share = microbatch_share(batch, n, replicas)
-    by_sig = {sig: ev.latency(sig, pool, tp, share, layout) for sig in set(sigs)}
-    if ev.space.cost_model.charges_host:
-        latencies = tuple(by_sig[sig] + ev.host_s(plan, k, s.index, pool, share) for s, sig in zip(stages, sigs))
-    else:
-        latencies = tuple(by_sig[sig] for sig in sigs)
     return OwnerConfig(slot=slot, gpu=ev.space.cluster.pools[pool].gpu, tp=tp, replicas=replicas, share=share,
-                       latencies=latencies, memory_per_gpu=memory, experts=layout)
+                       latencies=ev.latencies(plan, k, slot, pool, tp, share, layout), memory_per_gpu=memory,
+                       experts=layout)
 
 
 def _memory(ev: _Evaluator, plan: StagePlan, k: int, slot: int, tp: int, batch: int, n: int, replicas: int,
@@ -492,7 +514,7 @@ def build_sim_problem(ev: _Evaluator, plan: StagePlan, batch: int, n: int,
             send_s = boundary_s(sent[i], o.gpu, o.share, dst.gpu, dst.share, dst.tp, inter_node=not intra)
             send_bytes = sent[i] * mb
         stages.append(SimStage(owner=slots[i], compute_s=compute, send_s=send_s, send_bytes=send_bytes,
-                               inter_node=send_s > 0 and not intra, label=_label(ev.space.graph, s)))
+                               inter_node=send_s > 0 and not intra, label=ev.label(s)))
     last, first = owners[slots[-1]], owners[slots[0]]
     return_s = return_bytes = 0.0
     intra = False
@@ -596,7 +618,7 @@ class _Search:
             self.counters.unplaceable += 1
             return
         self.counters.simulator_calls += 1
-        result = simulate(problem)
+        result = simulate(problem, keep_records=False)
         cand = Candidate(stage_plan=plan, batch=batch, microbatches=n, owners=owners, problem=problem, result=result,
                          sets=self.ev.sets(owners))
         if self.closest is None or result.tpot_s < self.closest.tpot_s:

@@ -170,14 +170,16 @@ def validate(problem: SimProblem) -> None:
         raise ValueError("simulate: every duration is 0, TPOT would be 0")
 
 
-def simulate(problem: SimProblem) -> SimResult:
+def simulate(problem: SimProblem, keep_records: bool = True) -> SimResult:
     """Simulate the fixed-order schedule of `problem` and measure its steady state.
 
     Args:
         problem: owners, stages in token order, microbatching and rounds (see SimProblem).
+        keep_records: record the executed tasks (the planner, which simulates thousands of
+            candidates and never draws them, passes False; every figure is the same).
     Returns:
         SimResult with TPOT, throughput, cost, per-owner and per-link statistics and the
-        executed tasks of the first `problem.rounds` rounds.
+        executed tasks of the first `problem.rounds` rounds (none without `keep_records`).
     Raises:
         ValueError: the problem is ill-formed (see `validate`).
     """
@@ -209,7 +211,7 @@ def simulate(problem: SimProblem) -> SimResult:
     records: list[tuple] = []
     n_rounds = max(problem.rounds, len(states[0]))   # Karp needs as many rounds as state entries
     for j in range(n_rounds):
-        record = records.append if j < problem.rounds else None
+        record = records.append if keep_records and j < problem.rounds else None
         done, ready = _round(j, plan, ret, ready, stream_free, link_free, record)
         last_done.append(done)
         states.append([stream_free[o] for o in used] + link_free + ready)

@@ -34,7 +34,8 @@ def problem_from_plan(plan: Plan) -> SimProblem:
             or any(o.price_per_hour is None for o in plan.owners):
         raise OpWeaveError(f"the plan of {plan.model} has no schedule figures (an older plan format); "
                            "recompile it to draw its trace or Gantt chart")
-    owners = tuple(SimOwner(name=f"o{o.slot} {o.replicas}x {o.gpu} tp{o.tp}", replicas=o.replicas,
+    owners = tuple(SimOwner(name=f"o{o.slot} {o.replicas}x {o.gpu} tp{o.tp}" + (" ep" if o.experts == "ep" else ""),
+                            replicas=o.replicas,
                             gpus_per_replica=o.tp, price_per_hour=o.price_per_hour,
                             memory_per_gpu=o.memory_per_gpu_bytes) for o in plan.owners)
     stages = tuple(SimStage(owner=s.owner, compute_s=s.compute_s, send_s=s.send_s, send_bytes=s.send_bytes or 0.0,
