@@ -653,8 +653,32 @@ class _Search:
         if len(chosen) == k:
             self._leaf(plan, batch, n, chosen)
             return
+        limit = self._busy_limit(plan, k, n, chosen)
+        leaf = len(chosen) + 1 == k
         for config in frontiers[len(chosen)]:
+            if config.busy_s > limit:   # its TPOT bound exceeds the SLO: cut without building the prefix
+                self.counters.pruned_prefixes += 1
+                self.counters.pruned_slo += 1
+                self.counters.candidates += leaf
+                continue
             self._dfs(plan, k, batch, n, frontiers, chosen + [config])
+
+    def _busy_limit(self, plan: StagePlan, k: int, n: int, chosen: list[OwnerConfig]) -> float:
+        """The most work per microbatch the next slot's configuration may have before `_bound`'s
+        TPOT exceeds the SLO whatever it costs: TPOT >= the round trip (the other slots' work, the
+        least link latency at each crossing, and this one's) and >= n x this one's work (`_bound`).
+        A configuration above it is cut as `_bound` would cut it; the limit has a relative margin
+        of 1e-9 so that rounding never cuts one `_bound` keeps. inf without branch-and-bound or
+        when searching for the fastest plan (no SLO)."""
+        if not self.options.bnb or self.fastest or not math.isfinite(self.space.tpot_slo_s):
+            return math.inf
+        level = len(chosen)
+        others = [chosen[o].busy_s if o < level else self._min_busy[o] for o in range(k) if o != level]
+        slo = self.space.tpot_slo_s
+        if others and n * max(others) > slo:   # (then `_bound` has cut this prefix already)
+            return -math.inf
+        path = sum(others) + self._crossings[(plan.template.name, k)] * self.min_link_latency
+        return min(slo - path, slo / n) * (1 + 1e-9) + 1e-15
 
     # ---- outer loops
     def run(self) -> SearchResult:
