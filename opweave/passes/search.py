@@ -654,6 +654,7 @@ class _Search:
             self._leaf(plan, batch, n, chosen)
             return
         limit = self._busy_limit(plan, k, n, chosen)
+        costly = self._cost_cut(plan, k, batch, n, chosen)
         leaf = len(chosen) + 1 == k
         for config in frontiers[len(chosen)]:
             if config.busy_s > limit:   # its TPOT bound exceeds the SLO: cut without building the prefix
@@ -661,7 +662,34 @@ class _Search:
                 self.counters.pruned_slo += 1
                 self.counters.candidates += leaf
                 continue
+            if costly is not None and costly(config):   # its cost bound cannot beat the incumbent
+                self.counters.pruned_prefixes += 1
+                self.counters.pruned_cost += 1
+                self.counters.candidates += leaf
+                continue
             self._dfs(plan, k, batch, n, frontiers, chosen + [config])
+
+    def _cost_cut(self, plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]):
+        """A test `config -> bool`: whether `_bound`'s cost of the prefix plus `config` is at
+        least the incumbent's cost (the same terms, from the prefix's sums; a relative margin of
+        1e-9 so that rounding never cuts one `_bound` keeps). None when there is no incumbent, for
+        the throughput objective, without branch-and-bound, or when searching for the fastest plan."""
+        if not self.options.bnb or self.fastest or self.best is None or self.options.objective != "cost":
+            return None
+        level = len(chosen)
+        others = [chosen[o].busy_s if o < level else self._min_busy[o] for o in range(k) if o != level]
+        path = sum(others) + self._crossings[(plan.template.name, k)] * self.min_link_latency
+        widest = n * max(others) if others else 0.0
+        rate = sum(c.cost_per_hour for c in chosen) + sum(self._min_rate[level + 1:])
+        cost_time = sum(c.cost_per_hour * n * c.busy_s for c in chosen) + sum(self._min_cost_time[level + 1:])
+        search = self
+
+        def costly(config: OwnerConfig) -> bool:
+            incumbent = search.best.cost * 3600.0 * batch / 1e6 * (1 + 1e-9)
+            tpot = max(path + config.busy_s, widest, n * config.busy_s)
+            return max((rate + config.cost_per_hour) * tpot,
+                       cost_time + config.cost_per_hour * n * config.busy_s) >= incumbent
+        return costly
 
     def _busy_limit(self, plan: StagePlan, k: int, n: int, chosen: list[OwnerConfig]) -> float:
         """The most work per microbatch the next slot's configuration may have before `_bound`'s
