@@ -30,7 +30,7 @@ from opweave.cost import memory
 from opweave.cost.model import CostModel
 from opweave.hardware.catalog import GPUSpec
 from opweave.ir.graph import OpGraph
-from opweave.ir.tp import legal_tp, preferred_layout
+from opweave.ir.tp import indivisible, legal_tp, preferred_layout
 
 TERMS = ("weights", "kv_state", "math", "overlap_hidden", "overheads", "communication")
 """The term names of a point, in the order `format_estimate` prints them (milliseconds)."""
@@ -102,8 +102,6 @@ def tp_problem(graph: OpGraph, gpu: GPUSpec, tp: int) -> str | None:
         return f"TP {tp} exceeds the {gpu.name} node size ({gpu.gpus_per_node} GPUs); a TP group stays inside one node"
     if preferred_layout(graph.ops, tp) is not None:
         return None
-    from opweave.passes.search import indivisible
-
     bad = next(op for op in graph.ops if not legal_tp([op], tp) and not legal_tp([op], tp, "ep"))
     return f"TP {tp} does not divide {indivisible(bad)}"
 

@@ -98,23 +98,6 @@ pairs routed to it (`MOE_BLOCK_M` in `opweave/codegen/kernels`; docs/kernels.md)
 
 
 @functools.lru_cache(maxsize=4096)
-def expert_reads(batch: int, probability: float, block: int = MOE_BLOCK_PAIRS) -> float:
-    """Expected times one expert's weights are read in a step of `batch` tokens that each route
-    to it with `probability`: E[ceil(n / block)], n ~ Binomial(batch, probability)."""
-    if probability <= 0.0 or batch <= 0:
-        return 0.0
-    if probability >= 1.0:
-        return float(math.ceil(batch / block))
-    log_p, log_q = math.log(probability), math.log1p(-probability)
-    total = 0.0
-    for n in range(1, batch + 1):
-        log_pmf = math.lgamma(batch + 1) - math.lgamma(n + 1) - math.lgamma(batch - n + 1) + n * log_p \
-            + (batch - n) * log_q
-        total += math.ceil(n / block) * math.exp(log_pmf)
-    return total
-
-
-@functools.lru_cache(maxsize=4096)
 def _reads_moments(batch: int, probability: float, block: int = MOE_BLOCK_PAIRS) -> tuple[float, float]:
     """(mean, variance) of ceil(n / block), n ~ Binomial(batch, probability): one expert's reads."""
     if probability <= 0.0 or batch <= 0:
@@ -130,6 +113,12 @@ def _reads_moments(batch: int, probability: float, block: int = MOE_BLOCK_PAIRS)
         m1 += r * pmf
         m2 += r * r * pmf
     return m1, max(0.0, m2 - m1 * m1)
+
+
+def expert_reads(batch: int, probability: float, block: int = MOE_BLOCK_PAIRS) -> float:
+    """Expected times one expert's weights are read in a step of `batch` tokens that each route
+    to it with `probability`: E[ceil(n / block)], n ~ Binomial(batch, probability)."""
+    return _reads_moments(batch, probability, block)[0]
 
 
 def expected_max_normal(ranks: int) -> float:

@@ -205,6 +205,7 @@ def verify_plan(plan: Plan, num_ops: int | None = None) -> Plan:
     `tp` GPUs, and no GPU of replica set 0 belongs to two owners, two replicas, or the idle runs.
     """
     from opweave.ir.graph import IRError
+    from opweave.ir.tp import EXPERT_LAYOUTS
 
     if plan.num_stages != len(plan.stages) or not plan.stages:
         raise IRError(f"plan lists {len(plan.stages)} stages, num_stages says {plan.num_stages}")
@@ -227,8 +228,8 @@ def verify_plan(plan: Plan, num_ops: int | None = None) -> Plan:
             raise IRError(f"owner {k} has slot {o.slot}")
         if not any(s.owner == k for s in plan.stages):
             raise IRError(f"owner o{k} runs no stage")
-        if o.experts not in ("tp", "ep"):
-            raise IRError(f"owner o{o.slot}: expert layout {o.experts!r} is not tp or ep")
+        if o.experts not in EXPERT_LAYOUTS:
+            raise IRError(f"owner o{o.slot}: expert layout {o.experts!r} is not one of {EXPERT_LAYOUTS}")
         if len(o.gpus) != o.replicas or any(len(r) != o.tp for r in o.gpus):
             raise IRError(f"owner o{k} lists {[len(r) for r in o.gpus]} GPUs per replica, "
                           f"expected {o.replicas} of {o.tp}")

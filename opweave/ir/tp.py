@@ -418,11 +418,28 @@ def has_experts(ops: Sequence) -> bool:
     return any(op.kind in EXPERT_KINDS for op in ops)
 
 
+def layout_choices(experts: bool, tp: int) -> tuple[str, ...]:
+    """The layouts of `EXPERT_LAYOUTS` a group of `tp` chooses among: both where it runs routed
+    experts (`experts`) and `tp` > 1 (at TP 1 the two are the same), else "tp" alone."""
+    return EXPERT_LAYOUTS if tp > 1 and experts else EXPERT_LAYOUTS[:1]
+
+
 def expert_layouts(ops: Sequence, tp: int) -> tuple[str, ...]:
-    """The layouts ("tp", "ep") of `EXPERT_LAYOUTS` a TP group of `tp` can run `ops` with: "ep"
-    only where the ops hold routed experts and `tp` > 1 (at TP 1 the two are the same)."""
-    layouts = ("tp", "ep") if tp > 1 and has_experts(ops) else ("tp",)
-    return tuple(layout for layout in layouts if legal_tp(ops, tp, layout))
+    """The `layout_choices` a TP group of `tp` can run `ops` with (legal ones only)."""
+    return tuple(layout for layout in layout_choices(has_experts(ops), tp) if legal_tp(ops, tp, layout))
+
+
+def indivisible(op, layout: str = "tp") -> str:
+    """What a TP degree fails to divide in IR op `op` (for one-line errors)."""
+    if op is None:
+        return "its sharded ops"
+    view = of_op(op)
+    if view.expert_parallel(layout):
+        return f"{op.name}'s {view.experts} experts (expert parallelism)"
+    blocked = [b for b in view.blocks if b > 1]
+    return (f"{op.name} ({op.kind.value}, {op.tp_units} shardable units"
+            + (f", {op.kv_heads} KV heads" if op.kv_heads else "")
+            + (f", stored in quantization blocks of {blocked[0]}" if blocked else "") + ")")
 
 
 def preferred_layout(ops: Sequence, tp: int) -> str | None:

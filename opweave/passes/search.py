@@ -34,7 +34,7 @@ from opweave.cost.model import CostModel, boundary_s, transfer_s
 from opweave.errors import OpWeaveError
 from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import OpGraph
-from opweave.ir.tp import has_experts, legal_tp, of_op
+from opweave.ir.tp import EXPERT_LAYOUTS, has_experts, indivisible, layout_choices, legal_tp
 from opweave.passes.blocks import BlockedGraph
 from opweave.passes.carry import held_bytes_per_token, round_robin, send_bytes_per_token
 from opweave.passes.owners import OwnerConfig, microbatch_share, pareto_frontier
@@ -342,7 +342,7 @@ class _Evaluator:
         """The expert layouts a slot chooses among at TP `tp`: both where it runs routed experts
         (and tp > 1), else "tp" alone."""
         self.slot(plan, k, slot)
-        return ("tp", "ep") if tp > 1 and self._slot_experts[(plan.template.name, k, slot)] else ("tp",)
+        return layout_choices(self._slot_experts[(plan.template.name, k, slot)], tp)
 
 
 def _gpus_by_type(owners) -> dict[str, int]:
@@ -440,8 +440,8 @@ def owner_config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, gpu: str, t
     pools = ev.space.cluster.pools
     pool = next((i for i, p in enumerate(pools) if p.gpu.name == gpu), None)
     what = f"owner o{slot} ({replicas}x {gpu} tp{tp}{' ep' if layout == 'ep' else ''})"
-    if layout not in ("tp", "ep"):
-        raise OpWeaveError(f"{what}: expert layout {layout!r} is not one of tp, ep")
+    if layout not in EXPERT_LAYOUTS:
+        raise OpWeaveError(f"{what}: expert layout {layout!r} is not one of {', '.join(EXPERT_LAYOUTS)}")
     if pool is None:
         raise OpWeaveError(f"{what}: the cluster {ev.space.cluster.spec} has no {gpu}")
     if tp < 1 or replicas < 1:
@@ -469,19 +469,6 @@ def owner_config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, gpu: str, t
         raise OpWeaveError(f"{what}: needs {mem / 1e9:.1f} GB per GPU at batch {batch}, context "
                            f"{ev.space.context}; a {gpu} has {p.gpu.usable_memory_bytes / 1e9:.1f} GB usable")
     return _config(ev, plan, k, slot, pool, tp, replicas, batch, n, mem, layout)
-
-
-def indivisible(op, layout: str = "tp") -> str:
-    """What a TP degree fails to divide in `op` (for one-line errors)."""
-    if op is None:
-        return "its sharded ops"
-    view = of_op(op)
-    if view.expert_parallel(layout):
-        return f"{op.name}'s {view.experts} experts (expert parallelism)"
-    blocked = [b for b in view.blocks if b > 1]
-    return (f"{op.name} ({op.kind.value}, {op.tp_units} shardable units"
-            + (f", {op.kv_heads} KV heads" if op.kv_heads else "")
-            + (f", stored in quantization blocks of {blocked[0]}" if blocked else "") + ")")
 
 
 def owner_groups(owners: tuple[OwnerConfig, ...]) -> tuple[Group, ...]:
@@ -653,8 +640,7 @@ class _Search:
         if len(chosen) == k:
             self._leaf(plan, batch, n, chosen)
             return
-        limit = self._busy_limit(plan, k, n, chosen)
-        costly = self._cost_cut(plan, k, batch, n, chosen)
+        limit, costly = self._level_cuts(plan, k, batch, n, chosen)
         leaf = len(chosen) + 1 == k
         for config in frontiers[len(chosen)]:
             if config.busy_s > limit:   # its TPOT bound exceeds the SLO: cut without building the prefix
@@ -669,44 +655,39 @@ class _Search:
                 continue
             self._dfs(plan, k, batch, n, frontiers, chosen + [config])
 
-    def _cost_cut(self, plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]):
-        """A test `config -> bool`: whether `_bound`'s cost of the prefix plus `config` is at
-        least the incumbent's cost (the same terms, from the prefix's sums; a relative margin of
-        1e-9 so that rounding never cuts one `_bound` keeps). None when there is no incumbent, for
-        the throughput objective, without branch-and-bound, or when searching for the fastest plan."""
-        if not self.options.bnb or self.fastest or self.best is None or self.options.objective != "cost":
-            return None
+    def _level_cuts(self, plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]):
+        """What `_bound` would cut among the next slot's configurations, from the prefix's sums:
+        (the most work per microbatch a configuration may have before the TPOT bound exceeds the
+        SLO, a test `config -> bool` whether the cost bound reaches the incumbent's cost, or None).
+        TPOT >= the round trip (the other slots' work, the least link latency at each crossing, and
+        this one's) and >= n x any slot's work; cost as `_bound`. Both carry a relative margin of
+        1e-9 so that rounding never cuts a configuration `_bound` keeps. No cuts without
+        branch-and-bound or when searching for the fastest plan; no cost cut without an incumbent
+        or for the throughput objective."""
+        if not self.options.bnb or self.fastest:
+            return math.inf, None
         level = len(chosen)
         others = [chosen[o].busy_s if o < level else self._min_busy[o] for o in range(k) if o != level]
         path = sum(others) + self._crossings[(plan.template.name, k)] * self.min_link_latency
         widest = n * max(others) if others else 0.0
+        slo = self.space.tpot_slo_s
+        if not math.isfinite(slo):
+            limit = math.inf
+        elif widest > slo:   # (then `_bound` has cut this prefix already)
+            limit = -math.inf
+        else:
+            limit = min(slo - path, slo / n) * (1 + 1e-9) + 1e-15
+        if self.best is None or self.options.objective != "cost":
+            return limit, None
         rate = sum(c.cost_per_hour for c in chosen) + sum(self._min_rate[level + 1:])
         cost_time = sum(c.cost_per_hour * n * c.busy_s for c in chosen) + sum(self._min_cost_time[level + 1:])
-        search = self
 
         def costly(config: OwnerConfig) -> bool:
-            incumbent = search.best.cost * 3600.0 * batch / 1e6 * (1 + 1e-9)
+            incumbent = self.best.cost * 3600.0 * batch / 1e6 * (1 + 1e-9)
             tpot = max(path + config.busy_s, widest, n * config.busy_s)
             return max((rate + config.cost_per_hour) * tpot,
                        cost_time + config.cost_per_hour * n * config.busy_s) >= incumbent
-        return costly
-
-    def _busy_limit(self, plan: StagePlan, k: int, n: int, chosen: list[OwnerConfig]) -> float:
-        """The most work per microbatch the next slot's configuration may have before `_bound`'s
-        TPOT exceeds the SLO whatever it costs: TPOT >= the round trip (the other slots' work, the
-        least link latency at each crossing, and this one's) and >= n x this one's work (`_bound`).
-        A configuration above it is cut as `_bound` would cut it; the limit has a relative margin
-        of 1e-9 so that rounding never cuts one `_bound` keeps. inf without branch-and-bound or
-        when searching for the fastest plan (no SLO)."""
-        if not self.options.bnb or self.fastest or not math.isfinite(self.space.tpot_slo_s):
-            return math.inf
-        level = len(chosen)
-        others = [chosen[o].busy_s if o < level else self._min_busy[o] for o in range(k) if o != level]
-        slo = self.space.tpot_slo_s
-        if others and n * max(others) > slo:   # (then `_bound` has cut this prefix already)
-            return -math.inf
-        path = sum(others) + self._crossings[(plan.template.name, k)] * self.min_link_latency
-        return min(slo - path, slo / n) * (1 + 1e-9) + 1e-15
+        return limit, costly
 
     # ---- outer loops
     def run(self) -> SearchResult:
