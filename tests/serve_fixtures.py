@@ -64,6 +64,7 @@ class FakeEngine:
     """
 
     model = "tiny-fake"
+    vocab_size = 320  # write_tokenizer's default
 
     def __init__(self, context: int = 64, max_batch: int = 16, max_queue: int = 256, round_s: float = 0.002,
                  eos_after: int | None = None, special_ids: tuple[int, ...] = tuple(range(len(SPECIAL_TOKENS)))):

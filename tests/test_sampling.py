@@ -114,7 +114,7 @@ def test_workspace_is_within_what_the_planner_counts():
     meta = torch.device("meta")
     for rows, vocab in ((8, 1000), (16, 3 * sampling.CHUNK + 5), (4, 100_000)):
         logits = torch.empty(rows, vocab, dtype=torch.bfloat16, device=meta)
-        word = torch.zeros(rows, 3, dtype=torch.long, device=meta)
+        word = torch.zeros(rows, sampling.WORD, dtype=torch.long, device=meta)
         position = torch.zeros(rows, dtype=torch.long, device=meta)
         known = {t.untyped_storage()._cdata for t in (logits, word, position)}
         tracker = LiveBytes(known)

@@ -1,7 +1,7 @@
 """The queues between a serving process (`opweave.serve.engine`) and the scheduler leaders.
 
 Each scheduler leader (the embedding owner's replica leaders, in every replica set) reads its own
-inbox between rounds: `("add", id, prompt_ids, max_new_tokens, stop_ids, sampling_word)` (the word:
+inbox between rounds: `("add", id, prompt_ids, max_new_tokens, stop_ids, sampling_word, ignore_eos, min_tokens)` (the word:
 `opweave.runtime.sampling.encode`), `("cancel", id)` and `("stop",)`; all of them write to one
 outbox: `("event", id, token, finish_reason, error)` as tokens are learned and requests end, and
 `("ready",)` once loaded. Every rank (leader or not) writes `("rounds", replica_set, rank,

@@ -215,9 +215,9 @@ class MetaRuntime:
 
     def sample(self, mb: int, logits, positions):
         """The server's sampler on this rank's slice (the larger of its two paths: greedy is one max)."""
-        from opweave.runtime.sampling import encode, sample
+        from opweave.runtime.sampling import WORD, encode, sample
 
-        words = torch.tensor([encode(1.0, 0.9, 0)], dtype=torch.long, device=META).expand(self.rows, 3)
+        words = torch.tensor([encode(1.0, 0.9, 0)], dtype=torch.long, device=META).expand(self.rows, WORD)
         return sample(logits[:, -1], words, positions[:, -1])
 
 

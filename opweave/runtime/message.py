@@ -1,6 +1,6 @@
 """The bytes of one transfer between two ranks: one message per peer per stage boundary.
 
-Layout: each row's sampling word [rows, 3] (int64, `opweave.runtime.sampling`: it travels with
+Layout: each row's sampling word [rows, WORD] (int64, `opweave.runtime.sampling`: it travels with
 the row to the last stage), positions [rows, width] (int64), then each value [rows, width, *shape]
 in packing order, all as bytes. The width (tokens per row) of every message of a round is known to both ends
 before the round (the scheduler plans it ahead and every rank agrees on it between rounds,
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from opweave.runtime.sampling import WORD
 
-WORD_BYTES = 8 * 3  # a row's sampling word (seed, temperature, top_p): `opweave.runtime.sampling.WORD`
+WORD_BYTES = 8 * WORD  # a row's sampling word: `WORD` int64s (`opweave.runtime.sampling.FIELDS`)
 
 
 def message_bytes(rows: int, width: int, per_token: int) -> int:
@@ -24,7 +25,7 @@ def message_bytes(rows: int, width: int, per_token: int) -> int:
 
 
 def pack_message(positions: torch.Tensor, word: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
-    """One transfer to one peer as bytes: the rows' sampling words [rows, 3], positions
+    """One transfer to one peer as bytes: the rows' sampling words [rows, WORD], positions
     [rows, width], then each value; on the positions' device (a rank's run device: NCCL sends
     only device tensors)."""
     device = positions.device
@@ -36,9 +37,9 @@ def pack_message(positions: torch.Tensor, word: torch.Tensor, values: list[torch
 
 def unpack_message(message: torch.Tensor, rows: int, width: int, dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(positions [rows, width], sampling words [rows, 3], the values' elements in packing order)
+    """(positions [rows, width], sampling words [rows, WORD], the values' elements in packing order)
     of a packed message (views)."""
     head = rows * WORD_BYTES
     end = head + rows * width * 8
-    word = message[:head].view(torch.long).view(rows, 3)
+    word = message[:head].view(torch.long).view(rows, WORD)
     return message[head:end].view(torch.long).view(rows, width), word, message[end:].view(dtype)

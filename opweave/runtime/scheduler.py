@@ -47,7 +47,9 @@ class Request:
     source: str = ""  # where the prompt came from, for messages ("--prompts p.jsonl: line 3")
     stop_ids: tuple[int, ...] = ()  # ids that end this request besides the model's EOS ids
     finish_reason: str | None = None  # "stop" (an EOS or stop id), "length", "cancelled", "error"
-    sampling: tuple[int, int, int] = GREEDY  # its row's sampling word (`opweave.runtime.sampling.encode`)
+    sampling: tuple[int, ...] = GREEDY  # its row's sampling word (`opweave.runtime.sampling.encode`)
+    ignore_eos: bool = False  # the model's EOS ids do not end it
+    min_tokens: int = 0       # no EOS or stop id ends it before this many outputs (the sampler bans EOS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +192,7 @@ class Scheduler:
                 continue
             req.output.append(int(token))
             self._report(req, int(token), None)
-            if int(token) in self.eos or int(token) in req.stop_ids:
+            if self._stops(req, int(token)):
                 self._finish(req, "stop")
             elif step.last:
                 self._finish(req, "length")
@@ -227,6 +229,12 @@ class Scheduler:
                  for s in plan.rows if s.request is not None and s.request.index in self._open}
         found.update({row.request.index: row.request for rows in self._rows for row in rows if row.request})
         return list(found.values())
+
+    def _stops(self, req: Request, token: int) -> bool:
+        """Whether output `token` (already appended) ends `req` with "stop"."""
+        if len(req.output) < req.min_tokens:
+            return False
+        return (token in self.eos and not req.ignore_eos) or token in req.stop_ids
 
     def _report(self, req: Request, token: int | None, reason: str | None) -> None:
         if self.on_event is not None:

@@ -85,14 +85,20 @@ class TPGroup:
         self.comm.all_gather(parts, x.contiguous(), group=self.group)
         return torch.stack(parts)
 
-    def sample(self, logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Temperature / top-p sampling over the vocabulary split across the group, each row by its
-        sampling word (`opweave.runtime.sampling`); temperature-0 rows take `argmax`'s answer."""
-        from opweave.runtime.sampling import sample
+    def sample(self, logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor,
+               eos_ids: tuple[int, ...] = ()) -> torch.Tensor:
+        """Temperature / top-k / top-p / min-p sampling over the vocabulary split across the group,
+        each row by its sampling word (`opweave.runtime.sampling`), `eos_ids` banned on rows still
+        short of their min_tokens; temperature-0 rows take `argmax`'s answer."""
+        from opweave.runtime.sampling import ban_columns, sample
 
         last = logits[:, -1, :]
-        return sample(last, word, position, vocab_offset=self.tp_rank * last.shape[-1], gather=self.stack,
-                      greedy=lambda _: self.argmax(logits))
+        offset = self.tp_rank * last.shape[-1]
+        key = (tuple(eos_ids), offset, last.shape[-1])
+        if getattr(self, "_ban_key", None) != key:  # made once, before any graph is captured
+            self._ban_key, self._ban = key, ban_columns(eos_ids, offset, last.shape[-1], last.device)
+        return sample(last, word, position, vocab_offset=offset, gather=self.stack,
+                      greedy=lambda _: self.argmax(logits), banned=self._ban)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sample over a vocabulary split across the group (lowest index wins ties): one

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from opweave.ir.program import RankProgram, StageProgram, Transfer
 from opweave.runtime.inbox import Inbox, Slot
 from opweave.runtime.message import WORD_BYTES, pack_message, unpack_message
+from opweave.runtime.sampling import WORD
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -39,7 +40,7 @@ def numel(shape: tuple[int, ...]) -> int:
 def assemble(parts, rows: int, width: int, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One stage's inputs from its peers' unpacked messages: `parts` holds (first row, end row,
-    positions [n, width], sampling words [n, 3], values' elements in packing order) per peer. One
+    positions [n, width], sampling words [n, WORD], values' elements in packing order) per peer. One
     peer holding every row gives views of its message (no copy); several are copied into one
     tensor per value. Returns (positions, words, values), on the parts' device."""
     if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == rows:
@@ -52,7 +53,7 @@ def assemble(parts, rows: int, width: int, shapes: tuple[tuple[int, ...], ...], 
         return positions, word, values
     device = parts[0][2].device
     positions = torch.full((rows, width), -1, dtype=torch.long, device=device)
-    words = torch.zeros((rows, 3), dtype=torch.long, device=device)
+    words = torch.zeros((rows, WORD), dtype=torch.long, device=device)
     values = [torch.zeros(rows, width, *shape, dtype=dtype, device=device) for shape in shapes]
     for a, b, pos, word, payload in parts:
         positions[a:b] = pos
@@ -115,7 +116,7 @@ class Transport:
 
     # ---------------------------------------------------------------- activations at a cut
     def recv_values(self, st: StageProgram, mb: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """(positions [rows, width], the rows' sampling words [rows, 3], each whole value
+        """(positions [rows, width], the rows' sampling words [rows, WORD], each whole value
         [rows, width, *shape]) of stage `st`'s inputs for microbatch `mb`, from every upstream
         peer (the stage's receiving port only)."""
         lo, width = self.program.rows[0], self.widths[mb]

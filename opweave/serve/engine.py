@@ -10,8 +10,10 @@ ends of requests to one outbox (`runtime.channel`). A reader thread turns those 
 with an error). Requests go to the leader with the fewest in flight.
 
 Sampling happens on the device, in the last stage (`opweave.runtime.sampling`): each request's
-temperature, top_p and seed travel with its row as a sampling word; temperature 0 is greedy and
-gives exactly `opweave run`'s tokens. A request without a seed gets a random one.
+temperature, top_k, top_p, min_p, seed and EOS ban (min_tokens) travel with its row as a sampling
+word; temperature 0 is greedy and gives exactly `opweave run`'s tokens. A request without a seed
+gets a random one. `ignore_eos` and `min_tokens` also reach the row's scheduler, which then does
+not end the request on an EOS id (or, before min_tokens, on a stop id).
 """
 
 from __future__ import annotations
@@ -30,20 +32,59 @@ from collections.abc import Callable
 from opweave.errors import OpWeaveError
 from opweave.runtime.channel import ServeQueues
 from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, Ranks, start_method
-from opweave.runtime.sampling import encode
+from opweave.runtime.sampling import MAX_TOP_K, encode
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range [0, 2]
 
 READY_TIMEOUT_S = 600.0  # loading the weights of every rank
 
 
+class SamplingError(ValueError):
+    """A sampling parameter out of its range; `param` names the request field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
+    """A request's generation parameters, checked once (`check`) wherever they come from."""
+
     max_tokens: int
     temperature: float = 0.0        # 0: greedy
     top_p: float = 1.0
     seed: int | None = None         # None: a random seed (`opweave.runtime.sampling`)
-    stop_token_ids: tuple[int, ...] = ()   # extra ids that end the request (the model's EOS always does)
+    stop_token_ids: tuple[int, ...] = ()   # extra ids that end the request (the model's EOS does too)
+    top_k: int = 0                  # 0: off
+    min_p: float = 0.0              # 0: off
+    min_tokens: int = 0             # the model's EOS ids are banned, and no stop id ends it, before this many
+    ignore_eos: bool = False        # the model's EOS ids do not end the request
+
+    def check(self, vocab_size: int) -> None:
+        """Raises SamplingError for a value the device sampler cannot serve as asked."""
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {self.temperature:g}",
+                                "temperature")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p:g}", "top_p")
+        if not 0 <= self.min_p <= 1:
+            raise SamplingError(f"min_p must be between 0 and 1, got {self.min_p:g}", "min_p")
+        if self.top_k < 0 or MAX_TOP_K < self.top_k < vocab_size:
+            raise SamplingError(f"top_k must be 0 (off), at most {MAX_TOP_K}, or at least the vocabulary "
+                                f"({vocab_size}), got {self.top_k}", "top_k")
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), "
+                                f"got {self.min_tokens}", "min_tokens")
+
+    def word(self, prompt_len: int, seed: int) -> tuple[int, ...]:
+        """The row's sampling word (`opweave.runtime.sampling.encode`) for a prompt of `prompt_len`:
+        output k is sampled at position prompt_len - 2 + k, so EOS is banned before
+        prompt_len - 1 + min_tokens."""
+        return encode(self.temperature, self.top_p, seed, top_k=self.top_k, min_p=self.min_p,
+                      ban_until=prompt_len - 1 + self.min_tokens if self.min_tokens else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +138,7 @@ class Engine:
         self._ready = 0
         self._started = threading.Event()
         self._stopped = threading.Event()
+        self._stopping = False  # `stop` was called
 
     # ---------------------------------------------------------------- life
     def start(self) -> None:
@@ -121,10 +163,12 @@ class Engine:
         """Stops admitting, ends every request (cancelled), and joins every rank (killed after `timeout_s`)."""
         if self._ranks is None:
             return
+        self._stopping = True  # the ranks' end is asked for: what is left ends "cancelled" (`_watch`)
         for k, inboxes in enumerate(self._queues.inboxes):
             for inbox in inboxes:
                 inbox.put(("stop",))
-        self._stopped.wait(timeout_s)
+        if self.healthy:  # running ranks end their requests and stop; ranks still loading are killed
+            self._stopped.wait(timeout_s)
         self._ranks.stop()
         self._fail_all("cancelled", None)
         self.healthy = False
@@ -132,8 +176,13 @@ class Engine:
         self._started.set()
 
     def _watch(self) -> None:
+        """Follows the ranks until they end: a rank that fails, dies or stalls is the engine's
+        error (one line naming the rank: `rank 1 died (killed by signal 9)`); ranks that end
+        without `stop` having asked for it are an error too."""
         try:
             self._ranks.watch()
+            if not self._stopping:
+                self.error = "the ranks stopped on their own"
         except OpWeaveError as e:
             self.error = str(e)
         except Exception as e:  # noqa: BLE001 - reported as the engine's error
@@ -141,7 +190,10 @@ class Engine:
         self.healthy = False
         self._stopped.set()
         time.sleep(0.2)  # let the reader deliver what the ranks sent last
-        self._fail_all("error", self.error or "the ranks stopped")
+        if self._stopping and self.error is None:
+            self._fail_all("cancelled", None)
+        else:
+            self._fail_all("error", self.error or "the ranks stopped")
         self._started.set()
 
     def _read(self) -> None:
@@ -197,18 +249,13 @@ class Engine:
         """
         if not self.healthy:
             raise RuntimeError(self.error or "the engine is not running")
-        if not 0 <= sampling.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {sampling.temperature:g}")
-        if not 0 < sampling.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {sampling.top_p:g}")
+        sampling.check(self.vocab_size)
         seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.context:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the plan's context of {self.context} "
                              f"allows at most {self.context - 1}")
-        if sampling.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
@@ -222,7 +269,8 @@ class Engine:
             self._requests[index] = _Request(on_event, leader)
         self._queues.inboxes[leader[0]][leader[1]].put(
             ("add", index, [int(t) for t in prompt_ids], int(sampling.max_tokens),
-             [int(t) for t in sampling.stop_token_ids], encode(sampling.temperature, sampling.top_p, seed)))
+             [int(t) for t in sampling.stop_token_ids], sampling.word(len(prompt_ids), seed),
+             bool(sampling.ignore_eos), int(sampling.min_tokens)))
         return index
 
     def cancel(self, request_id: int) -> None:

@@ -2,9 +2,10 @@
 
 `parse_completion` and `parse_chat` read a request's JSON body into a `Request` (prompt not yet
 tokenized) or raise `ApiError`, whose `body()` is an OpenAI-style error object
-(`{"error": {"message", "type", "param", "code"}}`) and `status` its HTTP status. Fields the server
-cannot honour (n > 1, logprobs, echo, penalties) are refused with a 400 naming the field, never
-ignored silently.
+(`{"error": {"message", "type", "param", "code"}}`) and `status` its HTTP status. Every field has
+its documented effect (docs/serve.md) or is refused with a 400 naming it: fields the server
+cannot honour (n > 1, logprobs, echo, penalties, logit_bias) are accepted only at their neutral
+value, and a field this module does not know is refused.
 
 `temperature` and `top_p` left out of a request are None here: the server then uses the
 checkpoint's recommended sampling (`generation_config.json` with `do_sample`), or greedy decoding
@@ -14,8 +15,10 @@ when it recommends none (`Tokenizer.sampling_defaults`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
+import re
 import time
 import uuid
 
@@ -63,22 +66,94 @@ class Request:
     temperature: float | None  # None: the server's default (module docstring)
     top_p: float | None
     seed: int | None
+    top_k: int = 0                             # 0: off
+    min_p: float = 0.0                         # 0: off
+    min_tokens: int = 0                        # EOS is banned before this many output tokens
+    ignore_eos: bool = False                   # the model's EOS ids do not end the request
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[dict, ...] | None = None
 
 
+MAX_JSON_DEPTH = 64  # nesting levels a request body may have
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = [1 if b in b"[{" else -1 for b in range(256)]
+
+
 def load_json(raw: bytes) -> dict:
+    """The body as a JSON object; 400 for invalid UTF-8 or JSON, nesting deeper than MAX_JSON_DEPTH,
+    or a lone surrogate (an unpaired `\\ud800` escape) in any string."""
+    too_deep = ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
+    if _json_depth(raw) > MAX_JSON_DEPTH:
+        raise too_deep
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise too_deep from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        path = _surrogate_path(body)
+        raise ApiError(400, f"'{path}' holds invalid Unicode (a lone surrogate)", param=path) from None
     return body
 
 
+def _json_depth(raw: bytes) -> int:
+    """The deepest nesting of [ and { outside strings, counted without recursion."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
+
+
+def _surrogate_path(body: dict) -> str:
+    """Where the first string that is not valid Unicode lies, e.g. `messages[0].content`."""
+    stack: list[tuple[str, object]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str) and not _valid_unicode(value):
+            return path
+        if isinstance(value, dict):
+            for key, item in value.items():
+                shown = key.encode("utf-8", "backslashreplace").decode()
+                if not _valid_unicode(key):
+                    return f"{path}.{shown}" if path else shown
+                stack.append((f"{path}.{shown}" if path else shown, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return "body"
+
+
+def _valid_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# Every field a request may hold; any other is refused with a 400 naming it (docs/serve.md).
+COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "n", "stream", "stream_options", "stop", "stop_token_ids", "temperature",
+    "top_p", "top_k", "min_p", "seed", "min_tokens", "ignore_eos", "user", "logprobs", "logit_bias",
+    "presence_penalty", "frequency_penalty", "repetition_penalty"})
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls", "response_format"}
+
+
+def _known_fields(body: dict, fields: frozenset) -> None:
+    unknown = sorted(k for k in body if k not in fields)
+    if unknown:
+        raise ApiError(400, f"unknown field '{unknown[0]}' (the fields this server takes are listed in "
+                            f"docs/serve.md)", param=unknown[0])
+
+
 def parse_completion(body: dict) -> Request:
+    _known_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if prompt is None:
         raise ApiError(400, "'prompt' is required", param="prompt")
@@ -103,15 +178,19 @@ def parse_completion(body: dict) -> Request:
 
 
 def parse_chat(body: dict) -> Request:
+    _known_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if messages is None:
         raise ApiError(400, "'messages' is required", param="messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
-    for name in ("logprobs", "top_logprobs", "tools", "response_format"):
-        if body.get(name) not in (None, False, 0):
+    for name in ("logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) not in (None, False, 0, [], "none"):
             raise ApiError(400, f"'{name}' is not supported", param=name)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise ApiError(400, "'response_format' is not supported (only {\"type\": \"text\"})",
+                       param="response_format")
     common = _common(body)
     if "max_completion_tokens" in body and "max_tokens" not in body:
         common["max_tokens"] = _max_tokens(body, "max_completion_tokens")
@@ -139,8 +218,8 @@ def _common(body: dict) -> dict:
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required (a string)", param="model")
     n = body.get("n", 1)
-    if n not in (1, None) or isinstance(n, bool):
-        raise ApiError(400, f"'n' must be 1 (one choice per request), got {n!r}", param="n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise ApiError(400, f"'n' must be the integer 1 (one choice per request), got {n!r}", param="n")
     temperature = _number(body, "temperature", None)
     if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
         raise ApiError(400, f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}",
@@ -148,9 +227,30 @@ def _common(body: dict) -> dict:
     top_p = _number(body, "top_p", None)
     if top_p is not None and not 0 < top_p <= 1:
         raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p:g}", param="top_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0) != 0:
-            raise ApiError(400, f"'{name}' is not supported", param=name)
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if _number(body, name, neutral) != neutral:
+            raise ApiError(400, f"'{name}' is not supported (only its neutral value {neutral:g})", param=name)
+    if body.get("logit_bias") not in (None, {}):
+        raise ApiError(400, "'logit_bias' is not supported", param="logit_bias")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, "'user' must be a string", param="user")
+    top_k = body.get("top_k")
+    if top_k is None or top_k == -1:
+        top_k = 0
+    if not _is_int(top_k) or top_k < 0:
+        raise ApiError(400, f"'top_k' must be -1 or 0 (off) or a positive integer, got {top_k!r}", param="top_k")
+    min_p = _number(body, "min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise ApiError(400, f"'min_p' must be between 0 and 1, got {min_p:g}", param="min_p")
+    min_tokens = body.get("min_tokens", 0)
+    if min_tokens is None:
+        min_tokens = 0
+    if not _is_int(min_tokens) or min_tokens < 0:
+        raise ApiError(400, f"'min_tokens' must be a non-negative integer, got {min_tokens!r}", param="min_tokens")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool) and ignore_eos is not None:
+        raise ApiError(400, "'ignore_eos' must be true or false", param="ignore_eos")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
@@ -160,13 +260,20 @@ def _common(body: dict) -> dict:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    for key in options:
+        if key != "include_usage":
+            raise ApiError(400, f"'stream_options.{key}' is not supported", param=f"stream_options.{key}")
+    if not isinstance(options.get("include_usage", False), (bool, type(None))):
+        raise ApiError(400, "'stream_options.include_usage' must be true or false",
+                       param="stream_options.include_usage")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise ApiError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
     return dict(model=model, max_tokens=_max_tokens(body, "max_tokens"), stream=bool(stream),
                 include_usage=bool(options.get("include_usage")), stop=_stop(body.get("stop")),
                 stop_token_ids=tuple(int(t) for t in stop_ids), temperature=temperature, top_p=top_p,
-                seed=None if seed is None else int(seed))
+                seed=None if seed is None else int(seed), top_k=int(top_k), min_p=min_p,
+                min_tokens=int(min_tokens), ignore_eos=bool(ignore_eos))
 
 
 def _max_tokens(body: dict, name: str) -> int | None:
