@@ -5,6 +5,7 @@
     protocol.py   request validation, OpenAI response and error bodies
     metrics.py    Prometheus metrics
     app.py        the FastAPI app (`make_app`) and its uvicorn runner (`run_server`)
+    guard.py      HTTP hardening: Host, API key, body limits, head timeout, connection cap, generic 5xx
 
 The HTTP modules import FastAPI, uvicorn and prometheus-client (the `serve` extra): import them
 from here only when serving.

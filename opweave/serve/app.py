@@ -12,13 +12,16 @@ Tokens become text through `tokenizer.TextStream`; a stop string cancels the req
 and finishes it with "stop". A client that goes away (mid-stream, or while waiting for a whole
 response) cancels its request, which frees its batch slot within a round. A full queue is a 429 with
 `Retry-After`; an engine that fails mid-request ends the request with a 5xx, or, once a stream has
-started, with an error event (`data: {"error": ...}`) before `data: [DONE]`.
+started, with an error event (`data: {"error": ...}`) before `data: [DONE]`. A 5xx tells the client
+only a generic message and the request id (`X-Request-Id`); the details go to the log under that id.
+Limits on hosts, keys, sizes, times and connections are `guard.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import time
 
@@ -27,8 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from opweave.errors import OpWeaveError
-from opweave.serve import protocol
-from opweave.serve.engine import QueueFull, Sampling
+from opweave.serve import guard, protocol
+from opweave.serve.engine import QueueFull, Sampling, SamplingError
 from opweave.serve.metrics import CONTENT_TYPE, Metrics
 from opweave.serve.protocol import ApiError
 from opweave.serve.tokenizer import TextStream, Tokenizer
@@ -36,26 +39,39 @@ from opweave.serve.tokenizer import TextStream, Tokenizer
 RETRY_AFTER_S = 1            # what a 429 asks the client to wait
 GRACEFUL_SHUTDOWN_S = 30.0   # running requests may finish this long after SIGTERM
 HEALTH_POLL_S = 0.5          # how often the runner looks at the engine's health
+log = logging.getLogger("opweave.serve")
 
 
-def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None) -> FastAPI:
-    """The app serving `engine` (already started) under `served_model_name` (default: the plan's model)."""
+def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None,
+             max_request_bytes: int = guard.MAX_REQUEST_BYTES, body_timeout_s: float = guard.BODY_TIMEOUT_S,
+             api_key: str | None = None, allowed_hosts: frozenset[str] | None = None) -> FastAPI:
+    """The app serving `engine` (already started) under `served_model_name` (default: the plan's model).
+
+    The other arguments go to `guard.Guard`: body size and time limits, the API key (None: none),
+    the accepted Host names (None: any).
+    """
     name = served_model_name or engine.model
     metrics = Metrics(engine)
     app = FastAPI(title="OpWeave", docs_url=None, redoc_url=None, openapi_url=None)
     created = protocol.now()
 
+    def count_error(status: int) -> None:
+        metrics.http_errors.labels(str(status)).inc()
+
     @app.exception_handler(ApiError)
-    async def _api_error(_request, exc: ApiError):
-        metrics.http_errors.labels(str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def _api_error(request: HttpRequest, exc: ApiError):
+        count_error(exc.status)
+        body = exc.body()
+        if exc.status >= 500:  # the details (an engine's error) go to the log, not to the client
+            body = _server_error(guard.request_id(request.scope), exc.status, exc.message)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc: StarletteHTTPException):
         return JSONResponse(protocol.error_body(str(exc.detail), protocol.error_type(exc.status_code)),
-                            status_code=exc.status_code)
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if engine.healthy:
             return {"status": "ok"}
@@ -66,7 +82,7 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None)
     async def get_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                             "owned_by": "opweave", "max_model_len": engine.context}]}
@@ -78,12 +94,13 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None)
             raise ApiError(404, f"the model '{req.model}' does not exist: this server serves '{name}'",
                            param="model", code="model_not_found")
         ids = _prompt_ids(req, tokenizer)
-        sampling = _sampling(req, len(ids), engine.context, getattr(tokenizer, "sampling_defaults", (0.0, 1.0)))
+        sampling = _sampling(req, len(ids), engine.context, getattr(tokenizer, "sampling_defaults", (0.0, 1.0)),
+                             engine.vocab_size)
         run = _Run(engine, metrics, tokenizer, req, len(ids), arrival)
         run.submit(ids, sampling)
         if req.stream:
-            return _EventStream(_stream(run), run.close, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache"})
+            return _EventStream(_stream(run, guard.request_id(http.scope)), run.close,
+                                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         watch = asyncio.create_task(_cancel_on_disconnect(http, run))
         try:
             text = "".join([piece async for piece in run.pieces()])
@@ -102,8 +119,16 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None)
     async def chat_completions(http: HttpRequest):
         return await generate(http, protocol.parse_chat)
 
+    app.add_middleware(guard.Guard, max_request_bytes=max_request_bytes, body_timeout_s=body_timeout_s,
+                       api_key=api_key, allowed_hosts=allowed_hosts, on_error=count_error)
     app.state.metrics = metrics
     return app
+
+
+def _server_error(rid: str, status: int, detail: str) -> dict:
+    """Logs a 5xx's detail under the request id; the generic body the client gets instead."""
+    (log.error if status == 500 else log.warning)("request %s: %d: %s", rid, status, detail)
+    return guard.server_error_body(status, rid)
 
 
 def _prompt_ids(req: protocol.Request, tokenizer: Tokenizer) -> list[int]:
@@ -124,8 +149,9 @@ def _prompt_ids(req: protocol.Request, tokenizer: Tokenizer) -> list[int]:
 
 
 def _sampling(req: protocol.Request, prompt_len: int, context: int,
-              defaults: tuple[float, float] = (0.0, 1.0)) -> Sampling:
-    """The engine's sampling parameters; 400 when prompt + output cannot fit in the planned context."""
+              defaults: tuple[float, float] = (0.0, 1.0), vocab_size: int | None = None) -> Sampling:
+    """The engine's sampling parameters; 400 when prompt + output cannot fit in the planned context
+    or a value is out of the sampler's range (`Sampling.check`, naming the field)."""
     param = "messages" if req.kind == "chat" else "prompt"
     if prompt_len >= context:
         raise ApiError(400, f"the prompt has {prompt_len} tokens; the model's context of {context} allows at "
@@ -140,8 +166,15 @@ def _sampling(req: protocol.Request, prompt_len: int, context: int,
         max_tokens = req.max_tokens
     temperature = defaults[0] if req.temperature is None else req.temperature
     top_p = defaults[1] if req.top_p is None else req.top_p
-    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed,
-                    stop_token_ids=req.stop_token_ids)
+    sampling = Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed,
+                        stop_token_ids=req.stop_token_ids, top_k=req.top_k, min_p=req.min_p,
+                        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
+    if vocab_size is not None:
+        try:
+            sampling.check(vocab_size)
+        except SamplingError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+    return sampling
 
 
 class _Run:
@@ -152,7 +185,8 @@ class _Run:
         self.engine, self.metrics, self.req = engine, metrics, req
         self.text = TextStream(tokenizer, req.stop)
         # Tokens that end the request are counted but are not text (as OpenAI and vLLM do).
-        self._ending_ids = frozenset(engine.eos_token_ids) | frozenset(req.stop_token_ids)
+        eos = frozenset() if req.ignore_eos else frozenset(engine.eos_token_ids)
+        self._ending_ids = eos | frozenset(req.stop_token_ids)
         self.rid, self.created = protocol.new_id(req.kind), protocol.now()
         self.prompt_tokens, self.tokens = prompt_tokens, 0
         self.arrival, self.first, self.last = arrival, None, None
@@ -175,8 +209,8 @@ class _Run:
         except QueueFull as e:
             raise ApiError(429, f"the server is busy ({e}); retry later",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except ValueError as e:
-            raise ApiError(400, str(e).splitlines()[0]) from None
+        except ValueError as e:  # SamplingError names its field
+            raise ApiError(400, str(e).splitlines()[0], param=getattr(e, "param", None)) from None
         except RuntimeError as e:
             raise ApiError(503, f"the engine is not running: {str(e).splitlines()[0]}") from None
         self.metrics.prompt_tokens.inc(self.prompt_tokens)
@@ -228,15 +262,16 @@ class _Run:
         return protocol.usage(self.prompt_tokens, self.tokens)
 
 
-async def _stream(run: _Run):
+async def _stream(run: _Run, rid: str):
     req = run.req
     if req.kind == "chat":
         yield protocol.sse(protocol.chunk(req, run.rid, run.created, None, None, role=True))
     async for piece in run.pieces():
         yield protocol.sse(protocol.chunk(req, run.rid, run.created, piece, None))
     if run.error is not None:
-        kind = "server_error" if run.error_status >= 500 else "invalid_request_error"
-        yield protocol.sse(protocol.error_body(run.error, kind, code=str(run.error_status)))
+        body = _server_error(rid, run.error_status, run.error)
+        body["error"]["code"] = str(run.error_status)
+        yield protocol.sse(body)
     else:
         yield protocol.sse(protocol.chunk(req, run.rid, run.created, None if req.kind == "chat" else "", run.finish))
         if req.include_usage:
@@ -296,17 +331,24 @@ def _uvicorn_server(config):
 
 
 def run_server(engine, tokenizer: Tokenizer, served_model_name: str | None, host: str, port: int,
-               graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S, log_level: str = "info") -> int:
+               graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S, log_level: str = "info",
+               max_request_bytes: int = guard.MAX_REQUEST_BYTES, body_timeout_s: float = guard.BODY_TIMEOUT_S,
+               header_timeout_s: float = guard.HEADER_TIMEOUT_S, max_connections: int = guard.MAX_CONNECTIONS,
+               api_key: str | None = None, allowed_hosts: tuple[str, ...] = ()) -> int:
     """Serves a started `engine` until a signal (exit status 0) or the engine fails (1); stops the engine.
 
     On SIGTERM/SIGINT the server stops accepting connections, lets running requests finish for up to
-    `graceful_shutdown_s` (then cancels them), and stops the engine.
+    `graceful_shutdown_s` (then cancels them), and stops the engine. The limits, the API key and
+    the Host names besides loopback (`allowed_hosts`, '*' for any) are described in `guard.py`.
     """
     import uvicorn
 
-    config = uvicorn.Config(make_app(engine, tokenizer, served_model_name), host=host, port=port,
-                            log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s,
-                            lifespan="off", access_log=False)
+    app = make_app(engine, tokenizer, served_model_name, max_request_bytes=max_request_bytes,
+                   body_timeout_s=body_timeout_s, api_key=api_key,
+                   allowed_hosts=guard.allowed_hosts(host, allowed_hosts))
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=graceful_shutdown_s, lifespan="off", access_log=False,
+                            http=guard.h11_protocol(header_timeout_s, max_connections))
     server = _uvicorn_server(config)
 
     async def main() -> None:
