@@ -5,7 +5,7 @@ index needed):
 
     PYTHONPATH=. python3 bench/gpu_check.py                 # -> $OUT/gpu_check.json (or ./gpu_check.json)
     PYTHONPATH=. python3 bench/gpu_check.py --out FILE
-    python bench/gpu_check.py --cpu-smoke --out /tmp/x.json # the script's logic on CPU, tiny sizes (< 60 s)
+    python bench/gpu_check.py --cpu-smoke --out /tmp/x.json # the script's logic on CPU, tiny sizes (~1 min idle)
 
 Each part runs in its own subprocess with a timeout, so a part that hangs or crashes is a FAIL
 line and the others still run. One line per part: `PASS|FAIL|SKIP <part>: <summary>`; every
@@ -34,7 +34,8 @@ Parts:
 `--cpu-smoke` runs the same logic on CPU with tiny sizes: env (CPU copy bandwidth), kernels in
 fp32 under TRITON_INTERPRET=1, the memory part's plan figures, and the CPU run of `run`; parts that
 need CUDA report SKIP with the reason. `--fail-part NAME` makes part NAME raise (tests check that
-it is reported as one FAIL line while the others still run).
+it is reported as one FAIL line while the others still run). The smoke mode has no time budget
+(it runs in the tests, on machines of any load): each part is only guarded against a hang.
 
 Not covered here (see bench/README.md): multi-rank plans on one GPU (NCCL refuses two ranks on
 one device, and gloo moves no CUDA tensors point to point), bf16 token agreement.
@@ -56,11 +57,16 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("env", "kernels", "attention", "memory", "run", "tpot", "graph")
-# per-part timeouts (s); the whole script is also held to TOTAL_BUDGET_S
+# per-part timeouts (s); the whole script is also held to TOTAL_BUDGET_S (a GPU machine's lease)
 TIMEOUTS = {"env": 60, "kernels": 150, "attention": 90, "memory": 180, "run": 120, "tpot": 150, "graph": 90}
-SMOKE_TIMEOUTS = {"env": 20, "kernels": 40, "attention": 10, "memory": 30, "run": 30, "tpot": 30, "graph": 10}
+# --cpu-smoke: no budget for the script, and per part only a guard against a hang (a loaded CI
+# machine may take many times the ~10 s a part takes on an idle one; a wall-clock budget made the
+# tests fail there)
+SMOKE_HANG_S = 900
+SMOKE_TIMEOUTS = {name: SMOKE_HANG_S for name in PARTS}
 TOTAL_BUDGET_S = 470
-SMOKE_BUDGET_S = 55
+SMOKE_BUDGET_S = float("inf")
+_HANG_GUARD_ONLY = False  # set in a --cpu-smoke part's process (`run_part`)
 RESULT_TAG = "GPU_CHECK_RESULT "
 
 
@@ -107,7 +113,10 @@ def _median_time(fn, repeats: int, warmup: int = 2) -> float:
 
 
 def _opweave(args: list[str], timeout: float, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m opweave ARGS` from the checkout; raises with the last stderr line on failure."""
+    """`python -m opweave ARGS` from the checkout; raises with the last stderr line on failure.
+    In --cpu-smoke mode `timeout` is only the hang guard (`SMOKE_HANG_S`)."""
+    if _HANG_GUARD_ONLY:
+        timeout = max(timeout, SMOKE_HANG_S)
     env = dict(os.environ, **(extra_env or {}))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True,
@@ -482,6 +491,8 @@ FUNCS = {"env": part_env, "kernels": part_kernels, "attention": part_attention, 
 
 def run_part(name: str, smoke: bool, fail: bool) -> None:
     """Child process: runs one part, prints one tagged JSON line {status, summary, figures}."""
+    global _HANG_GUARD_ONLY
+    _HANG_GUARD_ONLY = smoke
     try:
         if fail:
             raise RuntimeError(f"failure injected into part {name} (--fail-part)")

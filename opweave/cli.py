@@ -328,7 +328,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine.start()
         print(f"opweave: serving {args.served_model_name or engine.model} on http://{args.host}:{args.port}/v1",
               file=sys.stderr)
-        return run_server(engine, tokenizer, args.served_model_name, args.host, args.port)
+        code = run_server(engine, tokenizer, args.served_model_name, args.host, args.port,
+                          max_request_bytes=args.max_request_bytes, body_timeout_s=args.body_timeout,
+                          header_timeout_s=args.header_timeout, max_connections=args.max_connections,
+                          api_key=args.api_key, allowed_hosts=tuple(args.allowed_hosts))
+        if code != 0:  # the engine failed: say why, in one line (a rank that died, failed or stalled)
+            why = (engine.error or "").strip().splitlines() or ["the engine stopped"]
+            print(f"opweave: error: {why[0]}", file=sys.stderr)
+        return code
     finally:
         engine.stop()
 
@@ -622,6 +629,26 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
     srv.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                      help="a rank without progress for this long stops the server, naming the rank (default 120)")
+    from opweave.serve import guard  # the standard library only
+
+    srv.add_argument("--api-key", type=guard.parse_api_key, default=config.api_key(),
+                     help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                          "(default: $OPWEAVE_API_KEY; none when unset)")
+    srv.add_argument("--allowed-hosts", type=guard.parse_hosts, default=[], metavar="NAME,...|*",
+                     help="Host header names accepted besides localhost, 127.0.0.1 and ::1 ('*': any). Bound to "
+                          "loopback, other names are refused by default; bound elsewhere, any is accepted unless given")
+    srv.add_argument("--max-request-bytes", type=lambda t: guard.parse_size(t, "--max-request-bytes"),
+                     default=guard.MAX_REQUEST_BYTES, metavar="SIZE",
+                     help="larger request bodies are refused with 413, e.g. 512k, 16m (default 4m)")
+    srv.add_argument("--max-connections", type=lambda t: guard.parse_count(t, "--max-connections"),
+                     default=guard.MAX_CONNECTIONS, metavar="N",
+                     help=f"open connections beyond this are answered 503 and closed (default {guard.MAX_CONNECTIONS})")
+    srv.add_argument("--header-timeout", type=lambda t: guard.parse_seconds(t, "--header-timeout"),
+                     default=guard.HEADER_TIMEOUT_S, metavar="SECONDS",
+                     help=f"close a connection whose request head takes longer (default {guard.HEADER_TIMEOUT_S:g})")
+    srv.add_argument("--body-timeout", type=lambda t: guard.parse_seconds(t, "--body-timeout"),
+                     default=guard.BODY_TIMEOUT_S, metavar="SECONDS",
+                     help=f"answer 408 to a request whose body takes longer (default {guard.BODY_TIMEOUT_S:g})")
     srv.set_defaults(func=_cmd_serve)
     return parser
 

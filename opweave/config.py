@@ -66,10 +66,11 @@ def triton_interpret() -> bool:
 
 def fault_injection(rank: int) -> dict[str, int]:
     """The fault tests' injections for `rank`: OPWEAVE_FAULT_KILL=RANK:ROUND makes that rank kill
-    itself after that round, OPWEAVE_FAULT_STALL=RANK:ROUND makes it sleep forever there.
-    Returns {"kill": round, "stall": round} for the faults aimed at this rank."""
+    itself after that round, OPWEAVE_FAULT_STALL=RANK:ROUND makes it sleep forever there,
+    OPWEAVE_FAULT_RAISE=RANK:ROUND makes it raise an exception there.
+    Returns {"kill": round, "stall": round, "raise": round} for the faults aimed at this rank."""
     faults = {}
-    for kind in ("kill", "stall"):
+    for kind in ("kill", "stall", "raise"):
         name = f"OPWEAVE_FAULT_{kind.upper()}"
         text = os.environ.get(name, "").strip()
         if not text:
@@ -82,3 +83,25 @@ def fault_injection(rank: int) -> dict[str, int]:
         if target_rank == rank:
             faults[kind] = at_round
     return faults
+
+
+def fault_slow_op(rank: int) -> float:
+    """OPWEAVE_FAULT_SLOW_OP=RANK:SECONDS makes every operator call of that rank in a prefill step
+    (a microbatch whose rows take more than one token) sleep SECONDS first: a long round made of
+    short operators, for the stall tests. 0.0 for the other ranks, and when unset."""
+    text = os.environ.get("OPWEAVE_FAULT_SLOW_OP", "").strip()
+    if not text:
+        return 0.0
+    target, _, seconds = text.partition(":")
+    try:
+        target_rank, value = int(target), float(seconds)
+    except ValueError:
+        raise OpWeaveError(f"OPWEAVE_FAULT_SLOW_OP={text!r}: expected RANK:SECONDS") from None
+    if not 0 <= value < 3600:
+        raise OpWeaveError(f"OPWEAVE_FAULT_SLOW_OP={text!r}: SECONDS must be in [0, 3600)")
+    return value if target_rank == rank else 0.0
+
+
+def api_key() -> str | None:
+    """OPWEAVE_API_KEY: the key `opweave serve` requires when `--api-key` is not given (None: none)."""
+    return os.environ.get("OPWEAVE_API_KEY") or None

@@ -3,7 +3,6 @@
 import json
 import multiprocessing
 import os
-import time
 
 import pytest
 import torch
@@ -27,12 +26,10 @@ def setup(tiny_checkpoint, tmp_path_factory):
 def test_killed_rank_stops_the_run_and_names_it(setup, monkeypatch):
     folder, art = setup
     monkeypatch.setenv("OPWEAVE_FAULT_KILL", "1:2")
-    start = time.monotonic()
-    with pytest.raises(OpWeaveError, match="rank 1 died"):
-        run(RunConfig(artifact=art, weights=folder, device="cpu", requests=requests(), timeout_s=60))
-    assert time.monotonic() - start < 30
-    time.sleep(0.2)
-    assert multiprocessing.active_children() == []  # no process left behind
+    # no wall-clock bound (a loaded machine is slow): the death is named, not a stall or a timeout
+    with pytest.raises(OpWeaveError, match=r"^rank 1 died \(killed by signal 9\)$"):
+        run(RunConfig(artifact=art, weights=folder, device="cpu", requests=requests()))
+    assert multiprocessing.active_children() == []  # no process left behind: every rank was reaped
 
 
 def _copy(art, tmp_path):

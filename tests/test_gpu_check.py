@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 def _smoke(tmp_path, *extra):
     out = tmp_path / "x.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(out), *extra],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          capture_output=True, text=True, timeout=3600, cwd=ROOT)  # a hang guard, no budget
     return proc, out
 
 

@@ -4,7 +4,6 @@ seeded random small clusters, and hand-computed cases)."""
 
 import dataclasses
 import json
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -129,8 +128,27 @@ def test_hand_computed_placements():
     assert p.num_sets == 2 and p.replica_set(1) == (((10, 11),),) and p.idle == ((0, 8), (12, 13))
 
 
+def _calls(fn):
+    """(fn(), the number of function calls it made): the work done, counted by cProfile. Unlike a
+    wall-clock bound it does not depend on how loaded the machine is; a per-GPU loop over a
+    million GPUs makes millions of calls."""
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        out = fn()
+    finally:
+        profile.disable()
+    return out, sum(entry.callcount for entry in profile.getstats())
+
+
 def test_a_million_gpus_parse_and_place_fast():
-    start = time.perf_counter()
+    _, calls = _calls(_parse_and_place_a_million_gpus)
+    assert calls < 30_000, calls  # about 3,000; the per-GPU version made a call per GPU or more
+
+
+def _parse_and_place_a_million_gpus():
     cluster = parse_cluster("h100x1000000", CATALOG)
     mixed = parse_cluster("h100x999999+l40sx9000000", CATALOG)
     for c, groups in ((cluster, (Group(gpu="h100", tp=2, replicas=3),)),
@@ -142,17 +160,19 @@ def test_a_million_gpus_parse_and_place_fast():
         last = [g for group in p.replica_set(p.num_sets - 1) for r in group for g in r]
         assert len(set(last)) == p.gpus_per_set and all(0 <= g < c.total_gpus for g in last)
     assert cluster.locate(999_999).node_index == 124_999 and cluster.num_nodes == 125_000
-    assert time.perf_counter() - start < 3.0  # the per-GPU version took ~80 s for h100x100000
 
 
 @pytest.mark.parametrize("spec", ["h100x100000000000000", "h100x" + "9" * 5000, f"h100x{MAX_CLUSTER_GPUS + 1}",
                                   f"h100x{MAX_CLUSTER_GPUS // 2 + 1}+l40sx{MAX_CLUSTER_GPUS // 2}"])
 def test_absurd_counts_are_refused_in_one_line(spec):
-    start = time.perf_counter()
-    with pytest.raises(OpWeaveError, match="10,000,000") as info:
-        parse_cluster(spec, CATALOG)
+    def refuse():
+        with pytest.raises(OpWeaveError, match="10,000,000") as info:
+            parse_cluster(spec, CATALOG)
+        return info
+
+    info, calls = _calls(refuse)
     assert "\n" not in str(info.value) and len(str(info.value)) < 300
-    assert time.perf_counter() - start < 1.0
+    assert calls < 1_000, calls  # refused before any per-GPU work (about 40-120 calls)
     assert parse_cluster(f"h100x{MAX_CLUSTER_GPUS}", CATALOG).total_gpus == MAX_CLUSTER_GPUS
 
 
@@ -172,16 +192,15 @@ def test_a_million_gpu_plan_compiles_in_the_time_of_an_eight_gpu_one():
     from opweave.compiler.compile import compile_model
     from opweave.ir.plan import plan_from_json, plan_to_json
 
-    times, plans = {}, {}
+    calls, plans = {}, {}
     for spec in ("h100x8", "h100x1000000"):
-        start = time.perf_counter()
-        plans[spec] = compile_model("llama-3.1-8b", parse_cluster(spec, CATALOG), 0.05, 8192).plan
-        times[spec] = time.perf_counter() - start
+        compiled, calls[spec] = _calls(lambda: compile_model("llama-3.1-8b", parse_cluster(spec, CATALOG), 0.05, 8192))
+        plans[spec] = compiled.plan
     big = plans["h100x1000000"]
     assert big.gpus_used + big.num_idle_gpus == 1_000_000 and big.replica_sets > 10_000
     text = json.dumps(plan_to_json(big), indent=1)
     assert len(text) < 100_000 and plan_from_json(json.loads(text)) == big  # set 0's GPUs, idle as runs
-    assert times["h100x1000000"] < 3 * times["h100x8"] + 2.0, times
+    assert calls["h100x1000000"] < 3 * calls["h100x8"], calls  # the same work, not a million times it (~1.7x)
     # a format-1 plan (every set's GPUs, idle GPUs one by one) still reads, as set 0 and runs
     small = plan_to_json(plans["h100x8"])
     old = {**small, "format": "opweave-plan/1", "idle_gpus": [g for lo, hi in small["idle_gpus"] for g in range(lo, hi)],

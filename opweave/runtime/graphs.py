@@ -13,6 +13,11 @@ records, so the round it was captured in is run by the first replay). A capture 
 CPU run, leaves every round eager; the reason is reported once on stderr and in the run's stats.
 What a round changes in Python (sends kept until completed) is restored after the capture: in a
 replayed round the stream orders everything.
+
+Progress (`runtime/heartbeat.py`): an eager round pulses the heartbeat per operator and stage from
+Python; a replay runs no Python per operator, so the rank pulses before it and marks a device
+event after it (`rt.device_done`), which pulses once the device has run the round. While a round
+is captured `rt.capturing` is set: no event is recorded into the graph.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from opweave import config
+from opweave.runtime.heartbeat import pulse
 
 WARMUP = 1  # eager decode rounds before the capture
 
@@ -64,8 +70,12 @@ class RoundRunner:
             if self.replay is None and self.warm >= WARMUP:
                 self._capture()
             if self.replay is not None:
+                pulse()
                 self.replay()
                 self.replays += 1
+                done = getattr(self.rt, "device_done", None)
+                if done is not None:
+                    done()
                 return
             self.warm += 1
         self.prog.round()
@@ -75,8 +85,11 @@ class RoundRunner:
         transport = self.rt.transport
         pending = list(transport._pending)
         try:
+            self.rt.capturing = True  # nothing records device events into the graph
             self.replay = self.capture(self.prog.round)
         except Exception as e:  # noqa: BLE001 - any failure leaves the rank eager, with the reason
             self.reason = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             print(f"opweave: {self.who}: decode rounds run eagerly: {self.reason}", file=sys.stderr)
+        finally:
+            self.rt.capturing = False
         transport._pending = pending  # sends recorded in the graph complete in stream order

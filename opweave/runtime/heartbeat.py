@@ -9,6 +9,15 @@ stops, its peers soon wait for it. So the watch declares a group stalled when no
 changed for the timeout, and names the one that is behind: a process stopped by a signal first,
 then the one with the least progress (phase, then round), then the one that changed least recently.
 
+Progress is work, not rounds: besides its steps, a computing rank reports work in progress with
+`pulse` (after each operator call and at each stage's receive and send, `runtime/worker.py`), which
+only bumps its counter: one shared-memory write (about 0.2 us), no lock, no system call, nothing
+read from a tensor, so it may run inside a decode round. A round of any length is then never
+mistaken for a stall; only a rank whose operators stop completing is (or a group whose ranks all
+wait). On CUDA the host runs ahead of the device and then waits for it, so a rank also records a
+CUDA event at those points (never while a round is being captured) and `DeviceBeats`' thread
+pulses as the device completes them: a hung device stops the pulses.
+
 Note: `opweave run` (launch.py) creates one `Heartbeat` for all its ranks; the rank loop
 (worker.py) and the launcher's rank setup report through `report`, which is a no-op in a process
 that was not started with a heartbeat (a rank under torchrun, a test calling `run_rank`), so code
@@ -17,8 +26,10 @@ deep inside a rank can report without a handle passed down to it.
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -105,15 +116,64 @@ class StallWatch:
 
 # ---------------------------------------------------------------- worker side
 _reporter: tuple[Heartbeat, int] | None = None
+_counter: tuple[object, int] | None = None  # (the shared cells, this worker's counter index): `pulse`
 
 
 def install(heartbeat: Heartbeat, worker: int) -> None:
-    """Makes `report` in this process write to `worker`'s cell of `heartbeat`."""
-    global _reporter
+    """Makes `report` and `pulse` in this process write to `worker`'s cell of `heartbeat`."""
+    global _reporter, _counter
     _reporter = (heartbeat, worker)
+    _counter = (heartbeat._cells, _FIELDS * worker)
+
+
+def installed() -> bool:
+    """Whether this process reports to a heartbeat (it was started by `opweave run` or `serve`)."""
+    return _reporter is not None
 
 
 def report(phase: Phase, round_index: int = 0) -> None:
     """Reports this process's progress, if it was started with a heartbeat."""
     if _reporter is not None:
         _reporter[0].beat(_reporter[1], phase, round_index)
+
+
+def pulse() -> None:
+    """Reports work in progress inside a step (an operator call, a stage's receive or send): the
+    counter changes, the phase and round stay. A no-op without a heartbeat."""
+    if _counter is not None:
+        cells, i = _counter
+        cells[i] += 1
+
+
+class DeviceBeats:
+    """Pulses as the device completes the work marked on it (CUDA, where the host runs ahead and
+    then waits for the device). `mark()` records an event on the current stream (no synchronisation;
+    never call it while a CUDA graph is being captured); a daemon thread queries the oldest events
+    every `poll_s` (a query never blocks) and pulses when one or more completed since its last look.
+    `make_event` makes an object with `record()` and `query()` (`torch.cuda.Event`)."""
+
+    def __init__(self, make_event: Callable[[], object], poll_s: float = 0.05,
+                 on_progress: Callable[[], None] = pulse):
+        self._make_event, self._poll_s, self._on_progress = make_event, poll_s, on_progress
+        self._pending: collections.deque = collections.deque()
+        self._thread = threading.Thread(target=self._run, name="opweave-device-beats", daemon=True)
+        self._thread.start()
+
+    def mark(self) -> None:
+        event = self._make_event()
+        event.record()
+        self._pending.append(event)
+
+    def poll(self) -> bool:
+        """Drops the completed events in order; True when there was one."""
+        done = False
+        while self._pending and self._pending[0].query():
+            self._pending.popleft()
+            done = True
+        return done
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._poll_s)
+            if self.poll():
+                self._on_progress()

@@ -10,19 +10,23 @@ node instead.
 
 Note: nothing of a run outlives the launcher or waits on it. Each rank asks the kernel to kill
 it when the launcher dies (Linux `PR_SET_PDEATHSIG`; elsewhere a thread watching the parent pid),
-ignores the terminal's SIGINT and SIGHUP (they reach the whole process group; the launcher stops
-the ranks), and writes its results and errors as files in the run's private folder (written
-whole, then renamed), so a rank never blocks on a reader that is gone. The ranks meet through a
+ignores SIGINT, SIGTERM and SIGHUP (a terminal's Ctrl-C, `timeout`, systemd and container
+runtimes send them to the whole process group; the launcher, or the server, decides what they do
+and stops the ranks itself), and writes its results and errors as files in the run's private
+folder (written whole, then renamed), so a rank never blocks on a reader that is gone. The ranks meet through a
 file store in that folder (0700) and their gloo/NCCL sockets are bound to the loopback
 interface: a local run listens on no network interface.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import datetime
 import json
 import math
+import multiprocessing.util  # noqa: F401 - its exit handler is registered before `_kill_left_ranks`
 import os
 import shutil
 import signal
@@ -39,6 +43,7 @@ from opweave.runtime.heartbeat import Heartbeat, Phase, StallWatch
 from opweave.runtime.manifest import VerifiedArtifact, load_artifact
 from opweave.runtime.checks import check_inputs, parse_prompt_ids, read_prompts_file
 from opweave.runtime.scheduler import Request
+from opweave.signals import deferred
 
 POLL_S = 0.05
 ROOT_CAUSE_WAIT_S = 0.5
@@ -48,6 +53,7 @@ PG_TIMEOUT_MARGIN_S = 30.0    # the process group's own timeout exceeds the stal
                               # the launcher names a stalled rank before its peers time out waiting
 PARENT_POLL_S = 0.5           # the parent watch where PR_SET_PDEATHSIG does not exist
 PR_SET_PDEATHSIG = 1          # <linux/prctl.h>
+RANK_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # left to the launcher (`_become_rank`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,18 +199,38 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
 
 
 def _become_rank(launcher_pid: int) -> None:
-    """In a freshly started rank: die with the launcher, and leave terminal signals to it.
+    """In a freshly started rank: die with the launcher, and leave termination signals to it.
 
-    SIGINT (Ctrl-C) and SIGHUP (a closed terminal) reach the whole process group; the ranks ignore
-    them and the launcher, which gets them too, stops the ranks. SIGTERM gets its default action
-    back, since the launcher's own handler was inherited by the fork and would raise here."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    SIGINT (Ctrl-C), SIGHUP (a closed terminal) and SIGTERM (`timeout`, systemd, a container
+    runtime: `kill -TERM -PGID`) may reach the whole process group; the ranks ignore them and the
+    launcher, which gets them too, decides: `opweave run` kills its ranks and exits 128+N,
+    `opweave serve` drains its requests and stops its ranks. A rank is ended by the launcher
+    (SIGKILL) or dies with it. The signals were held back since the launcher forked or spawned
+    this process (`_held_signals`); one sent meanwhile is discarded by SIG_IGN."""
+    for sig in RANK_IGNORES:
+        signal.signal(sig, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, RANK_IGNORES)
     if not _kill_me_with_parent():
         threading.Thread(target=_watch_parent, args=(launcher_pid,), daemon=True, name="parent-watch").start()
     if os.getppid() != launcher_pid:  # the launcher died before the above took effect
         os._exit(1)
+
+
+@contextlib.contextmanager
+def _held_signals():
+    """Blocks SIGINT, SIGTERM and SIGHUP in this thread while a rank is started: a forked or spawned
+    process inherits the mask, so a signal sent to the process group before the new rank ignores
+    it (`_become_rank`) waits instead of killing the rank half started; this process gets it as
+    the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, RANK_IGNORES)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _kill_me_with_parent() -> bool:
@@ -309,14 +335,22 @@ class Ranks:
 
         cfg = self.cfg
         ctx = mp.get_context(start_method(cfg.device))
+        if start_method(cfg.device) == "fork":
+            _import_for_ranks()
         self.beats = Heartbeat(len(self.sets) * self.world, ctx)
+        with deferred():  # a signal meanwhile raises once every started rank is in `procs` (to be stopped)
+            self._start_all(cfg, ctx)
+
+    def _start_all(self, cfg: RunConfig, ctx) -> None:
         for k, (requests, _) in enumerate(self.sets):
             mine = dataclasses.replace(cfg, requests=requests)
             for r in range(self.world):
                 self.procs[(k, r)] = ctx.Process(
                     target=_worker, args=(mine, self.artifact, r, self.world, self.folder, self.beats, os.getpid(), k),
                     name=_name((k, r), len(self.sets)), daemon=True)
-                self.procs[(k, r)].start()
+                with _held_signals():
+                    self.procs[(k, r)].start()
+                _STARTED.add(self.procs[(k, r)])
 
     def watch(self) -> dict[int, tuple[list[Request], dict]]:
         """Until every rank exits 0 (each set's results) or one fails, dies or stalls (OpWeaveError)."""
@@ -326,6 +360,19 @@ class Ranks:
     def stop(self) -> None:
         _stop(list(self.procs.values()))
         self.folder.remove()
+
+
+def _import_for_ranks() -> None:
+    """Before forking: the modules every rank imports, imported once here and inherited. Each rank
+    would otherwise import them itself, all at the same time (seconds of CPU each on a loaded
+    machine, with no progress to report meanwhile). torch imports its compiler stack lazily, at
+    the first reference op of the meta-device model a rank builds."""
+    import opweave.runtime.worker  # noqa: F401
+
+    try:
+        import torch._dynamo  # noqa: F401
+    except ImportError:  # an older or stripped torch: the ranks import what they need
+        pass
 
 
 def _check_devices(cfg: RunConfig, world: int) -> None:
@@ -455,6 +502,21 @@ def _stop(procs) -> None:
             p.kill()
     for p in started:
         p.join()
+        _STARTED.discard(p)
+
+
+_STARTED: set = set()  # rank processes started here and not yet reaped by `_stop`
+
+
+def _kill_left_ranks() -> None:
+    """At interpreter exit, ranks still running (their launcher never stopped them) are killed.
+    Ranks ignore SIGTERM, and multiprocessing's own exit handler ends daemonic children with
+    SIGTERM and then joins them: it would wait forever. Registered after that handler, so it runs
+    first (atexit runs handlers last in, first out)."""
+    _stop(list(_STARTED))
+
+
+atexit.register(_kill_left_ranks)
 
 
 def read_requests(prompts_file: str | None, prompt_ids: str | None, max_new_tokens: int) -> tuple[Request, ...]:

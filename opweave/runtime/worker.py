@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,11 +34,12 @@ from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.graphs import RoundRunner
 from opweave.runtime.channel import IDLE_WAIT_S, ROUND_REPORT_S
-from opweave.runtime.heartbeat import Phase, report
+from opweave.runtime import heartbeat
+from opweave.runtime.heartbeat import DeviceBeats, Phase, pulse, report
 from opweave.runtime.inputs import RowInputs, TokenCopies
 from opweave.runtime.kernel_ops import add_norm, device_kernels, with_kernels
 from opweave.runtime.manifest import VerifiedArtifact, load_artifact, load_program_source, rank_files
-from opweave.runtime.sampling import WORD
+from opweave.runtime.sampling import WORD, bad_word
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import check_placement, materialize
 from opweave.runtime.state import RankState, StateView
@@ -71,6 +73,7 @@ class Runtime:
             {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device,
             names=op_names, who=f"rank {program.rank}", experts=program.experts)
         self.ops = with_kernels(self.modules, self.device)  # what the generated code calls
+        self._progress_setup(program.rank)
         self.kernels = device_kernels(self.device)  # the backend of the fused ops the runtime calls itself
         self.rows = program.rows[1] - program.rows[0]
         m = program.num_microbatches
@@ -116,9 +119,14 @@ class Runtime:
         idle = not self.scheduler.active and not self.stopping
         for message in self.channel.receive(IDLE_WAIT_S if idle else 0.0):
             if message[0] == "add":
-                _, index, prompt, max_new, stop_ids, word = message
-                self.scheduler.add(Request(index=index, prompt=list(prompt), max_new_tokens=max_new,
-                                           stop_ids=tuple(stop_ids), sampling=tuple(word)))
+                _, index, prompt, max_new, stop_ids, word, ignore_eos, min_tokens = message
+                req = Request(index=index, prompt=list(prompt), max_new_tokens=max_new, stop_ids=tuple(stop_ids),
+                              sampling=tuple(word), ignore_eos=ignore_eos, min_tokens=min_tokens)
+                error = bad_word(req.sampling)
+                if error is None:
+                    self.scheduler.add(req)
+                else:  # this request fails alone; the rank and the other rows carry on
+                    self.channel.send(("event", index, None, "error", error))
             elif message[0] == "cancel":
                 self.scheduler.cancel(message[1])
             elif message[0] == "stop":  # end every request now; the ranks stop once all agree
@@ -181,6 +189,7 @@ class Runtime:
         ids, positions, word = self.tp.fanout([ids, positions, word])
         self.words[mb] = word
         self._mark("wait", self.program.stages[0].stage, mb)
+        self._step_done(mb)
         return ids, positions
 
     def recv(self, stage: int, mb: int):
@@ -198,6 +207,7 @@ class Runtime:
         self.words[mb] = word
         values = [self.tp.shard(v, layout) for v, layout in zip(values, st.recv.layouts)]
         self._mark("wait", stage, mb)
+        self._step_done(mb)
         return positions, tuple(values)
 
     def send(self, stage: int, mb: int, positions: torch.Tensor, values: tuple[torch.Tensor, ...]) -> None:
@@ -208,6 +218,7 @@ class Runtime:
         if st.send_port == self.program.rank:
             self.transport.send_values(st, positions, self.words[mb], values)
         self._mark("send", stage, mb)
+        self._step_done(mb)
 
     def finish(self, mb: int, tokens: torch.Tensor) -> None:
         """The last stage: the new token ids back to the schedulers, on the device."""
@@ -216,13 +227,56 @@ class Runtime:
         if st.send_port == self.program.rank:  # every TP rank holds the sampled ids; the port sends them
             self.transport.send_tokens(st, mb, tokens)
         self._mark("send", st.stage, mb)
+        self._step_done(mb)
 
     def allreduce(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.allreduce(x)
+        out = self.tp.allreduce(x)
+        pulse()  # the group's peers reached it too
+        return out
 
     def add_norm(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A residual add fused with the RMSNorm of its sum: (sum, normed) (`kernel_ops.add_norm`)."""
-        return add_norm(norm, x, residual, self.kernels)
+        out = add_norm(norm, x, residual, self.kernels)
+        self._op_done()  # an operator, like the calls of `ops`
+        return out
+
+    # ---------------------------------------------------------------- progress (heartbeat.py)
+    def _progress_setup(self, rank: int) -> None:
+        """Work in progress for the launcher's stall watch: `heartbeat.pulse` after every operator
+        call (`ops` wrapped in `_Counted`), each stage's receive and send; on CUDA also device
+        events at those points (`DeviceBeats`; per operator only in rounds that are not decode
+        rounds, never while a round is captured). Only in a rank started with a heartbeat, or with
+        OPWEAVE_FAULT_SLOW_OP (each operator call of a prefill step sleeps first)."""
+        self._mb = 0                 # the microbatch the generated code is in (begin / recv)
+        self.capturing = False       # a CUDA graph capture is recording the round (`graphs.RoundRunner`)
+        self.mark_ops = False        # device events per operator (set per round by `run_rank`)
+        self._slow = config.fault_slow_op(rank)
+        self._device_beats = (DeviceBeats(torch.cuda.Event)
+                              if self.device.type == "cuda" and heartbeat.installed() else None)
+        if heartbeat.installed() or self._slow:
+            self.ops = {i: _Counted(op, self._op_done, self._slow_op if self._slow else None)
+                        for i, op in self.ops.items()}
+
+    def _op_done(self) -> None:
+        pulse()
+        if self.mark_ops and self._device_beats is not None and not self.capturing:
+            self._device_beats.mark()
+
+    def _step_done(self, mb: int) -> None:
+        """A stage's inputs arrived or its outputs left (microbatch `mb`)."""
+        self._mb = mb
+        pulse()
+        if self._device_beats is not None and not self.capturing:
+            self._device_beats.mark()
+
+    def device_done(self) -> None:
+        """After a replayed round (enqueued whole): a device event its completion pulses."""
+        if self._device_beats is not None:
+            self._device_beats.mark()
+
+    def _slow_op(self) -> None:
+        if self.widths[self._mb] > 1:
+            time.sleep(self._slow)
 
     def tp_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sample over the vocabulary split across the TP group (`TPGroup.argmax`)."""
@@ -234,7 +288,7 @@ class Runtime:
         temperature 0; `TPGroup.sample`); a run without sampling words is greedy (`argmax`, split
         over the group or the kernel backend's)."""
         if self.sampling:
-            return self.tp.sample(logits, self.words[mb], positions[:, -1])
+            return self.tp.sample(logits, self.words[mb], positions[:, -1], tuple(self.cfg.eos_token_ids))
         if self.program.tp > 1:
             return self.tp.argmax(logits)
         return self.ops[self._sampler](logits)
@@ -329,6 +383,7 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
             t0, c0 = time.perf_counter(), time.process_time()
             if rt.timeline is not None:
                 rt.timeline.restart()
+            rt.mark_ops = not rt.decode_round  # device events per op in the long rounds (CUDA)
             if check and rt.decode_round and rt.round_index > 0:
                 with NoHostSync(f"rank {rank}, round {rt.round_index} (decode)"):
                     runner.round()
@@ -344,6 +399,8 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
                 os.kill(os.getpid(), 9)
             while rt.round_index == faults.get("stall"):
                 time.sleep(3600)
+            if rt.round_index == faults.get("raise"):
+                raise RuntimeError(f"fault injected after round {rt.round_index} (OPWEAVE_FAULT_RAISE)")
             report(Phase.ROUND, rt.round_index)
             if not rt.end_round():
                 break
@@ -362,6 +419,27 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
     if trace:
         stats["spans"] = {r: part["spans"] for r, part in enumerate(gathered)}
     return sorted(out, key=lambda r: r.index), stats
+
+
+class _Counted:
+    """An operator as the generated code calls it (`rt.ops[i]`): the call, then `done()` (a
+    heartbeat pulse: progress inside a round). `slow()` (OPWEAVE_FAULT_SLOW_OP) runs before the
+    call. Every attribute reads through to the operator (`rt.add_norm` reads a norm's weight)."""
+
+    __slots__ = ("op", "_done", "_slow")
+
+    def __init__(self, op, done: Callable[[], None], slow: Callable[[], None] | None = None):
+        self.op, self._done, self._slow = op, done, slow
+
+    def __call__(self, *args, **kwargs):
+        if self._slow is not None:
+            self._slow()
+        out = self.op(*args, **kwargs)
+        self._done()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.op, name)
 
 
 class RoundReports:
