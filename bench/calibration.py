@@ -1,6 +1,6 @@
 """The cost model against published decode measurements: before and after calibration.
 
-Reads `../shared/reference/decode-measurements.csv` (263 decode points of Llama-3-8B/70B on A100
+Reads `bench/data/decode-measurements.csv` (263 decode points of Llama-3-8B/70B on A100
 and H100, vLLM and TensorRT-LLM, TP 1/2/4, batch 1-64; its README gives the source) and reports,
 per group (GPU, engine, model, TP):
 
@@ -30,7 +30,7 @@ from bench.common import HERE, RunClock, emit, header_lines  # noqa: E402
 from opweave.cost import calibrate as C  # noqa: E402
 from opweave.hardware.catalog import load_catalog  # noqa: E402
 
-DEFAULT_CSV = os.path.join(HERE, "..", "..", "shared", "reference", "decode-measurements.csv")
+DEFAULT_CSV = os.path.join(HERE, "data", "decode-measurements.csv")
 DEFAULT_ENGINE = "trtllm"
 """The engine class the built-in catalog's fitted terms represent."""
 

@@ -214,13 +214,12 @@ def test_bad_files_and_outputs(tmp_path, capsys):
         assert message in err and err.count("\n") == 1
 
 
-SHARED_CSV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "decode-measurements.csv")
+MEASUREMENTS_CSV = os.path.join(os.path.dirname(__file__), "..", "bench", "data", "decode-measurements.csv")
 
 
-@pytest.mark.skipif(not os.path.exists(SHARED_CSV), reason="the shared decode measurements are not in this checkout")
 def test_builtin_catalog_is_the_fit_of_the_shared_measurements():
     """catalog.json's fitted terms are `calibrate --engine trtllm --catalog roofline` (3 digits)."""
-    cal = C.calibrate(SHARED_CSV, load_catalog("roofline"), logo=False, engine="trtllm", graphs=GRAPHS)
+    cal = C.calibrate(MEASUREMENTS_CSV, load_catalog("roofline"), logo=False, engine="trtllm", graphs=GRAPHS)
     builtin = load_catalog()
     for fit in cal.fits:
         for field, value in fit.values.items():

@@ -9,7 +9,7 @@ from opweave.errors import OpWeaveError
 from opweave.models.config import FULL, LINEAR, SLIDING, config_from_hf
 from opweave.models.registry import CONFIG_DIR, builtin_names, resolve
 
-REFDATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference", "refdata.json")
+REFDATA = os.path.join(os.path.dirname(__file__), "..", "bench", "data", "reference-figures.json")
 
 
 def _hf_config(name: str):
@@ -65,7 +65,6 @@ def test_real_model_structure():
     assert nxt.rope[FULL].partial_rotary_factor == 0.25 and nxt.attn_output_gate
 
 
-@pytest.mark.skipif(not os.path.exists(REFDATA), reason="reference data not checked out beside the repo")
 def test_builtin_configs_agree_with_refdata():
     ref = json.load(open(REFDATA))["models"]
     g, gr = resolve("gemma-3-27b").cfg, ref["gemma-3-27b-it_text"]
