@@ -5,7 +5,7 @@ Gemma-3-style configuration (12 layers: two blocks of 5 sliding-window + 1 globa
 meta device, which is enough for tracing, planning and cost analysis.
 """
 
-from opweave.models.config import config_from_hf
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import build_model as _build
 
 CONFIG = {

@@ -75,7 +75,7 @@ TINY_GEMMA = dict(model_type="gemma3_text", vocab_size=64, hidden_size=16, inter
 @given(base=st.lists(st.sampled_from([FULL, SLIDING]), min_size=1, max_size=4), repeats=st.integers(1, 3),
        extra=st.integers(0, 3))
 def test_blocks_of_traced_models_with_random_layer_patterns(base, repeats, extra):
-    from opweave.models.config import config_from_hf
+    from opweave.models.hf_config import config_from_hf
 
     types = _periodic(base, len(base) * repeats + min(extra, len(base) - 1))
     cfg = config_from_hf({**TINY_GEMMA, "num_hidden_layers": len(types), "layer_types": types}, "tiny")

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from opweave.errors import OpWeaveError
-from opweave.models.config import FULL, LINEAR, SLIDING, config_from_hf
+from opweave.models.config import FULL, LINEAR, SLIDING
+from opweave.models.hf_config import config_from_hf
 from opweave.models.registry import CONFIG_DIR, builtin_names, resolve
 
 REFDATA = os.path.join(os.path.dirname(__file__), "..", "bench", "data", "reference-figures.json")

@@ -19,7 +19,7 @@ from opweave.hardware.cluster import Cluster, Pool, parse_cluster
 from opweave.ir.kinds import OpKind
 from opweave.ir.tp import expert_layouts, legal_tp, of_op
 from opweave.ir.trace import build_graph
-from opweave.models.config import config_from_hf
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import build_model
 from opweave.passes.blocks import find_blocks
 from opweave.passes.placement import Group, place, transfer_locality, verify_placement

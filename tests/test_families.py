@@ -22,7 +22,8 @@ from opweave.hardware.cluster import parse_cluster
 from opweave.ir.kinds import OpKind
 from opweave.ir.trace import build_graph
 from opweave.models.checkpoint import CheckpointReader
-from opweave.models.config import FULL, SLIDING, config_from_hf
+from opweave.models.config import FULL, SLIDING
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, generate
 from opweave.models.registry import resolve
 from opweave.passes.blocks import find_blocks

@@ -26,7 +26,8 @@ from opweave.errors import OpWeaveError  # noqa: E402
 from opweave.hardware.catalog import load_catalog  # noqa: E402
 from opweave.hardware.cluster import parse_cluster  # noqa: E402
 from opweave.ir.kinds import OpKind  # noqa: E402
-from opweave.models.config import FULL, SLIDING, config_from_hf  # noqa: E402
+from opweave.models.config import FULL, SLIDING  # noqa: E402
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, generate  # noqa: E402
 from opweave.models.ops_gpt_oss import GptOssExperts  # noqa: E402
 from opweave.models.registry import resolve  # noqa: E402

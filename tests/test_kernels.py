@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from opweave.codegen.kernels import KERNEL_NAMES, get_backend
 from opweave.errors import OpWeaveError
 from opweave.models import ops, ops_linear
-from opweave.models.config import FULL, SLIDING, config_from_hf
+from opweave.models.config import FULL, SLIDING
+from opweave.models.hf_config import config_from_hf
 
 ref = get_backend("torch")
 

@@ -17,7 +17,7 @@ from opweave.compiler.pinned import pinned_plan
 from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import parse_cluster
 from opweave.ir.tp import REPLICATED, Split
-from opweave.models.config import config_from_hf
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import build_model
 from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.message import message_bytes, pack_message, unpack_message

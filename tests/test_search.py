@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from opweave.hardware.catalog import GPUSpec
 from opweave.hardware.cluster import Cluster, Pool
 from opweave.ir.trace import build_graph
-from opweave.models.config import config_from_hf
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import build_model
 from opweave.passes.blocks import find_blocks
 from opweave.passes.owners import OwnerConfig, dominates, pareto_frontier

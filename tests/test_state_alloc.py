@@ -28,7 +28,7 @@ from local_loop import drive
 from opweave.cost.model import state_shards
 from opweave.models import ops
 from opweave.models.activation import ATTN_KEY_BLOCK, PREFILL_CHUNK, step_activation_bytes
-from opweave.models.config import config_from_hf
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model, generate
 from opweave.models.registry import resolve
 from opweave.runtime.scheduler import Request, Scheduler

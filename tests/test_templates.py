@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from opweave.ir.trace import build_graph
-from opweave.models.config import FULL, SLIDING, config_from_hf
+from opweave.models.config import FULL, SLIDING
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import build_model
 from opweave.models.registry import resolve
 from opweave.passes.blocks import find_blocks

@@ -10,7 +10,8 @@ import pytest
 from opweave.compiler.frontend import run_front_end
 from opweave.errors import OpWeaveError
 from opweave.ir import tp as tp_table
-from opweave.models.config import config_from_hf, weight_format
+from opweave.models.config import weight_format
+from opweave.models.hf_config import config_from_hf
 from opweave.models.registry import resolve
 
 GPT_OSS_QUANT = {"quant_method": "mxfp4", "modules_to_not_convert": [

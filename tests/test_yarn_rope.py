@@ -12,7 +12,8 @@ import torch
 from opweave.codegen.kernels import get_backend
 from opweave.errors import OpWeaveError
 from opweave.models import ops
-from opweave.models.config import FULL, config_from_hf, yarn_attention_factor
+from opweave.models.config import FULL
+from opweave.models.hf_config import config_from_hf, yarn_attention_factor
 
 transformers = pytest.importorskip("transformers")
 

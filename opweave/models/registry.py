@@ -17,7 +17,8 @@ import os
 import torch
 
 from opweave.errors import OpWeaveError
-from opweave.models.config import ModelConfig, config_from_hf, refuse_quantized
+from opweave.models.config import ModelConfig, refuse_quantized
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import CausalLM, build_model
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")

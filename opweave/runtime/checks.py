@@ -21,7 +21,8 @@ import os
 
 from opweave.errors import OpWeaveError
 from opweave.models.checkpoint import CheckpointReader, require_regular_file
-from opweave.models.config import ModelConfig, config_from_hf
+from opweave.models.config import ModelConfig
+from opweave.models.hf_config import config_from_hf
 from opweave.runtime.scheduler import Request
 
 MAX_TOKEN_ID = 2 ** 63 - 1

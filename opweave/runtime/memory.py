@@ -275,7 +275,7 @@ def artifact_memory(folder: str, activations: bool = True) -> list[RankMemory]:
     from opweave.ir.plan import plan_from_json
     from opweave.ir.program import program_from_json
     from opweave.ir.trace import build_graph
-    from opweave.models.config import config_from_hf
+    from opweave.models.hf_config import config_from_hf
     from opweave.models.model import build_model
     from opweave.runtime.manifest import load_artifact, load_program_source, rank_files
 

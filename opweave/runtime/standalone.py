@@ -18,7 +18,7 @@ import torch
 
 from opweave.ir.program import program_from_json
 from opweave.ir.tp import split_on
-from opweave.models.config import config_from_hf
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import torch_dtype
 from opweave.runtime.shard import materialize

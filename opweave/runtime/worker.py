@@ -29,7 +29,7 @@ import torch.distributed as dist
 from opweave import config
 from opweave.ir.kinds import OpKind
 from opweave.ir.program import RankProgram, program_from_json
-from opweave.models.config import config_from_hf
+from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.graphs import RoundRunner
