@@ -12,6 +12,7 @@ import torch
 
 from opweave.ir.program import program_from_json
 from opweave.runtime.transport import Transport
+from opweave.kernels.sampling import WORD
 from test_runtime import compile_pinned
 
 META = torch.device("meta")
@@ -74,7 +75,7 @@ def one_round(program, t, r) -> None:
                 t.recv_values(st, mb)
             if st.send is not None and st.send_port == me:
                 positions = torch.zeros(rows, 1, dtype=torch.long, device=META)
-                t.send_values(st, positions, torch.zeros(rows, 3, dtype=torch.long, device=META), [torch.zeros(rows, 1, *s, device=META) for s in st.send.shapes])
+                t.send_values(st, positions, torch.zeros(rows, WORD, dtype=torch.long, device=META), [torch.zeros(rows, 1, *s, device=META) for s in st.send.shapes])
             if st.returns and st.send_port == me:
                 t.send_tokens(st, mb, torch.zeros(rows, dtype=torch.long, device=META))
 

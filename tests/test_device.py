@@ -22,6 +22,7 @@ from opweave.runtime import launch
 from opweave.runtime.scheduler import Request
 from opweave.runtime.shard import check_placement, materialize, module_tensors, on_device
 from opweave.runtime.state import RankState
+from opweave.kernels.sampling import WORD
 
 META = torch.device("meta")
 FAMILIES = ("llama", "gemma3", "qwen3_moe", "qwen3_next")
@@ -309,7 +310,7 @@ def test_every_transfer_uses_buffers_on_the_run_device(artifact):
             for width in (1, 3):  # a decode step, and a prefill
                 positions = torch.zeros(rows, width, dtype=torch.long, device=META)
                 if st.send is not None and st.send_port == program.rank:
-                    t.send_values(st, positions, torch.zeros(rows, 3, dtype=torch.long, device=META), [torch.zeros(rows, width, *s, device=META) for s in st.send.shapes])
+                    t.send_values(st, positions, torch.zeros(rows, WORD, dtype=torch.long, device=META), [torch.zeros(rows, width, *s, device=META) for s in st.send.shapes])
             if st.returns and st.send_port == program.rank:
                 t.send_tokens(st, 0, torch.zeros(rows, dtype=torch.long, device=META))
         if program.scheduler and program.tp_rank == 0:
