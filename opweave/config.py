@@ -1,21 +1,38 @@
 """Process-wide flags, read from environment variables (documented in docs/flags.md).
 
 Every OpWeave environment variable is read here and nowhere else. Each flag is read when asked
-for, so tests can set the environment without reloading modules. A boolean flag is on for any
-value but "", "0", "false", "no" and "off" (any case): `OPWEAVE_DEBUG=0` is off.
+for, so tests can set the environment without reloading modules. A boolean flag is on for "1",
+"true", "yes" and "on", off for "", "0", "false", "no" and "off" (any case); any other value is
+an error naming the variable, like every value a variable cannot mean. The CLI checks them all
+before any work (`check_environment`), and the launcher checks the fault ranks against the plan
+(`check_run`).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 from opweave.errors import OpWeaveError
 
 _OFF = ("", "0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+BOOLEAN_FLAGS = ("OPWEAVE_VERIFY", "OPWEAVE_DEBUG", "OPWEAVE_CHECK_SYNC", "OPWEAVE_CUDA_GRAPHS",
+                 "OPWEAVE_REGEN_GOLDEN")
+FAULT_VARIABLES = ("OPWEAVE_FAULT_KILL", "OPWEAVE_FAULT_STALL", "OPWEAVE_FAULT_RAISE", "OPWEAVE_FAULT_SLOW_OP")
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in _OFF
+def _flag(name: str, default: str = "0") -> bool:
+    value = os.environ.get(name, default).strip().lower()
+    if value not in _ON + _OFF:
+        raise OpWeaveError(f"{name}={_shown(os.environ[name])}: expected {', '.join(_ON)} (on) or "
+                           f"{', '.join(_OFF[1:])} or empty (off)")
+    return value in _ON
+
+
+def _shown(value: str) -> str:
+    """`value` quoted for an error message, shortened."""
+    return repr(value if len(value) <= 40 else value[:40] + "...")
 
 
 def verify_enabled() -> bool:
@@ -24,13 +41,41 @@ def verify_enabled() -> bool:
 
 
 def debug_dir() -> str | None:
-    """OPWEAVE_DEBUG_DIR=path: each compile pipeline step writes its IR there as `NN_<step>.txt`."""
-    return os.environ.get("OPWEAVE_DEBUG_DIR") or None
+    """OPWEAVE_DEBUG_DIR=path: each compile pipeline step writes its IR there as `NN_<step>.txt`.
+    The path must be a folder files can be written in, or one that can be made (OpWeaveError)."""
+    folder = os.environ.get("OPWEAVE_DEBUG_DIR") or None
+    if folder is not None:
+        _check_writable_folder(folder, "OPWEAVE_DEBUG_DIR")
+    return folder
+
+
+def _check_writable_folder(folder: str, name: str) -> None:
+    """Refuses `folder` unless it is a folder (or the nearest existing one above it, where it
+    would be made) in which a file can be made: tried, not judged from the mode bits, which
+    root ignores and /proc ignores for root."""
+    existing = folder
+    while not os.path.lexists(existing) and os.path.dirname(os.path.abspath(existing)) != os.path.abspath(existing):
+        existing = os.path.dirname(os.path.abspath(existing))
+    what = f"{name}={_shown(folder)}"
+    if not os.path.isdir(existing):
+        where = "is" if existing == folder else f"would be made in {existing}, which is"
+        raise OpWeaveError(f"{what}: {where} not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".opweave-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OpWeaveError(f"{what}: cannot write files in {existing} ({e.strerror or e})") from None
 
 
 def debug_enabled() -> bool:
-    """OPWEAVE_DEBUG=1: show tracebacks for user errors too (for reporting bugs)."""
-    return _flag("OPWEAVE_DEBUG")
+    """OPWEAVE_DEBUG=1: show tracebacks for user errors too (for reporting bugs). Never raises
+    (the CLI asks while reporting an error): a value it cannot mean is off here, and reported by
+    `check_environment`."""
+    try:
+        return _flag("OPWEAVE_DEBUG")
+    except OpWeaveError:
+        return False
 
 
 def check_sync() -> bool:
@@ -42,7 +87,7 @@ def check_sync() -> bool:
 def cuda_graphs_enabled() -> bool:
     """OPWEAVE_CUDA_GRAPHS=0: CUDA ranks run every round eagerly instead of replaying a captured
     decode round (`runtime.graphs`). On by default."""
-    return os.environ.get("OPWEAVE_CUDA_GRAPHS", "1").strip().lower() not in _OFF
+    return _flag("OPWEAVE_CUDA_GRAPHS", default="1")
 
 
 KERNEL_BACKENDS = ("triton", "torch")
@@ -60,8 +105,9 @@ def kernels_forced() -> str | None:
 
 
 def triton_interpret() -> bool:
-    """TRITON_INTERPRET=1 (Triton's own flag): Triton kernels run on the CPU interpreter."""
-    return _flag("TRITON_INTERPRET")
+    """TRITON_INTERPRET=1 (Triton's own flag, read as Triton reads it): Triton kernels run on the
+    CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in _OFF
 
 
 def fault_injection(rank: int) -> dict[str, int]:
@@ -80,6 +126,8 @@ def fault_injection(rank: int) -> dict[str, int]:
             target_rank, at_round = int(target), int(at or 0)
         except ValueError:
             raise OpWeaveError(f"{name}={text!r}: expected RANK:ROUND") from None
+        if target_rank < 0 or at_round < 0:
+            raise OpWeaveError(f"{name}={text!r}: RANK and ROUND must be 0 or more")
         if target_rank == rank:
             faults[kind] = at_round
     return faults
@@ -105,3 +153,29 @@ def fault_slow_op(rank: int) -> float:
 def api_key() -> str | None:
     """OPWEAVE_API_KEY: the key `opweave serve` requires when `--api-key` is not given (None: none)."""
     return os.environ.get("OPWEAVE_API_KEY") or None
+
+
+def check_environment() -> None:
+    """Every OPWEAVE_* variable's value, checked before any work (docs/flags.md): one-line
+    OpWeaveError naming the first one set to a value it cannot mean."""
+    for name in BOOLEAN_FLAGS:
+        _flag(name)
+    kernels_forced()
+    fault_injection(-1)
+    fault_slow_op(-1)
+    debug_dir()
+
+
+def check_run(device: str, world: int) -> None:
+    """What the variables ask of a run on `device` with `world` ranks per replica set, checked
+    before any rank starts: a fault aimed at a rank the plan does not have, Triton kernels on the
+    CPU without Triton's interpreter."""
+    check_environment()
+    for name in FAULT_VARIABLES:
+        text = os.environ.get(name, "").strip()
+        if text and not 0 <= int(text.partition(":")[0]) < world:
+            raise OpWeaveError(f"{name}={text!r}: the plan has no rank {text.partition(':')[0]} "
+                               f"(ranks 0..{world - 1})")
+    if kernels_forced() == "triton" and device == "cpu" and not triton_interpret():
+        raise OpWeaveError("OPWEAVE_KERNELS=triton on --device cpu needs TRITON_INTERPRET=1 (Triton's CPU "
+                           "interpreter, slow) or a GPU; unset OPWEAVE_KERNELS to use the torch kernels on CPU")

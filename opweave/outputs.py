@@ -169,13 +169,19 @@ def _umask() -> int:
     return mask
 
 
-def make_public(folder: str) -> None:
-    """Gives `folder` and its files the modes of an ordinary new folder and files (mkdtemp and
-    mkstemp make them private to the owner)."""
-    mask = _umask()
-    os.chmod(folder, 0o777 & ~mask)
+ARTIFACT_MODES = {False: (0o755, 0o644), True: (0o700, 0o600)}
+"""(folder, file) modes of an artifact, by whether it is signed: readable by all, or, next to a
+signature, by its owner only. Set explicitly: no umask makes the code of an artifact writable
+by others."""
+
+
+def set_artifact_modes(folder: str, private: bool = False) -> None:
+    """Gives `folder` and its files `ARTIFACT_MODES` (mkdtemp and mkstemp make them private)."""
+    folder_mode, file_mode = ARTIFACT_MODES[private]
+    os.chmod(folder, folder_mode)
     for name in os.listdir(folder):
-        os.chmod(os.path.join(folder, name), 0o666 & ~mask)
+        path = os.path.join(folder, name)
+        os.chmod(path, folder_mode if os.path.isdir(path) else file_mode)
 
 
 def remove_tree(path: str) -> None:

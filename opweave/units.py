@@ -10,11 +10,13 @@ from opweave.errors import OpWeaveError
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|ms|us)\s*$")
+_NEGATIVE = re.compile(r"^\s*-\s*[0-9.]")
 MAX_TOKENS = 1 << 31  # far above any model's positions; keeps sizes derived from it finite
 
 
 def parse_tokens(text: str, what: str = "context length") -> int:
     """`4096`, `4k` (= 4096), `1m` (= 1048576) -> a positive token count (`what` names it in errors)."""
+    _refuse_negative(text, what)
     m = _TOKENS.match(text)
     if not m:
         raise OpWeaveError(f"bad {what} '{text}' (expected e.g. 4096, 32k, 1m)")
@@ -47,10 +49,18 @@ def parse_contexts(text: str) -> list[int]:
     return values
 
 
-def parse_duration(text: str) -> float:
-    """`50ms`, `0.05s`, `800us` -> seconds."""
+def parse_duration(text: str, what: str = "duration") -> float:
+    """`50ms`, `0.05s`, `800us` -> seconds (`what` names it in errors, e.g. "--tpot-slo")."""
+    _refuse_negative(text, what)
     m = _DURATION.match(text)
     if not m or float(m.group(1)) <= 0 or not math.isfinite(float(m.group(1))):
         shown = text if len(text) <= 40 else text[:40] + "..."
         raise OpWeaveError(f"bad duration '{shown}' (expected e.g. 50ms, 0.05s, 800us)")
     return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
+
+
+def _refuse_negative(text: str, what: str) -> None:
+    """A quantity written with a minus sign (`-5ms`, `-32k`): "{what} must be positive"."""
+    if _NEGATIVE.match(text):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise OpWeaveError(f"{what} must be positive, got '{shown}'")

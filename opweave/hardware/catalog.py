@@ -12,12 +12,12 @@ replaces the prices it lists. docs/hardware.md has the price policy, the profile
 import dataclasses
 import difflib
 import functools
-import json
 import math
 import os
 import re
 from collections.abc import Callable
 
+from opweave.datafile import read_data_file
 from opweave.errors import OpWeaveError
 from opweave.hardware.networks import FIGURE_FIELDS, network_figures
 from opweave.hardware.prices import apply_prices
@@ -206,32 +206,6 @@ def with_network(spec: GPUSpec, profile: str, where: str) -> GPUSpec:
     return override_spec(spec, {"network": figures.profile}, where)
 
 
-def read_data_file(path: str, what: str) -> dict:
-    """A YAML (.yaml/.yml) or JSON (.json) file holding a mapping; OpWeaveError on any problem."""
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in (".yaml", ".yml", ".json"):
-        raise OpWeaveError(f"{path}: a {what} file must end in .yaml, .yml or .json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            if ext == ".json":
-                data = json.load(f)
-            else:
-                import yaml  # PyYAML; only needed for YAML files
-
-                data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise OpWeaveError(f"{what} file '{path}' not found") from None
-    except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
-        raise OpWeaveError(f"{path}: cannot read {what} file: {_one_line(err)}") from None
-    except Exception as err:  # yaml.YAMLError; PyYAML is imported lazily
-        if type(err).__module__.split(".")[0] != "yaml":
-            raise
-        raise OpWeaveError(f"{path}: cannot read {what} file: {_one_line(err)}") from None
-    if not isinstance(data, dict):
-        raise OpWeaveError(f"{path}: a {what} file must hold a mapping, not {type(data).__name__}")
-    return data
-
-
 def override_spec(spec: GPUSpec, fields: dict, where: str) -> GPUSpec:
     """`spec` with `fields` (validated; `where` prefixes errors and becomes the default source).
 
@@ -350,10 +324,6 @@ def _check_value(field: str, value, where: str):
     if field in FRACTION_FIELDS and value > 1:
         raise OpWeaveError(f"{where}: is a fraction and must be in (0, 1], got {value!r}")
     return float(value)
-
-
-def _one_line(err: Exception) -> str:
-    return " ".join(str(err).split())
 
 
 def format_catalog(catalog: dict[str, GPUSpec]) -> str:

@@ -19,9 +19,8 @@ import os
 import re
 
 from opweave.errors import OpWeaveError
-from opweave.hardware.catalog import (
-    GPUSpec, default_network, find_gpu_name, get_gpu, override_spec, read_data_file, with_network,
-)
+from opweave.datafile import read_data_file
+from opweave.hardware.catalog import GPUSpec, default_network, find_gpu_name, get_gpu, override_spec, with_network
 from opweave.hardware.networks import load_networks
 
 EXAMPLE = "h100x8+l40sx8"
