@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import HERE, RunClock, emit, header_lines  # noqa: E402
-from opweave.cost import calibrate as C  # noqa: E402
+from opweave.profile import calibrate as C  # noqa: E402
 from opweave.hardware.catalog import load_catalog  # noqa: E402
 
 DEFAULT_CSV = os.path.join(HERE, "data", "decode-measurements.csv")

@@ -150,11 +150,11 @@ def one_repeat(fe, model_dir: str, tmp: str, links, r: int) -> list[Row]:
         ranks = sum(o.tp * o.replicas for o in compiled.plan.owners)
         measured, tps, spans = measure(art, max(1, (os.cpu_count() or 1) // ranks))
         mine = spans[bottleneck]  # rank = owner index (one rank per owner, or a TP group's leader when one owner)
-        rows.append(Row(name=name, stages=compiled.plan.num_stages, predicted=best.result.tpot_s, measured=measured,
-                        predicted_tps=best.result.tokens_per_s, measured_tps=tps,
+        rows.append(Row(name=name, stages=compiled.plan.num_stages, predicted=best.sim.tpot_s, measured=measured,
+                        predicted_tps=best.sim.tokens_per_s, measured_tps=tps,
                         predicted_busy=busy, measured_busy=mine["compute"],
                         bottleneck=bottleneck))
-        print(f"  {name}: predicted {best.result.tpot_s * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
+        print(f"  {name}: predicted {best.sim.tpot_s * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
               f"({rows[-1].error:+.1%})", file=sys.stderr)
     return rows
 

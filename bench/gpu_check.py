@@ -14,7 +14,7 @@ figure goes to the JSON file. Exit status 0 when no part failed, 1 otherwise.
 Parts:
   env       torch/triton/python versions, device name, capability, memory; device copy bandwidth
             (median of several large `copy_`, GB/s counting read + write).
-  kernels   every kernel of `opweave.codegen.kernels` (triton backend vs torch reference): fp32
+  kernels   every kernel of `opweave.kernels` (triton backend vs torch reference): fp32
             with a tight tolerance; bf16 judged against an fp32 oracle (the reference run in fp32
             on the same bf16 inputs): the Triton error may be at most twice the bf16 reference's
             error (plus 0.1% of the output's scale); integer outputs must match.
@@ -218,7 +218,7 @@ def _kernel_cases(dtype, device, smoke: bool) -> list[tuple[str, str, list]]:
         cases.append(("gated_act", kind, [rnd(rows, inter, scale=3.0), rnd(rows, inter), kind]))
     cases.append(("moe_route", "renorm", [rnd(rows, 4 * ne, scale=2.0), topk, True]))
     cases.append(("moe_route", "raw", [rnd(rows, 4 * ne, scale=2.0), topk, False]))
-    from opweave.codegen.kernels import get_backend
+    from opweave.kernels import get_backend
     weights, ids = get_backend("torch").moe_route(rnd(mn, ne), topk, True)
     cases.append(("moe_experts", f"E={ne} k={topk}", [rnd(mn, mh), weights, ids, rnd(ne, 2 * mi, mh, scale=mh ** -0.5),
                                                       rnd(ne, mh, mi, scale=mi ** -0.5)]))
@@ -266,7 +266,7 @@ def _judge(name: str, dtype, tri_out, ref_out, oracle_out) -> dict:
 
 def part_kernels(smoke: bool) -> tuple[str, dict]:
     torch = _torch()
-    from opweave.codegen.kernels import KERNEL_NAMES, get_backend
+    from opweave.kernels import KERNEL_NAMES, get_backend
     ref, tri = get_backend("torch"), get_backend("triton")
     cuda = torch.cuda.is_available() and not smoke
     device = "cuda" if cuda else "cpu"
@@ -316,7 +316,7 @@ def attention_bench(device: str, sizes, copy: float, dtype, hq: int = 32, hkv: i
     attended; GB/s = K and V bytes read / median time, beside the copy bandwidth `copy`."""
     torch = _torch()
     import torch.nn.functional as F
-    from opweave.codegen.kernels import get_backend
+    from opweave.kernels import get_backend
     tri = get_backend("triton")
     rows, worst = [], []
     for batch, ctx in sizes:

@@ -1,5 +1,5 @@
 """Planner vs runtime memory per GPU: what `opweave.cost.memory` plans and what the rank's modules
-allocate when built on the meta device as the worker builds them (`opweave.runtime.memory`).
+allocate when built on the meta device as the worker builds them (`opweave.profile.allocated`).
 
 Real configs, no weights. Each model is placed as one colocated owner with one replica on TP
 1/2/4/8 H100s, a fixed 16 state slots (batch 16, one microbatch), at 8K/32K/128K context. The
@@ -22,7 +22,7 @@ import time
 
 from opweave.compiler.frontend import run_front_end
 from opweave.hardware.catalog import load_catalog
-from opweave.runtime.memory import pinned_memory
+from opweave.profile.allocated import pinned_memory
 
 MODELS = ("gemma-3-27b", "qwen3-next-80b-a3b", "llama-3.1-70b")
 TPS = (1, 2, 4, 8)

@@ -57,9 +57,10 @@ import sys
 import time
 
 from opweave.compiler.frontend import run_front_end
+from opweave.compiler.inputs import plan_space
 from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import parse_cluster
-from opweave.passes.search import PlanSpace, SearchOptions, search
+from opweave.passes.search import SearchOptions, search
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RunClock, emit, git_commit, header_lines  # noqa: E402
@@ -198,7 +199,7 @@ def plan_fixed_tp(fe, cluster, context: int, slo_ms: float) -> Run:
 
 
 def plan_one(fe, cluster, context: int, slo_ms: float, system: str, **options) -> Run:
-    space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=context, tpot_slo_s=slo_ms / 1e3)
+    space = plan_space(fe.graph, fe.blocks, cluster=cluster, context=context, tpot_slo_s=slo_ms / 1e3)
     start = time.perf_counter()
     result = search(space, SearchOptions(templates=FAMILY[system], **options))
     seconds = time.perf_counter() - start
@@ -212,7 +213,7 @@ def plan_one(fe, cluster, context: int, slo_ms: float, system: str, **options) -
             note = "infeasible (" + result.reason[:60] + ")"
         return Run(system=system, feasible=False, seconds=seconds, note=note,
                    counters=dataclasses.asdict(result.counters))
-    sim = b.result
+    sim = b.sim
     return Run(system=system, feasible=True, seconds=seconds, cost=b.cost, tpot_ms=b.tpot_s * 1e3,
                batch=b.batch, microbatches=b.microbatches, gpus_per_set=sum(o.num_gpus for o in b.owners),
                stages=sim.num_stages, inter_bytes=sim.bytes_per_token_inter_node,

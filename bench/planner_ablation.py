@@ -38,9 +38,11 @@ import sys
 import time
 
 from opweave.compiler.frontend import run_front_end
+from opweave.compiler.inputs import plan_space
 from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import parse_cluster
-from opweave.passes.search import PlanSpace, SearchOptions, search
+from opweave.passes.search import SearchOptions, search
+from opweave.passes.space import PlanSpace
 from opweave.passes.templates import enumerate_templates
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -105,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             front_ends[model] = run_front_end(model)
         fe = front_ends[model]
         subset = tuple(t.name for t in enumerate_templates(fe.blocks, "all") if t.num_cuts_per_block <= args.max_cuts)
-        space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=parse_cluster(spec, catalog), context=CONTEXT,
-                          tpot_slo_s=SLO_MS / 1e3)
+        space = plan_space(fe.graph, fe.blocks, cluster=parse_cluster(spec, catalog), context=CONTEXT,
+                           tpot_slo_s=SLO_MS / 1e3)
         runs = {}
         for mode, pareto, bnb in MODES:
             runs[mode] = run_mode(space, subset, pareto, bnb, mode)

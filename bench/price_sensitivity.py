@@ -38,10 +38,11 @@ import sys
 import time
 
 from opweave.compiler.frontend import run_front_end
+from opweave.compiler.inputs import plan_space
 from opweave.cost.analysis import ods_choice, price_sweep, tp_scan
 from opweave.hardware.catalog import get_gpu, load_catalog, override_spec
 from opweave.hardware.cluster import parse_cluster
-from opweave.passes.search import PlanSpace, SearchOptions, search
+from opweave.passes.search import SearchOptions, search
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RunClock, emit, git_commit, header_lines  # noqa: E402
@@ -75,7 +76,7 @@ class Plan:
 def plan(fe, spec: str, catalog, context: int, slo_s: float) -> Plan:
     cluster = parse_cluster(spec, catalog)
     start = time.perf_counter()
-    result = search(PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=context, tpot_slo_s=slo_s),
+    result = search(plan_space(fe.graph, fe.blocks, cluster=cluster, context=context, tpot_slo_s=slo_s),
                     SearchOptions())
     seconds = time.perf_counter() - start
     b = result.best

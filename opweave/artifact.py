@@ -1,7 +1,7 @@
 """An artifact folder's files on disk: `manifest.json` (what the artifact holds and the checksum of
 every file in it), its optional signature, `compile-info.json`, and reading them back verified.
-The compiler writes through this module and the runtime reads through it; nothing else opens an
-artifact's manifest.
+The compiler writes through this module, and every read of an artifact's files by the runtime and
+the server goes through `load_artifact` (the files' bytes, checked against the manifest).
 
 The manifest holds the format version, OpWeave version, model and plan hashes, and the sha256 of
 each file. Every file but one is a function of the compile's inputs (model, cluster, catalog,
@@ -31,6 +31,7 @@ import os
 import re
 
 from opweave import __version__
+from opweave.datafile import read_regular
 from opweave.errors import OpWeaveError
 
 MANIFEST = "manifest.json"
@@ -57,16 +58,24 @@ def sha256_text(text: str) -> str:
     return sha256_bytes(text.encode())
 
 
+MAKE_KEY = "(umask 077; head -c 32 /dev/urandom > key)"
+
+
 def read_key(path: str, flag: str) -> bytes:
-    """The secret key in file `path` (its bytes as they are), for `--sign-key` / `--verify-key`."""
+    """The secret key in file `path` (its bytes as they are), for `--sign-key` / `--verify-key`:
+    a regular file of at least `MIN_KEY_BYTES` that neither group nor others may read (as ssh
+    requires of a private key)."""
     try:
-        with open(path, "rb") as f:
-            key = f.read(1 << 16)
+        key = read_regular(path, f"{flag} {path}", 1 << 16)
+        mode = os.stat(path).st_mode & 0o777
     except OSError as e:
         raise OpWeaveError(f"{flag} {path}: cannot read ({e.strerror})") from None
     if len(key) < MIN_KEY_BYTES:
         raise OpWeaveError(f"{flag} {path}: a key needs at least {MIN_KEY_BYTES} bytes, the file has {len(key)} "
-                           "(make one with: head -c 32 /dev/urandom > key)")
+                           f"(make one with: {MAKE_KEY})")
+    if mode & 0o077:
+        raise OpWeaveError(f"{flag} {path}: permissions {mode:04o} for {path} are too open: a key must not be "
+                           f"readable by group or others (chmod 600 {path})")
     return key
 
 
@@ -106,18 +115,19 @@ def write_info(folder: str, search_seconds: float) -> None:
 
 
 def _read_bytes(path: str, what: str) -> bytes:
-    if not os.path.isfile(path):
-        raise OpWeaveError(f"{path}: missing from the artifact ({what})")
+    """The bytes of artifact file `path`; a FIFO, device or folder in its place is named as such,
+    never opened (`opweave.datafile.read_regular`)."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_regular(path, path)
+    except FileNotFoundError:
+        raise OpWeaveError(f"{path}: missing from the artifact ({what})") from None
     except OSError as e:
         raise OpWeaveError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def _check_signature(folder: str, data: bytes, key: bytes) -> None:
     path = os.path.join(folder, SIGNATURE)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise OpWeaveError(f"{folder}: the artifact is not signed (no {SIGNATURE}); recompile with --sign-key, "
                            "or run without --verify-key")
     text = _read_bytes(path, "signature").decode("ascii", "replace").split()
@@ -131,7 +141,7 @@ def read_manifest(folder: str, verify_key: bytes | None = None) -> dict:
     path = os.path.join(folder, MANIFEST)
     if not os.path.isdir(folder):
         raise OpWeaveError(f"{folder}: not a folder (give an artifact folder written by opweave compile)")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise OpWeaveError(f"{folder}: not an OpWeave artifact (no {MANIFEST}; run opweave compile)")
     data = _read_bytes(path, "manifest")
     if verify_key is not None:
@@ -178,15 +188,19 @@ class VerifiedArtifact:
         return name in self.manifest["files"]
 
 
-def load_artifact(folder: str, names: list[str] | None = None, verify_key: bytes | None = None) -> VerifiedArtifact:
+def load_artifact(folder: str, names: list[str] | None = None, verify_key: bytes | None = None,
+                  missing_ok: bool = False) -> VerifiedArtifact:
     """Reads `names` (default: every file the manifest lists) once each, checks each against the
-    manifest, and returns their bytes."""
+    manifest, and returns their bytes. A name the manifest does not list is an error, or, with
+    `missing_ok`, left out (`VerifiedArtifact.has` tells)."""
     manifest = read_manifest(folder, verify_key)
     files = manifest["files"]
     out = {}
     for name in names if names is not None else sorted(files):
         full = os.path.join(folder, name)
         if name not in files:
+            if missing_ok:
+                continue
             raise OpWeaveError(f"{full}: not listed in the manifest")
         data = _read_bytes(full, "listed in the manifest")
         if not hmac.compare_digest(sha256_bytes(data), files[name]):

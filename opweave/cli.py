@@ -10,18 +10,42 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 
 from opweave import __version__, config
 from opweave.errors import Interrupted, OpWeaveError
 from opweave.signals import raising_on_signals
-from opweave.models.activation import PREFILL_CHUNK
+from opweave.ir.plan import PREFILL_CHUNK
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own errors: one line, exit 2
         raise OpWeaveError(message)
+
+
+_NEGATIVE = re.compile(r"-[0-9.]")
+
+
+def _attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` with `--tpot-slo -5ms` written `--tpot-slo=-5ms`, for every long option that takes a
+    value: argparse reads a value starting with '-' that is not a plain number as an option
+    ("expected one argument"), where the command says what is wrong with it ("must be positive")."""
+    commands = [a.choices.values() for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    takes_value = {option for command in commands for p in command for a in p._actions if a.nargs is None
+                   for option in a.option_strings if option.startswith("--")}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return out + argv[i:]
+        if argv[i] in takes_value and i + 1 < len(argv) and _NEGATIVE.match(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
 
 
 def _cmd_dump(args: argparse.Namespace) -> int:
@@ -48,7 +72,7 @@ def _cmd_dump(args: argparse.Namespace) -> int:
 
 def _dump_memory(args: argparse.Namespace) -> int:
     """Per rank of an artifact: planned bytes and the bytes its modules allocate (built on meta)."""
-    from opweave.runtime.memory import artifact_memory, format_memory
+    from opweave.profile.allocated import artifact_memory, format_memory
 
     if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "plan.json")):
         raise OpWeaveError(f"{args.model}: no plan.json (give an artifact folder written by opweave compile)")
@@ -108,20 +132,21 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                        inputs=(args.model, args.profile, args.catalog, args.sign_key))
     sign_key = None
     if args.sign_key:
-        from opweave.runtime.manifest import read_key
+        from opweave.artifact import read_key
 
         sign_key = read_key(args.sign_key, "--sign-key")
-    slo = parse_duration(args.tpot_slo)
+    slo = parse_duration(args.tpot_slo, "--tpot-slo")
     context = parse_tokens(args.context)
     prefill_chunk = PREFILL_CHUNK if args.prefill_chunk is None else parse_tokens(args.prefill_chunk, "--prefill-chunk")
     catalog = load_catalog(args.catalog, prices=args.prices,
                            warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr))
-    table = None
-    if args.profile:
+    table = front_end = None
+    if args.profile:  # the profile is checked against the traced graph, which the compile then reuses
         from opweave.compiler.frontend import run_front_end
         from opweave.profile import cpu_gpu_spec, load_profile
 
-        table = load_profile(args.profile, graph=run_front_end(args.model).graph)
+        front_end = run_front_end(args.model)
+        table = load_profile(args.profile, graph=front_end.graph)
         for w in table.warnings:
             print(f"opweave: warning: {w}", file=sys.stderr)
         if table.gpu == "cpu" and "cpu" in catalog:  # --cluster cpuxN then uses the measured figures
@@ -142,18 +167,16 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     compiled = compile_model(args.model, cluster, slo, context, options, cost_model=CostModel(profile=table),
                              progress=progress, allow_long_context=args.allow_long_context,
                              warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr),
-                             prefill_chunk=prefill_chunk)
+                             prefill_chunk=prefill_chunk, front_end=front_end)
     write_artifact(args.output, compiled, force=args.force, sign_key=sign_key)
     if table is not None:
         print(f"opweave: {table.usage_summary()}", file=sys.stderr)
     fleet = None
     if args.fleet:
+        from opweave.compiler.inputs import plan_space
         from opweave.passes.fleet import plan_fleet
-        from opweave.passes.search import PlanSpace
 
-        fe = compiled.front_end
-        space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=context, tpot_slo_s=slo,
-                          cost_model=CostModel(profile=table), prefill_chunk=prefill_chunk)
+        space = plan_space(compiled.graph, compiled.blocks, compiled.inputs)  # the space the compile searched
         fleet = plan_fleet(space, options, first=compiled.result, progress=progress)
     if args.format == "json":
         data = plan_to_json(compiled.plan)
@@ -263,7 +286,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     requests = read_requests(args.prompts, args.prompt_ids, args.max_new_tokens)
     verify_key = None
     if args.verify_key:
-        from opweave.runtime.manifest import read_key
+        from opweave.artifact import read_key
 
         verify_key = read_key(args.verify_key, "--verify-key")
     if args.trace is not None:
@@ -455,7 +478,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from opweave.cost.calibrate import calibrate, calibration_to_json, catalog_entries, format_calibration
+    from opweave.profile.calibrate import calibrate, calibration_to_json, catalog_entries, format_calibration
     from opweave.hardware.catalog import load_catalog
     from opweave.outputs import atomic_file, check_output_file
 
@@ -660,7 +683,9 @@ def main(argv: list[str] | None = None) -> int:
     with raising_on_signals():
         try:
             try:
-                args = build_parser().parse_args(argv)
+                parser = build_parser()
+                args = parser.parse_args(_attach_negative_values(parser, sys.argv[1:] if argv is None else argv))
+                config.check_environment()  # each variable's value, before any work (docs/flags.md)
                 return args.func(args)
             except OpWeaveError as e:
                 if config.debug_enabled():

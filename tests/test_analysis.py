@@ -11,7 +11,7 @@ from opweave.cost import analysis as A
 from opweave.cost.estimate import estimate_point
 from opweave.hardware.catalog import get_gpu, load_catalog
 from opweave.ir.kinds import OpClass
-from opweave.ir.trace import build_graph
+from opweave.passes.trace import build_graph
 from opweave.models.registry import resolve
 
 pos = st.floats(min_value=1e-3, max_value=1e3, allow_nan=False, allow_infinity=False)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opweave.ir.trace import build_graph
+from opweave.passes.trace import build_graph
 from opweave.models.config import FULL, SLIDING
 from opweave.models.model import build_model
 from opweave.models.registry import resolve

@@ -11,7 +11,7 @@ import pytest
 
 from opweave.cli import main
 from opweave.compiler.frontend import run_front_end
-from opweave.cost import calibrate as C
+from opweave.profile import calibrate as C
 from opweave.cost.model import CostModel
 from opweave.errors import OpWeaveError
 from opweave.hardware.catalog import load_catalog

@@ -12,7 +12,7 @@ import pytest
 
 from opweave.ir.graph import IRError
 from opweave.ir.verify import verify_programs
-from opweave.ir.trace import build_graph
+from opweave.passes.trace import build_graph
 from opweave.models.registry import resolve
 from opweave.passes.blocks import find_blocks
 from opweave.passes.carry import (

@@ -74,7 +74,8 @@ def test_baseline_templates_never_beat_opweave():
     from opweave.compiler.frontend import run_front_end
     from opweave.hardware.catalog import load_catalog
     from opweave.hardware.cluster import parse_cluster
-    from opweave.passes.search import PlanSpace, SearchOptions, search
+    from opweave.passes.search import SearchOptions, search
+    from opweave.passes.space import PlanSpace
 
     fe = run_front_end("gemma-3-27b")
     space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=parse_cluster("h100x16", load_catalog()),

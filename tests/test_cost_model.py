@@ -5,9 +5,10 @@ import functools
 import pytest
 
 from opweave.cost import model as C
+from opweave.cost.memory import memory_per_gpu
 from opweave.hardware.catalog import get_gpu, load_catalog
 from opweave.ir.kinds import OpKind
-from opweave.ir.trace import build_graph
+from opweave.passes.trace import build_graph
 from opweave.models.registry import resolve
 
 
@@ -106,10 +107,10 @@ def test_transfers_and_boundaries():
 
 def test_memory_per_gpu_counts_weights_state_and_buffers():
     g = graph("gemma-3-27b")
-    one = C.memory_per_gpu(g.ops, 1, 1, 8192)
+    one = memory_per_gpu(g.ops, 1, 1, 8192)
     assert one == pytest.approx(g.weight_bytes + g.state_bytes(8192), rel=0.01)
-    assert C.memory_per_gpu(g.ops, 2, 1, 8192) < one
-    assert C.memory_per_gpu(g.ops, 1, 4, 8192, rows=1) - one == pytest.approx(3 * g.state_bytes(8192), rel=0.01)
+    assert memory_per_gpu(g.ops, 2, 1, 8192) < one
+    assert memory_per_gpu(g.ops, 1, 4, 8192, rows=1) - one == pytest.approx(3 * g.state_bytes(8192), rel=0.01)
 
 
 def test_profile_replaces_roofline_where_it_has_a_figure():
@@ -127,6 +128,6 @@ def test_profile_replaces_roofline_where_it_has_a_figure():
 
 def test_moe_block_is_the_kernels():
     pytest.importorskip("triton")
-    from opweave.codegen.kernels.triton_kernels import MOE_BLOCK_M
+    from opweave.kernels.triton_kernels.moe import MOE_BLOCK_M
 
     assert C.MOE_BLOCK_PAIRS == MOE_BLOCK_M

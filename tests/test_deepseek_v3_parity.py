@@ -25,7 +25,7 @@ from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import parse_cluster
 from opweave.ir import tp as tp_table
 from opweave.ir.kinds import OpClass, OpKind
-from opweave.ir.trace import build_graph
+from opweave.passes.trace import build_graph
 from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model, generate
 from opweave.models.registry import resolve

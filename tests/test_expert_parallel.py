@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opweave.codegen.kernels import reference as ref
+from opweave.kernels import reference as ref
 from opweave.errors import OpWeaveError
 from opweave.ir import tp as T
 from opweave.ir.kinds import OpKind
@@ -25,9 +25,8 @@ from opweave.models import ops
 from opweave.models.checkpoint import CheckpointReader
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.registry import resolve
-from opweave.runtime.shard import materialize
+from opweave.runtime.shard import materialize, shard_module
 from opweave.runtime.syncguard import NoHostSync
-from opweave.runtime.tp import shard_module
 from test_device import CountingReader
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32, as tests/test_kernels.py
@@ -39,7 +38,7 @@ def _backend(name: str):
     if name == "torch":
         return ref
     pytest.importorskip("triton")
-    from opweave.codegen.kernels import triton_kernels
+    from opweave.kernels import triton_kernels
 
     return triton_kernels
 

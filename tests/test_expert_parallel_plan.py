@@ -18,12 +18,13 @@ from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import Cluster, Pool, parse_cluster
 from opweave.ir.kinds import OpKind
 from opweave.ir.tp import expert_layouts, legal_tp, of_op
-from opweave.ir.trace import build_graph
+from opweave.passes.trace import build_graph
 from opweave.models.hf_config import config_from_hf
 from opweave.models.model import build_model
 from opweave.passes.blocks import find_blocks
 from opweave.passes.placement import Group, place, transfer_locality, verify_placement
-from opweave.passes.search import PlanSpace, SearchOptions, fits_group, search
+from opweave.passes.search import SearchOptions, search
+from opweave.passes.space import PlanSpace, fits_group
 from test_search import gpu
 
 TINY_MOE = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=128, intermediate_size=256,

@@ -20,7 +20,7 @@ from opweave.errors import OpWeaveError
 from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import parse_cluster
 from opweave.ir.kinds import OpKind
-from opweave.ir.trace import build_graph
+from opweave.passes.trace import build_graph
 from opweave.models.checkpoint import CheckpointReader
 from opweave.models.config import FULL, SLIDING
 from opweave.models.hf_config import config_from_hf

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from opweave.hardware.cluster import Cluster, Pool
 from opweave.passes.fleet import _leftover, format_fleet, fleet_to_json, plan_fleet
 from opweave.passes.placement import Group, place
-from opweave.passes.search import PlanSpace, SearchOptions
+from opweave.passes.search import SearchOptions
+from opweave.passes.space import PlanSpace
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_search import SMALL, gpu, tiny  # noqa: E402

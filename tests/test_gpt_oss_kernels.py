@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opweave.codegen.kernels import get_backend
+from opweave.kernels import get_backend
 from opweave.ir.kinds import OpKind
 from opweave.ir.tp import OpTP
 
@@ -106,8 +106,8 @@ def test_sink_attention_matches_transformers_eager():
 def tri(monkeypatch):
     pytest.importorskip("triton")
     mod = get_backend("triton")
-    monkeypatch.setattr(mod, "ATTN_BLOCK_N", 16)
-    monkeypatch.setattr(mod, "ATTN_MIN_SPLIT", 16)  # several KV splits on test-sized caches
+    monkeypatch.setattr(mod.attention, "ATTN_BLOCK_N", 16)
+    monkeypatch.setattr(mod.attention, "ATTN_MIN_SPLIT", 16)  # several KV splits on test-sized caches
     return mod
 
 

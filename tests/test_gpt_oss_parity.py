@@ -162,7 +162,7 @@ CARD = {"gpt-oss-120b": (116.8e9, 5.1e9), "gpt-oss-20b": (20.9e9, 3.6e9)}
 
 @pytest.mark.parametrize("name", sorted(CARD))
 def test_builtin_config_reproduces_the_published_parameter_counts(name):
-    from opweave.ir.trace import build_graph
+    from opweave.passes.trace import build_graph
 
     graph = build_graph(resolve(name).build("meta"))
     total, active = CARD[name]

@@ -193,7 +193,7 @@ def test_nan_weights_end_every_request_with_an_error(tiny_checkpoint, tmp_path):
 
 
 def test_sampler_marks_rows_with_non_finite_logits():
-    from opweave.codegen.kernels import get_backend
+    from opweave.kernels import get_backend
     from opweave.models.ops import NON_FINITE_TOKEN, Sample
     from opweave.models.registry import resolve
 
@@ -261,7 +261,7 @@ def test_scheduler_learns_an_eos_late_and_cancels_the_planned_steps():
 
 
 def test_context_beyond_max_position_embeddings(tiny_checkpoint, tmp_path, capsys):
-    from opweave.compiler.compile import check_context
+    from opweave.compiler.steps import check_context
     from opweave.compiler.frontend import run_front_end
 
     folder = tiny_checkpoint("gemma3", num_hidden_layers=2)  # max_position_embeddings 256
@@ -274,8 +274,8 @@ def test_context_beyond_max_position_embeddings(tiny_checkpoint, tmp_path, capsy
     assert "--allow-long-context" in err[0] and not (tmp_path / "art").exists()
     fe = run_front_end(folder)
     warned = []
-    check_context(fe, 512, True, warned.append)
-    check_context(fe, 256, False, warned.append)  # at the limit: fine
+    check_context(fe.source, fe.graph, 512, True, warned.append)
+    check_context(fe.source, fe.graph, 256, False, warned.append)  # at the limit: fine
     assert len(warned) == 1 and "max_position_embeddings 256" in warned[0]
 
 

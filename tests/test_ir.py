@@ -7,7 +7,7 @@ import pytest
 
 from opweave.ir.graph import IRError, OpGraph, format_graph, from_json, to_json, verify
 from opweave.ir.kinds import OpClass, OpKind
-from opweave.ir.trace import build_graph
+from opweave.passes.trace import build_graph
 from opweave.models.registry import resolve
 
 

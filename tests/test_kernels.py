@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from opweave.codegen.kernels import KERNEL_NAMES, get_backend
+from opweave.kernels import KERNEL_NAMES, get_backend
 from opweave.errors import OpWeaveError
 from opweave.models import ops, ops_linear
 from opweave.models.config import FULL, SLIDING
@@ -56,7 +56,7 @@ def _cfg(raw: dict, dtype: str = "float32"):
 def tri(monkeypatch):
     pytest.importorskip("triton")
     mod = get_backend("triton")
-    monkeypatch.setattr(mod, "ATTN_BLOCK_N", 16)  # several cache blocks even on short test caches
+    monkeypatch.setattr(mod.attention, "ATTN_BLOCK_N", 16)  # several cache blocks even on short test caches
     return mod
 
 
@@ -304,7 +304,7 @@ def test_gdn_step_triton_in_the_module_pipeline(tri):
 @pytest.fixture
 def tri_split(tri, monkeypatch):
     """The Triton backend splitting even test-sized caches: 16-position splits (blocks of 16 slots)."""
-    monkeypatch.setattr(tri, "ATTN_MIN_SPLIT", 16)
+    monkeypatch.setattr(tri.attention, "ATTN_MIN_SPLIT", 16)
     return tri
 
 
@@ -381,7 +381,7 @@ def test_split_kv_decode_attention_launch_reads_nothing_on_the_host(tri, monkeyp
     """Batch 1 at 128K on an H200-sized GPU (132 SMs), meta tensors: the launch reads no tensor
     value on the host (so it can be captured in a CUDA graph), and splits the cache so that the
     8 KV heads fill the GPU instead of running as 8 programs."""
-    from opweave.codegen.kernels import targets
+    from opweave.kernels import targets
 
     grids = {}
 
@@ -394,7 +394,7 @@ def test_split_kv_decode_attention_launch_reads_nothing_on_the_host(tri, monkeyp
             return lambda *args, **kwargs: None
 
     for name in ("_decode_attention_kernel", "_decode_attention_merge_kernel"):
-        monkeypatch.setattr(tri, name, Launches(name))
+        monkeypatch.setattr(tri.attention, name, Launches(name))
     monkeypatch.setattr(targets, "launch_sm_count", lambda device: 132)
     meta = dict(device="meta", dtype=torch.bfloat16)
     q, cache = torch.empty(1, 32, 128, **meta), torch.empty(1, 131072, 8, 128, **meta)

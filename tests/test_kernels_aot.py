@@ -1,11 +1,11 @@
-"""Ahead-of-time checks of the Triton kernels (opweave/codegen/kernels/aot.py), no GPU needed.
+"""Ahead-of-time checks of the Triton kernels (opweave/kernels/aot.py), no GPU needed.
 
 Every kernel is compiled, with the specialisations its launcher picks for the target, for sm_80
 (A100), sm_89 (L40S, L4) and sm_90 (H100, H200) in bfloat16 at head dims 64/128/256; decode
 attention (whose shared memory grows with the head dim and the element size) and the MoE kernels
 (registers) also in float32. Each must fit its target's per-block shared memory and, where the
 bundled ptxas runs, not spill registers. float16 compiles like bfloat16 (same element size);
-`python -m opweave.codegen.kernels.aot` runs the full matrix (docs/kernels.md). The compilations
+`python -m opweave.kernels.aot` runs the full matrix (docs/kernels.md). The compilations
 run in subprocesses without TRITON_INTERPRET (conftest sets it for the interpreter tests).
 """
 
@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from opweave.codegen.kernels import aot, targets  # noqa: E402
+from opweave.kernels import aot, targets  # noqa: E402
 from opweave.hardware.catalog import load_catalog  # noqa: E402
 
 KIB = 1024
@@ -42,7 +42,7 @@ def compiled(tmp_path_factory) -> list[aot.Result]:
     for sm in aot.ARCHS:
         for dtype, kernels in (("bf16", None), ("fp32", FP32_KERNELS)):
             path = out / f"sm{sm}_{dtype}.json"
-            cmd = [sys.executable, "-m", "opweave.codegen.kernels.aot", "--arch", str(sm), "--dtype", dtype,
+            cmd = [sys.executable, "-m", "opweave.kernels.aot", "--arch", str(sm), "--dtype", dtype,
                    "--json", str(path)] + (["--kernel", kernels] if kernels else [])
             procs.append((path, subprocess.Popen(cmd, env=_aot_env(), stdout=subprocess.PIPE,
                                                  stderr=subprocess.PIPE, text=True)))
@@ -121,7 +121,7 @@ def test_every_catalog_gpu_has_a_known_shared_memory_limit():
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 192, 256])
 @pytest.mark.parametrize("elem_bytes", [2, 4])
 def test_attention_launch_fits_every_catalog_gpu(cap, head_dim, elem_bytes):
-    from opweave.codegen.kernels.triton_kernels import _pow2
+    from opweave.kernels.triton_kernels.common import _pow2
 
     block_d = _pow2(head_dim, 16)
     limit = targets.smem_limit(cap)
@@ -145,7 +145,7 @@ def test_launch_limit_follows_the_target_and_not_the_cpu():
 def test_launches_are_specialised_like_triton_launches():
     import torch
 
-    from opweave.codegen.kernels import triton_kernels as tk
+    from opweave.kernels import triton_kernels as tk
 
     x = torch.empty(8, 4096, dtype=torch.bfloat16, device="meta")
     (launch,) = aot.record(lambda: tk.rms_norm(x, torch.empty(4096, dtype=torch.bfloat16, device="meta"), 1e-6, True))
@@ -158,7 +158,7 @@ def test_launches_are_specialised_like_triton_launches():
                                                 1e-6, False))
     sig, constexprs, _ = aot.specialise(one_row)
     assert sig["H"] == "constexpr" and constexprs["H"] == 1  # Triton makes integer 1 a constant
-    assert tk._rms_norm_kernel is launch.kernel  # the recorder put the kernels back
+    assert tk.rows._rms_norm_kernel is launch.kernel  # the recorder put the kernels back
 
 
 def test_bad_arguments_are_one_line_errors(capsys):

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from opweave.codegen.kernels import reference as ref
+from opweave.kernels import reference as ref
 
 pytest.importorskip("triton")
 
-from opweave.codegen.kernels import triton_kernels as tk  # noqa: E402
+from opweave.kernels import triton_kernels as tk  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 DTYPES = [torch.float32, torch.float16]
@@ -136,7 +136,7 @@ def test_each_experts_weights_are_read_once_per_token_block(monkeypatch):
     from triton.runtime.interpreter import InterpreterBuilder
 
     n, e, k, i, h = 40, 4, 2, 16, 32
-    m = tk.MOE_BLOCK_M
+    m = tk.moe.MOE_BLOCK_M
     ids = torch.stack([torch.zeros(n, dtype=torch.int64), torch.where(torch.arange(n) < m, 1, 2)], dim=1)
     pairs_per_expert = [40, 16, 24, 0]  # expert 3 gets none
     gen = torch.Generator().manual_seed(0)

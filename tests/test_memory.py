@@ -1,5 +1,5 @@
 """Memory truth: what the planner counts per GPU (`opweave.cost.memory`) equals what a rank's
-modules allocate (`opweave.runtime.memory`, built on the meta device as the worker builds them).
+modules allocate (`opweave.profile.allocated`, built on the meta device as the worker builds them).
 
 Weights, state and message buffers must agree within 1% on every rank, for every family (the real
 configs, on meta) x TP 1/2/4/8 where legal x a context below and above Gemma's sliding window, on
@@ -18,7 +18,7 @@ from opweave.cli import main
 from opweave.compiler.frontend import run_front_end
 from opweave.cost.memory import max_rows, slots_per_rank
 from opweave.errors import OpWeaveError
-from opweave.runtime.memory import pinned_memory
+from opweave.profile.allocated import pinned_memory
 
 MODELS = {"llama": "llama-3.1-8b", "gemma3": "gemma-3-27b", "qwen3_moe": "qwen3-30b-a3b",
           "qwen3_next": "qwen3-next-80b-a3b"}
@@ -122,7 +122,7 @@ def test_dump_memory_refuses_a_bad_artifact(tmp_path, capsys):
 def _expert_owners(fe, template: str, tp: int) -> list[tuple]:
     """Two owners of `template` (TP `tp`, 1 and 2 replicas), expert-parallel where they run experts."""
     from opweave.ir.tp import has_experts
-    from opweave.passes.search import slot_of
+    from opweave.passes.space import slot_of
     from opweave.passes.templates import build_stages, template_by_name
 
     plan = build_stages(fe.blocks, template_by_name(fe.blocks, template))

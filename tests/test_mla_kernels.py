@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opweave.codegen.kernels import get_backend
+from opweave.kernels import get_backend
 
 ref = get_backend("torch")
 
@@ -88,8 +88,8 @@ def test_grouped_router_is_transformers(groups, topk_group):
 def tri(monkeypatch):
     pytest.importorskip("triton")
     mod = get_backend("triton")
-    monkeypatch.setattr(mod, "ATTN_BLOCK_N", 16)   # several cache blocks on short test caches
-    monkeypatch.setattr(mod, "ATTN_MIN_SPLIT", 16)  # and several splits: the merge is exercised
+    monkeypatch.setattr(mod.attention, "ATTN_BLOCK_N", 16)   # several cache blocks on short test caches
+    monkeypatch.setattr(mod.attention, "ATTN_MIN_SPLIT", 16)  # and several splits: the merge is exercised
     return mod
 
 

@@ -89,14 +89,14 @@ def lowered_crossings(compiled, cluster) -> tuple[dict[int, bool], bool]:
     """What the deployed plan really does: per stage that sends, whether any of its sends in any
     replica set crosses nodes, and the same for the token ids' return; from the lowered rank
     programs (ports and peers) and every replica set `place()` puts on the cluster."""
-    from opweave.compiler.compile import lower_plan
+    from opweave.compiler.steps import rank_programs
     from opweave.passes.lower import rank_layout
     from opweave.passes.placement import simulated_sets
 
     plan = compiled.plan
     groups = tuple(Group(gpu=o.gpu, tp=o.tp, replicas=o.replicas) for o in plan.owners)
     where = place(groups, cluster)
-    programs = lower_plan(plan, compiled.front_end, "0" * 64)
+    programs = rank_programs(plan, compiled.source, compiled.graph, compiled.blocks, "0" * 64)
     layout = rank_layout(plan)
     sends: dict[int, bool] = {}
     ret = False

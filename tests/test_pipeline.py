@@ -34,7 +34,7 @@ def compiled(fe):
 
 @pytest.fixture(scope="module")
 def lowered(compiled):
-    return pipeline.run(pipeline.State.of(compiled), first="lower", last="render")
+    return pipeline.run(compiled, first="lower", last="render")
 
 
 def test_every_step_dumps_a_numbered_file_and_verifies(tmp_path, monkeypatch, fe):
@@ -66,8 +66,8 @@ def test_dumps_are_formatted_only_when_asked(monkeypatch, compiled):
 
     monkeypatch.delenv("OPWEAVE_DEBUG_DIR", raising=False)
     monkeypatch.setattr(pipeline, "STEPS", tuple(dataclasses.replace(s, printer=boom) for s in pipeline.STEPS))
-    state = pipeline.run(pipeline.State.of(compiled), first="lower", last="render")
-    assert state.modules and state.done[-2:] == ["lower", "render"]
+    done = pipeline.run(compiled, first="lower", last="render")
+    assert done.modules and done.steps[-2:] == ("lower", "render")
 
 
 def test_a_failed_verifier_names_the_step_and_those_before(monkeypatch, compiled):
@@ -75,26 +75,58 @@ def test_a_failed_verifier_names_the_step_and_those_before(monkeypatch, compiled
     i = pipeline.NAMES.index("lower")
     real = steps[i].run
 
-    def lower_and_drop_a_receive(st):  # a bug in lowering: the first receive loses its peers
-        real(st)
-        progs = list(st.programs)
+    def lower_and_drop_a_receive(**irs):  # a bug in lowering: the first receive loses its peers
+        text, programs = real(**irs)
+        progs = list(programs)
         for r, p in enumerate(progs):
             for k, s in enumerate(p.stages):
                 if s.recv is not None and p.rank == p.leader:
                     stages = list(p.stages)
                     stages[k] = dataclasses.replace(s, recv=dataclasses.replace(s.recv, peers=()))
                     progs[r] = dataclasses.replace(p, stages=tuple(stages))
-                    st.programs = tuple(progs)
-                    return
+                    return text, tuple(progs)
+        return text, programs
 
     steps[i] = dataclasses.replace(steps[i], run=lower_and_drop_a_receive)
     monkeypatch.setattr(pipeline, "STEPS", tuple(steps))
     monkeypatch.setenv("OPWEAVE_VERIFY", "1")
     with pytest.raises(IRError, match=r"verify failed after step 'lower' \(trace, blocks, search, place, plan, "
                                       r"lower\): (message 0 from rank \d+ to rank \d+: sent|rank \d+ sends)"):
-        pipeline.run(pipeline.State.of(compiled), first="lower", last="render")
+        pipeline.run(compiled, first="lower", last="render")
     monkeypatch.setenv("OPWEAVE_VERIFY", "0")  # the same bug goes unnoticed without the flag
-    pipeline.run(pipeline.State.of(compiled), first="lower", last="lower")
+    pipeline.run(compiled, first="lower", last="lower")
+
+
+def test_an_exception_in_a_step_names_the_step_and_those_before(monkeypatch, fe):
+    from opweave.compiler.compile import compile_model
+    from opweave.errors import OpWeaveError
+    from opweave.passes.search import SearchOptions
+
+    steps = list(pipeline.STEPS)
+    i = pipeline.NAMES.index("search")
+
+    def broken_search(**irs):  # a bug in a pass, not a verifier's IRError
+        return {}["no such key"]
+
+    steps[i] = dataclasses.replace(steps[i], run=broken_search)
+    monkeypatch.setattr(pipeline, "STEPS", tuple(steps))
+    with pytest.raises(pipeline.StepError, match=r"^step 'search' failed \(after trace, blocks\): "
+                                                 r"KeyError: 'no such key'$") as e:
+        compile_model(MODEL, CLUSTER, 0.05, 64, SearchOptions(templates="afd", batches=(4,)), front_end=fe)
+    assert isinstance(e.value.__cause__, KeyError) and e.value.step == "search"
+    assert e.value.before == ("trace", "blocks")
+
+    def refusing_search(**irs):  # a user error stays one line and unchanged
+        raise OpWeaveError("no plan: nothing fits")
+
+    steps[i] = dataclasses.replace(steps[i], run=refusing_search)
+    monkeypatch.setattr(pipeline, "STEPS", tuple(steps))
+    with pytest.raises(OpWeaveError, match=r"^no plan: nothing fits$"):
+        compile_model(MODEL, CLUSTER, 0.05, 64, front_end=fe)
+    first = dataclasses.replace(steps[0], run=lambda inputs: 1 / 0)
+    monkeypatch.setattr(pipeline, "STEPS", (first,) + tuple(steps[1:]))
+    with pytest.raises(pipeline.StepError, match=r"^step 'trace' failed \(the first step\): ZeroDivisionError"):
+        run_front_end(MODEL)
 
 
 def test_plan_verifier_catches_a_dropped_op_and_shared_gpus(compiled, fe):

@@ -24,7 +24,7 @@ from opweave.compiler.pinned import pinned_plan
 from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import parse_cluster
 from opweave.ir.tp import expert_layouts
-from opweave.passes.search import slot_of
+from opweave.passes.space import slot_of
 from opweave.passes.templates import build_stages, enumerate_templates
 from opweave.runtime.launch import RunConfig, run
 from opweave.runtime.scheduler import Request

@@ -333,6 +333,19 @@ def test_planner_charges_transfer_host_time_where_owners_change(graph):
     assert CostModel().transfer_host_s(1024, catalog["cpu"], "send") == 0.0  # roofline: links only
 
 
+def test_compile_with_a_profile_traces_once(saved, tmp_path, monkeypatch, capsys):
+    """`compile --profile` checks the profile against the traced graph, then compiles that graph."""
+    import opweave.passes.trace as trace
+    from opweave.cli import main
+
+    real, calls = trace.build_graph, []
+    monkeypatch.setattr(trace, "build_graph", lambda model: calls.append(model) or real(model))
+    argv = ["compile", "tiny-gemma3", "--cluster", "cpux2", "--tpot-slo", "10s", "--context", "64",
+            "--profile", saved, "--templates", "colocated", "--quiet", "-o", str(tmp_path / "art")]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert len(calls) == 1 and (tmp_path / "art" / "plan.json").is_file()
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a second core")
 def test_busy_cores_profile_under_load():
     lines = []

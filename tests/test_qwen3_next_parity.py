@@ -171,7 +171,7 @@ def test_linear_ops_run_on_meta_and_state_facts(ckpt):
 
 
 def test_decode_step_traces_into_the_ir(ckpt):
-    from opweave.ir.trace import build_graph
+    from opweave.passes.trace import build_graph
 
     cfg = resolve(ckpt).cfg
     graph = build_graph(build_model(cfg, "meta"))

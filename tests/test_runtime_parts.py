@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from opweave.codegen.kernels.reference import NON_FINITE_TOKEN
+from opweave.kernels.reference import NON_FINITE_TOKEN
+from opweave.kernels.sampling import WORD
 from opweave.compiler.compile import write_artifact
 from opweave.compiler.frontend import run_front_end
 from opweave.compiler.pinned import pinned_plan
@@ -95,7 +96,7 @@ def test_stateful_ops_use_the_state_passed_not_their_own(tiny_checkpoint):
 def test_kernel_ops_pass_the_state_on(tiny_checkpoint, backend):
     """The kernel wrapper (`runtime/kernel_ops.py`) computes with the state passed, for decode
     attention and Gated-DeltaNet, exactly as the module computes with the same state as its own."""
-    from opweave.codegen.kernels import get_backend
+    from opweave.kernels import get_backend
     from opweave.runtime.kernel_ops import KernelOp
 
     if backend == "triton":
@@ -321,6 +322,7 @@ def test_message_round_trip():
     positions = torch.arange(rows * width).view(rows, width)
     values = [torch.randn(rows, width, *s, dtype=torch.bfloat16) for s in shapes]
     words = torch.tensor([[5, 0, 1_000_000], [6, 800_000, 950_000], [2 ** 63 - 1, 1, 1]])
+    words = torch.cat([words, torch.arange(rows * (WORD - 3)).view(rows, WORD - 3)], dim=1)  # a word is WORD int64s
     message = pack_message(positions, words, values)
     per_token = (2 * 5 + 6) * 2
     assert message.numel() == message_bytes(rows, width, per_token) and message.dtype == torch.uint8
@@ -331,18 +333,19 @@ def test_message_round_trip():
 
 def test_assemble_joins_peers_and_views_a_single_peer():
     shapes = ((2,),)
-    top = (torch.tensor([[3, 4]]), torch.tensor([[1, 2, 3]]), torch.arange(4.0))                   # row 0
-    bottom = (torch.tensor([[-1, 9], [10, 11]]), torch.tensor([[4, 5, 6], [7, 8, 9]]), torch.arange(10.0, 18.0))
+    word = torch.arange(1, 3 * WORD + 1).view(3, WORD)  # each row's sampling word
+    top = (torch.tensor([[3, 4]]), word[:1], torch.arange(4.0))                   # row 0
+    bottom = (torch.tensor([[-1, 9], [10, 11]]), word[1:], torch.arange(10.0, 18.0))
     positions, words, (v,) = assemble([(0, 1, *top), (1, 3, *bottom)], rows=3, width=2, shapes=shapes,
                                       dtype=torch.float32)
     assert positions.tolist() == [[3, 4], [-1, 9], [10, 11]]
-    assert words.tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert words.tolist() == word.tolist()
     assert v[0].tolist() == [[0.0, 1.0], [2.0, 3.0]] and v[2, 1].tolist() == [16.0, 17.0]
     # one peer holding every row: views of its message, no copy
     vals = torch.randn(2, 1, 2)
-    msg = pack_message(torch.tensor([[7], [8]]), torch.tensor([[1, 2, 3], [4, 5, 6]]), [vals])
+    msg = pack_message(torch.tensor([[7], [8]]), word[:2], [vals])
     pos, word, payload = unpack_message(msg, 2, 1, torch.float32)
     positions, words, (v,) = assemble([(0, 2, pos, word, payload)], rows=2, width=1, shapes=shapes,
                                       dtype=torch.float32)
-    assert torch.equal(v, vals) and positions.tolist() == [[7], [8]] and words.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert torch.equal(v, vals) and positions.tolist() == [[7], [8]] and words.tolist() == word[:2].tolist()
     assert v.untyped_storage().data_ptr() == msg.untyped_storage().data_ptr()

@@ -1,4 +1,4 @@
-"""Sampling on the device (`opweave.runtime.sampling`): the distribution it draws from, top-p's
+"""Sampling on the device (`opweave.kernels.sampling`): the distribution it draws from, top-p's
 nucleus, greedy at temperature 0, the same tokens at any TP split or vocabulary chunking, no host
 synchronisation, and a workspace the planner counts."""
 
@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from opweave.codegen.kernels.reference import NON_FINITE_TOKEN
-from opweave.runtime import sampling
-from opweave.runtime.memory import LiveBytes
-from opweave.runtime.sampling import encode, sample
+from opweave.kernels.reference import NON_FINITE_TOKEN
+from opweave.kernels import sampling
+from opweave.profile.allocated import LiveBytes
+from opweave.kernels.sampling import encode, sample
 from opweave.runtime.syncguard import NoHostSync
 from test_runtime_parts import on_group
 

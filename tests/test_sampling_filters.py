@@ -1,4 +1,4 @@
-"""The sampler's filters (`opweave.runtime.sampling`): top_k, top_p, min_p and the EOS ban
+"""The sampler's filters (`opweave.kernels.sampling`): top_k, top_p, min_p and the EOS ban
 against a reference that sorts the whole vocabulary, and a property test over everything the
 server accepts (underflowing top_p and temperature, ties, infinities, NaNs): it never raises and
 never returns an id outside the vocabulary."""
@@ -11,9 +11,9 @@ import math
 import torch
 from hypothesis import given, settings, strategies as st
 
-from opweave.codegen.kernels.reference import NON_FINITE_TOKEN
-from opweave.runtime import sampling
-from opweave.runtime.sampling import MAX_TOP_K, ban_columns, encode, sample
+from opweave.kernels.reference import NON_FINITE_TOKEN
+from opweave.kernels import sampling
+from opweave.kernels.sampling import MAX_TOP_K, ban_columns, encode, sample
 from opweave.runtime.syncguard import NoHostSync
 from test_runtime_parts import on_group
 
@@ -148,7 +148,7 @@ def test_any_accepted_parameters_give_a_token_in_the_vocabulary(data, vocab, row
 
 
 def test_a_rank_refuses_a_malformed_word_for_that_request_only():
-    from opweave.runtime.sampling import bad_word
+    from opweave.kernels.sampling import bad_word
 
     assert bad_word(encode(1.0, 4e-7, 5, top_k=3, min_p=1e-9, ban_until=9)) is None
     assert bad_word((1, 2, 3)) and bad_word(encode(1.0, 1.0, 0)[:2] + (0, 0, 0, 0))

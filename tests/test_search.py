@@ -11,12 +11,13 @@ from hypothesis import strategies as st
 
 from opweave.hardware.catalog import GPUSpec
 from opweave.hardware.cluster import Cluster, Pool
-from opweave.ir.trace import build_graph
+from opweave.passes.trace import build_graph
 from opweave.models.hf_config import config_from_hf
 from opweave.models.model import build_model
 from opweave.passes.blocks import find_blocks
 from opweave.passes.owners import OwnerConfig, dominates, pareto_frontier
-from opweave.passes.search import PlanSpace, SearchOptions, search
+from opweave.passes.search import SearchOptions, search
+from opweave.passes.space import PlanSpace
 from opweave.passes.templates import enumerate_templates
 
 TINY_LLAMA = dict(model_type="llama", vocab_size=1024, hidden_size=256, intermediate_size=512,

@@ -127,7 +127,7 @@ def sampled_reference(folder: str, prompt: list[int], n: int, temperature: float
     plan must give whatever its TP split of the LM head."""
     from transformers import AutoModelForCausalLM
 
-    from opweave.runtime.sampling import encode, sample
+    from opweave.kernels.sampling import encode, sample
 
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager")
     ids, word = list(prompt), torch.tensor([encode(temperature, top_p, seed)])

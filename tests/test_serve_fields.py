@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opweave.runtime.sampling import ban_columns, sample
+from opweave.kernels.sampling import ban_columns, sample
 from opweave.serve.engine import Engine, Sampling
 from test_runtime import LAYERS, PROMPTS, compile_pinned, reference
 from test_serve_engine import Collect

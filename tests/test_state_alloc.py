@@ -9,7 +9,7 @@
 - Chunked prefill gives transformers' tokens (through `generate` and through the scheduler,
   with prefilling and decoding rows sharing steps and slots refilled).
 - A prefill step's largest transient tensor does not grow with the context, and its live peak
-  stays under `opweave.models.activation.step_activation_bytes`.
+  stays under the planner's formula (`opweave.cost.memory.activation_bytes`).
 """
 
 from __future__ import annotations
@@ -25,14 +25,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from local_loop import drive
+from opweave.cost.memory import activation_bytes
 from opweave.cost.model import state_shards
+from opweave.ir.plan import PREFILL_CHUNK
+from opweave.passes.trace import build_graph
+from opweave.kernels.blocks import ATTN_KEY_BLOCK
 from opweave.models import ops
-from opweave.models.activation import ATTN_KEY_BLOCK, PREFILL_CHUNK, step_activation_bytes
 from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model, generate
 from opweave.models.registry import resolve
 from opweave.runtime.scheduler import Request, Scheduler
-from opweave.runtime.tp import sharded_config
+from opweave.runtime.shard import sharded_config
 
 FAMILY_MODELS = ["llama-3.1-8b", "gemma-3-27b", "qwen3-30b-a3b", "qwen3-next-80b-a3b"]
 
@@ -110,7 +113,7 @@ def _steps():
 @pytest.mark.parametrize("block", [3, ATTN_KEY_BLOCK])
 @pytest.mark.parametrize("window,context", [(4, 40), (4, 3), (None, 40)])
 def test_ring_buffer_matches_a_full_history(monkeypatch, window, context, block):
-    from opweave.codegen.kernels import reference
+    from opweave.kernels import reference
 
     monkeypatch.setattr(reference, "ATTN_KEY_BLOCK", block)  # 3: several blocks per ring and chunk
     cfg = config_from_hf(TINY, "tiny")
@@ -163,12 +166,12 @@ def test_ring_buffer_matches_a_full_history(monkeypatch, window, context, block)
 def test_decode_kernel_path_matches_the_module_on_a_wrapped_ring(monkeypatch, backend):
     """The runtime's one-token path (`KernelOp`: cache_write + the backend's decode_attention) on
     a ring that has wrapped several times equals the module (Triton: under the interpreter)."""
-    from opweave.codegen.kernels import get_backend
+    from opweave.kernels import get_backend
     from opweave.runtime.kernel_ops import KernelOp
 
     if backend == "triton":
         pytest.importorskip("triton")
-        monkeypatch.setattr(get_backend("triton"), "ATTN_BLOCK_N", 16)
+        monkeypatch.setattr(get_backend("triton").attention, "ATTN_BLOCK_N", 16)
     cfg = config_from_hf(TINY, "tiny")
     a, b = ops.Attention(cfg, 0, 4), ops.Attention(cfg, 0, 4)
     a.allocate_state(3, 100, "cpu")
@@ -328,6 +331,7 @@ def test_step_scratch_does_not_grow_with_context(name, layers, tokens):
     short, long = (_step_allocations(cfg, 2, tokens, c) for c in (1024, 65536))
     assert short.largest == long.largest
     assert long.peak <= short.peak * 1.01 + 2 * ATTN_KEY_BLOCK * 8  # ring positions per block
+    ops = build_graph(build_model(cfg, "meta")).ops
     for context, seen in ((1024, short), (65536, long)):
-        bound = step_activation_bytes(cfg, 2, tokens, context).peak
+        bound = activation_bytes(ops, 1, 2, tokens, context)  # what the planner charges one step
         assert seen.peak <= bound, (context, seen.peak, bound)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from opweave.ir.trace import build_graph
+from opweave.passes.trace import build_graph
 from opweave.models.config import FULL, SLIDING
 from opweave.models.hf_config import config_from_hf
 from opweave.models.model import build_model

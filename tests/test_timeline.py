@@ -7,6 +7,7 @@ import torch
 
 from opweave.cli import main
 from opweave.ir.program import program_from_json
+from opweave.kernels.sampling import WORD
 from opweave.runtime.launch import RunConfig, run_detailed
 from opweave.runtime.message import message_bytes, pack_message, unpack_message
 from opweave.runtime.scheduler import Request
@@ -18,6 +19,7 @@ def test_message_round_trip():
     positions = torch.tensor([[3, 4], [7, 8]])
     a, b = torch.randn(2, 2, 5), torch.randn(2, 2, 3, 2)
     words = torch.tensor([[11, 0, 1_000_000], [2 ** 62, 700_000, 900_000]])
+    words = torch.cat([words, torch.ones(2, WORD - 3, dtype=torch.long)], dim=1)  # a word is WORD int64s
     message = pack_message(positions, words, [a, b])
     assert message.dtype == torch.uint8 and message.numel() == message_bytes(2, 2, (5 + 6) * 4)
     pos, word, payload = unpack_message(message, 2, 2, torch.float32)

@@ -9,8 +9,8 @@ import pytest
 
 from test_runtime import compile_pinned
 from opweave.errors import OpWeaveError
-from opweave.runtime.manifest import (MANIFEST, SIGNATURE, load_artifact, load_program_source, read_key,
-                                      read_manifest, sha256_file, write_manifest)
+from opweave.artifact import (MANIFEST, SIGNATURE, load_artifact, load_program_source, read_key, read_manifest,
+                              sha256_file, write_manifest)
 
 KEY = b"k" * 32
 INJECTED = "\nopen(__file__ + '.ran', 'w').close()\n"
@@ -114,6 +114,7 @@ def test_cli_signs_and_refuses_a_rehashed_edit(tiny_checkpoint, tmp_path, capsys
     folder = tiny_checkpoint("llama", num_hidden_layers=3)
     key = tmp_path / "key"
     key.write_bytes(os.urandom(32))
+    key.chmod(0o600)  # a key others may read is refused
     art = str(tmp_path / "art")
     assert main(["compile", folder, "--cluster", "h100x2+l40sx2", "--tpot-slo", "50ms", "--context", "64",
                  "--max-batch", "4", "-o", art, "--sign-key", str(key), "--quiet"]) == 0
@@ -127,3 +128,88 @@ def test_cli_signs_and_refuses_a_rehashed_edit(tiny_checkpoint, tmp_path, capsys
     err = capsys.readouterr().err
     assert "signature does not match" in err and err.count("\n") == 1
     assert not any(n.endswith(".ran") for n in os.listdir(art))  # refused before any rank ran the edit
+
+
+# ---------------------------------------------------------------- every reader goes through the check
+def _readers(tmp_path):
+    """Every reader of artifact files outside the launcher: (the file it reads, a call reading it)."""
+    import torch
+
+    from opweave.runtime.checks import artifact_model_config
+    from opweave.runtime.entry import torchrun_commands
+    from opweave.runtime.launch import planned_replica_sets
+    from opweave.runtime.standalone import load_alone
+    from opweave.runtime.timeline import write_trace
+    from opweave.serve.engine import Engine
+
+    stats = {"spans": {"0": []}, "round_s": []}
+    return {
+        "engine": ("rank_00.json", lambda art: Engine(art, "random")),
+        "model config": ("model_config.json", artifact_model_config),
+        "torchrun commands": ("plan.json", lambda art: torchrun_commands(art, "random", "p.jsonl", 2)),
+        "replica sets": ("plan.json", planned_replica_sets),
+        "standalone module": ("ops.json", lambda art: load_alone(os.path.join(art, "rank_00.py"), torch.device("cpu"))),
+        "measured trace": ("trace.json", lambda art: write_trace(stats, str(tmp_path / "t.json"), art)),
+    }
+
+
+@pytest.mark.parametrize("reader", ["engine", "model config", "torchrun commands", "replica sets",
+                                    "standalone module", "measured trace"])
+def test_every_reader_refuses_a_file_that_fails_its_checksum(artifact, tmp_path, reader):
+    _, art = artifact
+    folder = _copy(art, tmp_path)
+    name, read = _readers(tmp_path)[reader]
+    read(folder)  # intact: reads
+    with open(os.path.join(folder, name), "a") as f:
+        f.write(" ")  # still the same JSON, no longer the checked bytes
+    with pytest.raises(OpWeaveError, match=f"{name}: fails its checksum") as err:
+        read(folder)
+    assert "\n" not in str(err.value)
+
+
+def _plan_only(folder, text):
+    os.makedirs(folder)
+    with open(os.path.join(folder, "plan.json"), "w") as f:
+        f.write(text)
+    write_manifest(folder, "m", "p")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "plan.json: not JSON"),
+    ("[2]", "'replica_sets' must be a whole number of at least 1, got None"),
+    ('{"tpot_ms": 5}', "'replica_sets' must be a whole number of at least 1, got None"),
+    ('{"replica_sets": "2"}', "got '2'"),
+    ('{"replica_sets": 0}', "got 0"),
+])
+def test_replica_sets_all_fails_loudly_on_a_damaged_plan(tmp_path, capsys, text, message):
+    """`--replica-sets all` counts the plan's sets from plan.json, checked against the manifest: a
+    damaged one is a one-line error naming it, never one set served quietly."""
+    from opweave.cli import main
+    from opweave.runtime.launch import planned_replica_sets
+
+    folder = str(tmp_path / "art")
+    _plan_only(folder, text)
+    with pytest.raises(OpWeaveError, match=message) as err:
+        planned_replica_sets(folder)
+    assert os.path.join(folder, "plan.json") in str(err.value) and "\n" not in str(err.value)
+    assert main(["run", folder, "--weights", "random", "--prompt-ids", "1,2", "--replica-sets", "all"]) == 2
+    out = capsys.readouterr().err
+    assert "plan.json" in out and out.count("\n") == 1
+
+
+def test_replica_sets_all_refuses_an_edited_or_missing_plan(tmp_path):
+    from opweave.runtime.launch import planned_replica_sets
+
+    folder = str(tmp_path / "art")
+    _plan_only(folder, '{"replica_sets": 3}')
+    assert planned_replica_sets(folder) == 3
+    with open(os.path.join(folder, "plan.json"), "w") as f:
+        f.write('{"replica_sets": 4}')
+    with pytest.raises(OpWeaveError, match="plan.json: fails its checksum"):
+        planned_replica_sets(folder)
+    os.remove(os.path.join(folder, "plan.json"))
+    with pytest.raises(OpWeaveError, match="plan.json: missing from the artifact"):
+        planned_replica_sets(folder)
+    write_manifest(folder, "m", "p")  # a manifest that does not list it
+    with pytest.raises(OpWeaveError, match="plan.json: not listed in the manifest"):
+        planned_replica_sets(folder)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from opweave.codegen.kernels import get_backend
+from opweave.kernels import get_backend
 from opweave.errors import OpWeaveError
 from opweave.models import ops
 from opweave.models.config import FULL

@@ -26,9 +26,8 @@ import re
 import jinja2
 
 from opweave import __version__
-from opweave.ir.graph import OP_CLASS
-from opweave.ir.kinds import OpClass, OpKind
-from opweave.ir.program import Launch, RankProgram, StageProgram
+from opweave.ir.kinds import OpKind
+from opweave.ir.program import Launch, RankProgram, StageProgram, stateful
 
 _VALUE = re.compile(r"^(?P<name>[^\[]+)(\[(?P<index>[0-9]+)\])?$")
 _VARIABLE = re.compile(r"v[0-9]+(_[0-9]+)?|ids|positions")
@@ -103,12 +102,6 @@ def _note(st: StageProgram, l: Launch, extra: str = "") -> tuple[str, ...]:
     block = "-" if l.block is None else l.block
     layer = "-" if l.layer is None else l.layer
     return f"stage {st.stage}", f"block {block}", f"layer {layer}", f"{l.kind} ({l.name}){extra}"
-
-
-def stateful(launch: Launch) -> bool:
-    """Whether the op keeps per-sequence state (the ATTN class: KV cache, recurrent state); the
-    generated code passes it the microbatch's state view (`opweave.runtime.state`)."""
-    return OP_CLASS.get(OpKind(launch.kind)) == OpClass.ATTN
 
 
 def fused_add_norm(st: StageProgram, k: int) -> bool:

@@ -1,27 +1,18 @@
-"""The front end of the compile pipeline: MODEL argument -> OpGraph -> partition blocks.
+"""The compile's front end: a MODEL argument traced into an OpGraph and cut into partition blocks.
 
-These are the pipeline's first two steps (`compiler/pipeline.py`: trace, blocks), with their
-numbered debug dumps (OPWEAVE_DEBUG_DIR) and verifiers (OPWEAVE_VERIFY=1).
+`run_front_end` runs the pipeline's first two steps, trace and blocks (`compiler/pipeline.py`).
+It returns the compile's record after them. The later steps continue from that record.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from opweave.compiler import pipeline
+from opweave.compiler.inputs import Inputs
 
-from opweave.ir.graph import OpGraph
-from opweave.models.registry import ModelSource
-from opweave.passes.blocks import BlockedGraph
-
-
-@dataclasses.dataclass(frozen=True)
-class FrontEnd:
-    source: ModelSource
-    graph: OpGraph
-    blocks: BlockedGraph
+FrontEnd = pipeline.Compiled
+"""A compile's record after trace and blocks (`source`, `graph`, `blocks`): the same record type."""
 
 
 def run_front_end(model: str, dtype: str | None = None) -> FrontEnd:
     """Resolves MODEL, traces its decode step and finds its partition blocks."""
-    from opweave.compiler import pipeline
-
-    return pipeline.run(pipeline.State(model=model, dtype=dtype), last="blocks").front_end()
+    return pipeline.run(pipeline.Compiled(inputs=Inputs(model=model, dtype=dtype)), last="blocks")

@@ -13,21 +13,16 @@ of the microbatch (`passes/lower.replica_rows`; the search uses the largest, cei
 Activations. A step feeds `width` tokens per row (1 in decode, up to the prefill chunk in a
 prefill). The generated module frees each value after its last use in the step, so a step holds
 the residual stream and, at its peak, one op's inputs, outputs and the scratch it allocates inside
-its forward (`op_scratch_bytes`, for the key and token blocks of `opweave.models.activation`):
+its forward (`op_scratch_bytes`, for the key and token blocks of `opweave.kernels.blocks`):
 rows x width x (stream + op.act_bytes_per_token / shards) + scratch, for the largest op.
 
-Buffers. A rank, for the cuts it is the port of (a replica's TP ranks take the cuts in turn; the
-token ids come back to TP rank 0, the scheduler), keeps a decode-sized receive buffer for every
-receive of a round
-(`runtime/message.message_bytes`; reused every round, as a captured graph needs), in a prefill
-step the widest receive of each upstream peer, and the messages it sent alive for two rounds
-(this round's and the previous one's, until their sends complete); the last stage's token ids
-count as sends, the embedding owner's token-id receives as receives.
+Buffers, which need the plan's transfers, are `opweave.passes.plan_memory`'s.
 
 `memory_per_gpu` (weights + state + activations: what lives on the GPU) is what the planner
 checks against a GPU's usable memory; `Footprint` is the
-same formula with its per-op sums precomputed, for the search's inner loop; `plan_rank_memory`
-is the planned breakdown of one rank of a compiled plan (what `opweave dump --what memory` shows).
+same formula with its per-op sums precomputed, for the search's inner loop; the planned breakdown
+of one rank of a compiled plan (what `opweave dump --what memory` shows) is
+`opweave.passes.plan_memory.plan_rank_memory`.
 """
 
 from __future__ import annotations
@@ -36,14 +31,14 @@ import dataclasses
 import math
 
 from opweave.cost.model import shards, state_shards
-from opweave.ir.graph import OpGraph, Op
+from opweave.ir.graph import Op
 from opweave.ir.kinds import OpKind
-from opweave.models.activation import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK, PREFILL_CHUNK
-from opweave.runtime.message import WORD_BYTES as SAMPLING_WORD_BYTES
-from opweave.runtime.sampling import workspace_bytes as sampler_workspace_bytes
+from opweave.ir.plan import PREFILL_CHUNK
+from opweave.kernels.blocks import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK
+from opweave.kernels.sampling import workspace_bytes as sampler_workspace_bytes
 
 SCORE_BYTES = 12
-"""Scratch bytes per attention score of a key block (`models/activation.py`): the float32 scores,
+"""Scratch bytes per attention score of a key block (`kernels/blocks.py`): the float32 scores,
 their exponentials and the mask."""
 
 ATTN_ACCUMULATORS = 5
@@ -64,13 +59,6 @@ STREAM_COPIES = 3
 """Values a step keeps besides the op at its peak (the residual, the stage's received values and
 the full values a TP group gathers to send), in units of the largest activations of one op
 (before the LM head)."""
-
-SEND_ROUNDS = 2
-"""Rounds of sent messages a leader keeps alive (this round's and the previous one's)."""
-
-INDEX_BYTES = 8
-"""An int64: positions per token in a message, a token id."""
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryBreakdown:
@@ -125,7 +113,7 @@ def state_bytes_per_slot(ops, tp: int, context: int) -> float:
 def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int, layout: str = "tp",
                      gather: bool = True) -> float:
     """Bytes an op allocates inside its forward beyond its inputs and outputs (freed on return),
-    for the block sizes of `opweave.models.activation` (routed experts held as `layout`; without
+    for the block sizes of `opweave.kernels.blocks` (routed experts held as `layout`; without
     their gathered weights unless `gather`)."""
     n = shards(op, tp, layout)
     if op.kind in (OpKind.ATTN_FULL, OpKind.ATTN_SLIDING):
@@ -207,7 +195,7 @@ def memory_per_gpu(ops, tp: int, slots: int, context: int, rows: int | None = No
                    width: int = PREFILL_CHUNK, layout: str = "tp") -> float:
     """Bytes one GPU of a TP group running `ops` holds with `slots` state slots and steps of
     `rows` rows (default: all slots in one microbatch) of `width` tokens: weights + state +
-    activations (message buffers: `plan_rank_memory`)."""
+    activations (message buffers: `opweave.passes.plan_memory`)."""
     return Footprint.of(ops, tp, context, width, layout).bytes_at(slots, slots if rows is None else rows)
 
 
@@ -248,86 +236,3 @@ class Footprint:
         """A rank of the largest replica of an owner with `replicas` replicas, resident batch
         `batch` in `microbatches` microbatches."""
         return self.bytes_at(slots_per_rank(batch, microbatches, replicas), max_rows(batch, microbatches, replicas))
-
-
-# ---------------------------------------------------------------- one rank of a plan
-
-
-def _overlaps(rows: tuple[int, int], other: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(peer replica, rows exchanged) for each replica of another owner whose rows overlap."""
-    out = []
-    for j, (lo, hi) in enumerate(other):
-        n = min(hi, rows[1]) - max(lo, rows[0])
-        if n > 0:
-            out.append((j, n))
-    return out
-
-
-def message_size(rows: int, width: int, per_token: int) -> int:
-    """Bytes of one message (the layout of `runtime/message.py`: the rows' sampling words,
-    positions, values)."""
-    return rows * (SAMPLING_WORD_BYTES + width * (INDEX_BYTES + per_token))
-
-
-def buffer_bytes(plan, owner: int, replica: int, width: int, tp_rank: int = 0) -> float:
-    """Message buffers of TP rank `tp_rank` of `replica` of `owner` (module docstring): the cuts
-    it is the port of (the cut after stage c is taken by TP rank c mod TP, `passes.lower.port`),
-    and the token ids back on TP rank 0 (the scheduler)."""
-    from opweave.passes.lower import replica_rows
-
-    tp = plan.owners[owner].tp
-
-    mb = plan.batch // plan.microbatches
-    rows = {o.slot: replica_rows(mb, o.replicas) for o in plan.owners}
-    mine = rows[owner][replica]
-    stages = plan.stages
-    first, last = stages[0].owner, stages[-1].owner
-    static, wide = 0, {}   # every decode-sized receive; (owner, replica) -> its widest receive
-    sent = 0
-    for i, st in enumerate(stages):
-        if st.owner != owner:
-            continue
-        if i > 0 and stages[i - 1].owner != owner and (i - 1) % tp == tp_rank:
-            prev = stages[i - 1].owner
-            for j, n in _overlaps(mine, rows[prev]):
-                static += plan.microbatches * message_size(n, 1, stages[i - 1].out_bytes_per_token)
-                if width > 1:
-                    wide[(prev, j)] = max(wide.get((prev, j), 0), message_size(n, width, stages[i - 1].out_bytes_per_token))
-        if i % tp != tp_rank:
-            continue
-        if i + 1 < len(stages) and stages[i + 1].owner != owner:
-            for _, n in _overlaps(mine, rows[stages[i + 1].owner]):
-                sent += message_size(n, width, st.out_bytes_per_token)
-        if i + 1 == len(stages):
-            sent += sum(n * INDEX_BYTES for j, n in _overlaps(mine, rows[first])
-                        if (first, j) != (owner, replica) or tp_rank != 0)
-    if owner == first and tp_rank == 0:
-        for j, n in _overlaps(mine, rows[last]):
-            if (last, j) != (owner, replica) or (len(stages) - 1) % tp != 0:
-                static += plan.microbatches * n * INDEX_BYTES
-    return static + sum(wide.values()) + SEND_ROUNDS * plan.microbatches * sent
-
-
-def owner_ops(plan, graph: OpGraph, owner: int) -> list[Op]:
-    return [graph.ops[i] for st in plan.stages if st.owner == owner for i in range(st.first_op, st.last_op + 1)]
-
-
-def plan_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: int,
-                     width: int = PREFILL_CHUNK) -> MemoryBreakdown:
-    """The planned breakdown of the GPU at (owner, replica, TP rank) of a plan."""
-    from opweave.passes.lower import replica_rows
-
-    from opweave.passes.carry import held_peak
-
-    o = plan.owners[owner]
-    lo, hi = replica_rows(plan.batch // plan.microbatches, o.replicas)[replica]
-    ops = owner_ops(plan, graph, owner)
-    owners = [st.owner for st in plan.stages]
-    held = held_peak(graph, [(st.first_op, st.last_op) for st in plan.stages], owners).get(owner, 0) \
-        if len(set(owners)) > 1 else 0
-    return MemoryBreakdown(
-        weights=weight_bytes(ops, o.tp, o.experts),
-        state=plan.microbatches * (hi - lo) * state_bytes_per_slot(ops, o.tp, plan.context),
-        activations=activation_bytes(ops, o.tp, hi - lo, width, plan.context, o.experts)
-        + plan.microbatches * (hi - lo) * width * held,
-        buffers=buffer_bytes(plan, owner, replica, width, tp_rank))

@@ -94,7 +94,7 @@ def shards(op: Op, tp: int, layout: str = "tp") -> float:
 
 MOE_BLOCK_PAIRS = 16
 """The grouped MoE kernel reads an expert's weights once per block of this many (token, expert)
-pairs routed to it (`MOE_BLOCK_M` in `opweave/codegen/kernels`; docs/kernels.md)."""
+pairs routed to it (`MOE_BLOCK_M` in `opweave/kernels/triton_kernels/moe.py`; docs/kernels.md)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -424,12 +424,3 @@ def boundary_s(per_token: float, src: GPUSpec, src_rows: int, dst: GPUSpec, dst_
     else:
         fanout = dst.intra_link_latency + received / intra_bandwidth(dst)
     return transfer_s(per_token * src_rows, src, dst, inter_node, received) + fanout
-
-
-def memory_per_gpu(ops: tuple[Op, ...] | list[Op], tp: int, slots: int, context: int,
-                   rows: int | None = None) -> float:
-    """Bytes one GPU of a TP group holds with `slots` state slots and steps of `rows` rows: see
-    `opweave.cost.memory`, the one memory accounting."""
-    from opweave.cost import memory
-
-    return memory.memory_per_gpu(ops, tp, slots, context, rows)

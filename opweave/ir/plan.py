@@ -22,7 +22,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from opweave.models.activation import PREFILL_CHUNK
+PREFILL_CHUNK = 128
+"""Default tokens per row per step (a planned figure carried by each rank program): a prompt longer
+than that is prefilled over several steps (`opweave.runtime.scheduler`). 128 tokens of a row keep
+a prefill step's GEMMs efficient (rows x 128 tokens are well past the memory-bound regime of a
+decode step) while a step mixing prefill and decode rows stays a few decode steps long."""
 
 PLAN_FORMAT = "opweave-plan/3"
 _OLD_FORMAT = "opweave-plan/1"  # every replica set's GPUs, idle GPUs one by one

@@ -16,8 +16,10 @@ import dataclasses
 from typing import Any
 
 from opweave.errors import OpWeaveError
+from opweave.ir.graph import OP_CLASS
+from opweave.ir.kinds import OpClass, OpKind
 from opweave.ir.tp import Layout, layout_from_json, layout_to_json
-from opweave.models.activation import PREFILL_CHUNK
+from opweave.ir.plan import PREFILL_CHUNK
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +53,12 @@ class Launch:
     inputs: tuple[str, ...]   # IR value names
     output: str               # IR value name of the op's output (tuple outputs: name, indexed name[i])
     allreduce: bool           # row-parallel partial sums: all-reduce over the TP group after the op
+
+
+def stateful(launch: Launch) -> bool:
+    """Whether the op keeps per-sequence state (the ATTN class: KV cache, recurrent state); the
+    rank program passes it the microbatch's state view (`opweave.runtime.state`)."""
+    return OP_CLASS.get(OpKind(launch.kind)) == OpClass.ATTN
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -247,7 +247,7 @@ def rule(kind: OpKind) -> KindRule:
 class OpTP:
     """What the table needs to know of one op: its kind, units, KV heads and weight shapes.
 
-    Built from an IR `Op` (`of_op`) or from an operator module (the runtime's `runtime/tp.py`),
+    Built from an IR `Op` (`of_op`) or from an operator module (the runtime's `runtime/shard.py`),
     so the cost model and the runtime shard from the same facts."""
 
     kind: OpKind

@@ -3,7 +3,7 @@
 The families differ only in configuration (`ModelConfig`): which attention each layer uses,
 q/k norm, sandwich norms, gated attention output, dense MLP vs MoE (+ shared expert).
 `CausalLM.forward` serves both prefill (T > 1) and decode (T = 1); `DecodeStep` is the unit that
-`opweave.ir.trace` traces with torch.fx: one token per sequence in, next token ids out.
+`opweave.passes.trace` traces with torch.fx: one token per sequence in, next token ids out.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from opweave.models import ops
-from opweave.models.activation import PREFILL_CHUNK
+from opweave.ir.plan import PREFILL_CHUNK
 from opweave.models.config import FULL, LINEAR, SLIDING, ModelConfig
 
 

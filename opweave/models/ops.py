@@ -7,7 +7,7 @@ key) and cost facts (`facts()`). The containers in `opweave.models.model` only w
 Shapes: activations are [B, T, ...] (batch, tokens this step); `positions` is [B, T] int64 with
 -1 marking a padding slot (no state is written for it).
 Numerics follow Hugging Face transformers (RMSNorm in float32, softmax in float32). The math is
-written once, in the kernel library's torch reference (`opweave.codegen.kernels.reference`): the
+written once, in the kernel library's torch reference (`opweave.kernels.reference`): the
 modules hold weights and state and call it. The Gated-DeltaNet operators live in
 `opweave.models.ops_linear`.
 """
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opweave.codegen.kernels import reference as K
-from opweave.codegen.kernels.reference import NON_FINITE_TOKEN  # noqa: F401  (re-exported)
+from opweave.kernels import reference as K
+from opweave.kernels.reference import NON_FINITE_TOKEN  # noqa: F401  (re-exported)
 from opweave.ir.facts import OpFacts, StateSpec
 from opweave.ir.kinds import OpKind, TPRule
 from opweave.models.config import ModelConfig, RopeSpec
@@ -429,7 +429,7 @@ class RoutedExperts(OpModule):
 
     A module holds experts [first_expert, first_expert + num_local_experts) of the model's E (its
     weights' leading dimension is num_local_experts): all of them (first 0, count E) unless built
-    as an expert-parallel shard (`experts=(first, count)`, `opweave.runtime.tp.rebuild`). Its
+    as an expert-parallel shard (`experts=(first, count)`, `opweave.runtime.shard.rebuild`). Its
     inputs carry global expert ids; `local_ids` maps them to its own, every pair routed elsewhere
     to the sentinel num_local_experts, which the kernels drop (`reference.local_expert_ids`)."""
 

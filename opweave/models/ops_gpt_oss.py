@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from opweave.codegen.kernels import reference as K
+from opweave.kernels import reference as K
 from opweave.errors import OpWeaveError
 from opweave.ir.facts import OpFacts
 from opweave.ir.kinds import OpKind, TPRule

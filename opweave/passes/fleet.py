@@ -21,7 +21,8 @@ from typing import Callable
 
 from opweave.hardware.cluster import Cluster, Pool
 from opweave.passes.placement import Placement, place
-from opweave.passes.search import Candidate, PlanSpace, SearchOptions, SearchResult, owner_groups, search
+from opweave.passes.search import SearchOptions, SearchResult, search
+from opweave.passes.space import Candidate, PlanSpace, owner_groups
 
 MAX_PLANS = 4
 """Members a fleet gets at most (a mixed cluster rarely needs more than one per GPU type)."""
@@ -36,11 +37,11 @@ class FleetMember:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.sets * self.best.result.tokens_per_s
+        return self.sets * self.best.sim.tokens_per_s
 
     @property
     def cost_per_hour(self) -> float:
-        return self.sets * self.best.result.cost_per_hour
+        return self.sets * self.best.sim.cost_per_hour
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,6 +19,7 @@ Reductions, each switchable for ablation:
 With neither reduction every configuration product is simulated (the exhaustive reference).
 Complexity: sum over (t, k, B, n) of prod_o |frontier_o| simulator calls in the worst case.
 Deterministic: fixed enumeration order; ties broken by that order.
+The plan space, its evaluator and the owner configurations of one slot: `passes/space.py`.
 """
 
 from __future__ import annotations
@@ -28,23 +29,13 @@ import math
 import time
 from typing import Callable
 
-from opweave.cost.memory import Footprint, max_rows
-from opweave.models.activation import PREFILL_CHUNK
-from opweave.cost.model import CostModel, boundary_s, transfer_s
-from opweave.errors import OpWeaveError
 from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import OpGraph
-from opweave.ir.tp import EXPERT_LAYOUTS, has_experts, indivisible, layout_choices, legal_tp
-from opweave.passes.blocks import BlockedGraph
-from opweave.passes.carry import held_bytes_per_token, round_robin, send_bytes_per_token
 from opweave.passes.owners import OwnerConfig, microbatch_share, pareto_frontier
-from opweave.passes.placement import Group, place, transfer_locality
-from opweave.passes.simulate import SimOwner, SimProblem, SimResult, SimStage, simulate
+from opweave.passes.simulate import simulate
+from opweave.passes.space import Candidate, Evaluator, PlanSpace, build_sim_problem, fits_group, owner_configs, \
+    slot_of
 from opweave.passes.templates import StagePlan, build_stages, enumerate_templates
-
-TOKEN_ID_BYTES = 8
-"""Bytes per sequence handed back from the last stage to the embedding owner (an int64 token id)."""
-
 
 OBJECTIVES = ("cost", "throughput")
 """cost: the least $/Mtoken of one replica set (what a fleet of copies costs per token);
@@ -103,19 +94,6 @@ class SearchOptions:
     bnb: bool = True
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class PlanSpace:
-    """What to plan for."""
-
-    graph: OpGraph
-    blocks: BlockedGraph
-    cluster: Cluster
-    context: int
-    tpot_slo_s: float
-    cost_model: CostModel = CostModel()
-    prefill_chunk: int = PREFILL_CHUNK  # tokens per row per prefill step: sizes the activations
-
-
 @dataclasses.dataclass
 class Counters:
     """What the search looked at and why it dropped the rest. Deterministic (no wall-clock time:
@@ -141,208 +119,12 @@ class Counters:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Candidate:
-    stage_plan: StagePlan
-    batch: int
-    microbatches: int
-    owners: tuple[OwnerConfig, ...]
-    problem: SimProblem
-    result: SimResult
-    sets: int = 1                   # replica sets of these owners that fit on the cluster
-
-    @property
-    def cluster_tokens_per_s(self) -> float:
-        return self.sets * self.result.tokens_per_s
-
-    @property
-    def cost(self) -> float:
-        return self.result.cost_per_mtok_usd
-
-    @property
-    def tpot_s(self) -> float:
-        return self.result.tpot_s
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SearchResult:
     best: Candidate | None          # cheapest plan meeting the SLO
     closest: Candidate | None       # lowest TPOT among plans that fit (for "no plan meets the SLO")
     counters: Counters
     reason: str = ""                # why there is no plan, when `best` is None
     seconds: float = 0.0            # wall-clock time of the search (not in the plan: compile-info.json)
-
-
-class _Evaluator:
-    """Stage latencies and memory footprints for one plan space.
-
-    Stage signatures are interned to small ints once per stage plan, and GPU types are named by
-    their pool index, so the hot caches hash small tuples."""
-
-    def __init__(self, space: PlanSpace):
-        self.space = space
-        self.hidden_bytes = space.graph.cuts[0].bytes_per_token if space.graph.cuts else 0
-        self._sig_ids: dict[tuple, int] = {}
-        self._sig_stage: list = []                       # sig id -> a representative stage
-        self._sig_experts: list[bool] = []               # sig id -> whether the stage runs routed experts
-        self._latency: dict[tuple[int, int, int, int], float] = {}
-        self._footprint: dict[tuple, tuple[float, float] | None] = {}
-        self._plans: dict[str, tuple[int, ...]] = {}
-        self._slots: dict[tuple[str, int, int], tuple[list, tuple[int, ...], list]] = {}
-        self._slot_keys: dict[tuple[str, int, int], tuple] = {}
-        self._vectors: dict[tuple, tuple[float, ...]] = {}
-        self._labels: dict[tuple[int, int, int], str] = {}
-        self._slot_experts: dict[tuple[str, int, int], bool] = {}
-        self._placements: dict[tuple[Group, ...], object] = {}
-        self._locality: dict[tuple, dict[tuple[int, int], bool] | None] = {}
-        self._sent: dict[tuple[str, int], tuple[int, ...]] = {}
-        self._held: dict[tuple[str, int], dict[int, int]] = {}
-
-    def locality(self, owners: tuple[OwnerConfig, ...], rows: int) -> dict[tuple[int, int], bool] | None:
-        """`placement.transfer_locality` of the owners' replica sets on the cluster (memoized), or
-        None when not one replica set fits in the cluster's nodes."""
-        groups = owner_groups(owners)
-        key = (groups, rows)
-        if key not in self._locality:
-            if groups not in self._placements:
-                self._placements[groups] = place(groups, self.space.cluster)
-            where = self._placements[groups]
-            self._locality[key] = transfer_locality(where, self.space.cluster, rows) if where.num_sets else None
-        return self._locality[key]
-
-    def held_bytes(self, plan: StagePlan, k: int) -> dict[int, int]:
-        """Per slot: bytes per token it keeps for its later stages (`carry.held_bytes_per_token`)."""
-        key = (plan.template.name, k)
-        if key not in self._held:
-            self._held[key] = held_bytes_per_token(plan, round_robin(plan, k)) if k > 1 else {0: 0}
-        return self._held[key]
-
-    def sets(self, owners: tuple[OwnerConfig, ...]) -> int:
-        """Replica sets of the owners that fit on the cluster (after `locality` placed them)."""
-        return self._placements[owner_groups(owners)].num_sets
-
-    def send_bytes(self, plan: StagePlan, k: int) -> tuple[int, ...]:
-        """Bytes per sequence each stage sends to the next stage's owner with `k` owner slots: only
-        what that side needs (`passes/carry.py`: a value an owner already holds is not moved)."""
-        key = (plan.template.name, k)
-        if key not in self._sent:
-            self._sent[key] = send_bytes_per_token(plan, round_robin(plan, k))
-        return self._sent[key]
-
-    def sig_ids(self, plan: StagePlan) -> tuple[int, ...]:
-        name = plan.template.name
-        if name not in self._plans:
-            ids = []
-            for st in plan.stages:
-                if st.signature not in self._sig_ids:
-                    self._sig_ids[st.signature] = len(self._sig_stage)
-                    self._sig_stage.append(st)
-                    self._sig_experts.append(has_experts(self.space.graph.ops[st.first:st.last + 1]))
-                ids.append(self._sig_ids[st.signature])
-            self._plans[name] = tuple(ids)
-        return self._plans[name]
-
-    def latency(self, sig: int, pool: int, tp: int, share: int, layout: str = "tp") -> float:
-        """One occurrence of stage signature `sig` on one replica (routed experts held as `layout`)."""
-        if layout != "tp" and (tp <= 1 or not self._sig_experts[sig]):
-            layout = "tp"
-        key = (sig, pool, tp, share, layout)
-        value = self._latency.get(key)
-        if value is None:
-            st = self._sig_stage[sig]
-            value = self.space.cost_model.ops_latency(
-                self.space.graph.ops[st.first:st.last + 1], self.space.cluster.pools[pool].gpu, tp, share,
-                self.space.context, self.hidden_bytes, layout)
-            self._latency[key] = value
-        return value
-
-    def latencies(self, plan: StagePlan, k: int, slot: int, pool: int, tp: int, share: int,
-                  layout: str) -> tuple[float, ...]:
-        """A slot's latency vector (one entry per occurrence of its stages, in token order) on one
-        replica of (pool, tp, layout) processing `share` rows: what an `OwnerConfig` carries
-        (memoized: batches and replica counts with the same share reuse it)."""
-        key = (plan.template.name, k, slot, pool, tp, share, layout)
-        hit = self._vectors.get(key)
-        if hit is None:
-            stages, sigs, _ = self.slot(plan, k, slot)
-            by_sig = {sig: self.latency(sig, pool, tp, share, layout) for sig in set(sigs)}
-            if self.space.cost_model.charges_host:
-                hit = tuple(by_sig[sig] + self.host_s(plan, k, s.index, pool, share) for s, sig in zip(stages, sigs))
-            else:
-                hit = tuple(by_sig[sig] for sig in sigs)
-            self._vectors[key] = hit
-        return hit
-
-    def label(self, stage) -> str:
-        """`_label` of a stage (memoized: every simulated plan labels its stages)."""
-        key = (stage.index, stage.first, stage.last)
-        hit = self._labels.get(key)
-        if hit is None:
-            hit = self._labels[key] = _label(self.space.graph, stage)
-        return hit
-
-    def sig_experts(self, sig: int) -> bool:
-        """Whether stage signature `sig` runs routed experts."""
-        return self._sig_experts[sig]
-
-    def floor_latency(self, sig: int, pool: int, tp: int, share: int) -> float:
-        """The least `latency` of `sig` over the expert layouts (a bound: legality not checked)."""
-        lat = self.latency(sig, pool, tp, share)
-        if tp > 1 and self._sig_experts[sig]:
-            lat = min(lat, self.latency(sig, pool, tp, share, "ep"))
-        return lat
-
-    def host_s(self, plan: StagePlan, k: int, index: int, pool: int, share: int) -> float:
-        """Host time of stage `index`'s transfers on its own stream (`CostModel.transfer_host_s`):
-        taking in its inputs when another owner sends them (stage 0: the token ids), and sending
-        its outputs when another owner takes them (the last stage: the token ids back)."""
-        cm = self.space.cost_model
-        if not cm.charges_host:
-            return 0.0
-        stages, spb = plan.stages, plan.stages_per_block
-        n, me, gpu = len(stages), slot_of(index, spb, k), self.space.cluster.pools[pool].gpu
-        total = 0.0
-        if slot_of((index - 1) % n, spb, k) != me:
-            per_token = self.send_bytes(plan, k)[index - 1] if index > 0 else TOKEN_ID_BYTES
-            total += cm.transfer_host_s(per_token * share, gpu, "recv")
-        if slot_of((index + 1) % n, spb, k) != me:
-            per_token = self.send_bytes(plan, k)[index] if index + 1 < n else TOKEN_ID_BYTES
-            total += cm.transfer_host_s(per_token * share, gpu, "send")
-        return total
-
-    def slot(self, plan: StagePlan, k: int, slot: int) -> tuple[list, tuple[int, ...], list]:
-        """(stages, their signature ids, their ops) of one owner slot."""
-        key = (plan.template.name, k, slot)
-        if key not in self._slots:
-            ids = self.sig_ids(plan)
-            stages = [s for s in plan.stages if slot_of(s.index, plan.stages_per_block, k) == slot]
-            ops = [op for s in stages for op in self.space.graph.ops[s.first:s.last + 1]]
-            self._slots[key] = (stages, tuple(ids[s.index] for s in stages), ops)
-            # what the memory accounting depends on: the slot's op ranges (templates share them)
-            self._slot_keys[key] = tuple((s.first, s.last) for s in stages)
-            self._slot_experts[key] = has_experts(ops)
-        return self._slots[key]
-
-    def slot_key(self, plan: StagePlan, k: int, slot: int) -> tuple:
-        """The slot's op ranges: the key of its memory accounting (`footprint`)."""
-        self.slot(plan, k, slot)
-        return self._slot_keys[(plan.template.name, k, slot)]
-
-    def footprint(self, key: tuple, ops, tp: int, layout: str = "tp") -> Footprint | None:
-        """The memory accounting (`opweave.cost.memory`) of a GPU of a TP group of `tp` running
-        `ops`, routed experts held as `layout`; None when that group cannot split every sharded op."""
-        full = key + (tp, layout)
-        if full not in self._footprint:
-            if not legal_tp(ops, tp, layout):
-                self._footprint[full] = None
-            else:
-                self._footprint[full] = Footprint.of(ops, tp, self.space.context, self.space.prefill_chunk, layout)
-        return self._footprint[full]
-
-    def layouts(self, plan: StagePlan, k: int, slot: int, tp: int) -> tuple[str, ...]:
-        """The expert layouts a slot chooses among at TP `tp`: both where it runs routed experts
-        (and tp > 1), else "tp" alone."""
-        self.slot(plan, k, slot)
-        return layout_choices(self._slot_experts[(plan.template.name, k, slot)], tp)
 
 
 def _gpus_by_type(owners) -> dict[str, int]:
@@ -353,182 +135,12 @@ def _gpus_by_type(owners) -> dict[str, int]:
     return used
 
 
-def slot_of(stage_index: int, stages_per_block: int, k: int) -> int:
-    return (stage_index % stages_per_block) % k
-
-
-def fits_group(tp: int, gpu, count: int, layout: str) -> bool:
-    """Whether a TP group of `tp` GPUs of type `gpu` can exist in a pool of `count`: inside one
-    node, or for expert-parallel experts (`layout` "ep") a whole number of nodes (`WIDE_TP`)."""
-    if tp > count:
-        return False
-    if tp <= gpu.gpus_per_node:
-        return True
-    return layout == "ep" and tp % gpu.gpus_per_node == 0
-
-
-def _tp_misfit(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: int,
-              layout: str = "tp") -> str | None:
-    """Why no configuration of `slot` on pool `pool` can use TP `tp` with expert layout `layout`
-    (a `Counters` field), or None."""
-    p = ev.space.cluster.pools[pool]
-    if not fits_group(tp, p.gpu, p.count, layout):
-        return "configs_over_node"
-    if ev.footprint(ev.slot_key(plan, k, slot), ev.slot(plan, k, slot)[2], tp, layout) is None:
-        return "configs_tp_indivisible"
-    return None
-
-
-def _replica_misfit(ev: _Evaluator, pool: int, tp: int, replicas: int, batch: int, n: int,
-                    memory: float) -> str | None:
-    """Why `replicas` TP groups of `tp` holding `memory` bytes per GPU do not fit (a `Counters`
-    field), or None."""
-    p = ev.space.cluster.pools[pool]
-    if replicas * tp > p.count or replicas * n > batch:
-        return "configs_over_pool"
-    if memory > p.gpu.usable_memory_bytes:
-        return "configs_over_memory"
-    return None
-
-
-def _config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, pool: int, tp: int, replicas: int,
-            batch: int, n: int, memory: float, layout: str = "tp") -> OwnerConfig:
-    share = microbatch_share(batch, n, replicas)
-    return OwnerConfig(slot=slot, gpu=ev.space.cluster.pools[pool].gpu, tp=tp, replicas=replicas, share=share,
-                       latencies=ev.latencies(plan, k, slot, pool, tp, share, layout), memory_per_gpu=memory,
-                       experts=layout)
-
-
-def _memory(ev: _Evaluator, plan: StagePlan, k: int, slot: int, tp: int, batch: int, n: int, replicas: int,
-            layout: str = "tp") -> float:
-    """Bytes per GPU of `slot` at TP `tp`: weights, the state of n x (its replica's rows) slots,
-    one step's activations (`opweave.cost.memory.Footprint`; TP must divide), and the values the
-    slot keeps for its later stages instead of sending them (`carry.held_bytes_per_token`), for
-    every microbatch of a prefill-wide step."""
-    held = ev.held_bytes(plan, k)[slot] * max_rows(batch, n, replicas) * ev.space.prefill_chunk * n
-    return ev.footprint(ev.slot_key(plan, k, slot), ev.slot(plan, k, slot)[2], tp, layout).bytes(
-        batch, n, replicas) + held
-
-
-def _owner_configs(ev: _Evaluator, plan: StagePlan, k: int, slot: int, batch: int, n: int,
-                   options: SearchOptions, counters: Counters) -> list[OwnerConfig]:
-    """Every configuration of `slot` that fits (node, TP divisibility, pool, memory), for each
-    expert layout of `_Evaluator.layouts`; the misfits are counted in `counters` by reason."""
-    out = []
-    for p in range(len(ev.space.cluster.pools)):
-        for tp in options.tp_degrees:
-            for layout in ev.layouts(plan, k, slot, tp):
-                why = _tp_misfit(ev, plan, k, slot, p, tp, layout)
-                if why is not None:
-                    setattr(counters, why, getattr(counters, why) + 1)
-                    continue
-                for r in options.replicas:
-                    mem = _memory(ev, plan, k, slot, tp, batch, n, r, layout)
-                    why = _replica_misfit(ev, p, tp, r, batch, n, mem)
-                    if why is not None:
-                        setattr(counters, why, getattr(counters, why) + 1)
-                        continue
-                    out.append(_config(ev, plan, k, slot, p, tp, r, batch, n, mem, layout))
-    return out
-
-
-def owner_config(ev: _Evaluator, plan: StagePlan, k: int, slot: int, gpu: str, tp: int, replicas: int,
-                 batch: int, n: int, layout: str = "tp") -> OwnerConfig:
-    """The configuration (GPU type `gpu`, TP `tp`, `replicas`, expert layout `layout`) of `slot`,
-    built and checked as the search does; a one-line `OpWeaveError` naming what does not fit
-    (pinned plans)."""
-    pools = ev.space.cluster.pools
-    pool = next((i for i, p in enumerate(pools) if p.gpu.name == gpu), None)
-    what = f"owner o{slot} ({replicas}x {gpu} tp{tp}{' ep' if layout == 'ep' else ''})"
-    if layout not in EXPERT_LAYOUTS:
-        raise OpWeaveError(f"{what}: expert layout {layout!r} is not one of {', '.join(EXPERT_LAYOUTS)}")
-    if pool is None:
-        raise OpWeaveError(f"{what}: the cluster {ev.space.cluster.spec} has no {gpu}")
-    if tp < 1 or replicas < 1:
-        raise OpWeaveError(f"{what}: TP and replicas must be at least 1")
-    p = pools[pool]
-    if layout == "ep" and not has_experts(ev.slot(plan, k, slot)[2]):
-        raise OpWeaveError(f"{what}: expert parallelism needs routed experts; this owner runs none")
-    why = _tp_misfit(ev, plan, k, slot, pool, tp, layout)
-    if why == "configs_over_node":
-        raise OpWeaveError(f"{what}: TP {tp} exceeds the {gpu} node size ({p.gpu.gpus_per_node} GPUs) "
-                           f"or the pool ({p.count} GPUs); a TP group stays inside one node, except an "
-                           "expert-parallel one of whole nodes")
-    if why == "configs_tp_indivisible":
-        _, _, ops = ev.slot(plan, k, slot)
-        bad = next((op for op in ops if not legal_tp([op], tp, layout)), None)
-        raise OpWeaveError(f"{what}: TP {tp} does not divide {indivisible(bad, layout)}")
-    mem = _memory(ev, plan, k, slot, tp, batch, n, replicas, layout)
-    why = _replica_misfit(ev, pool, tp, replicas, batch, n, mem)
-    if why == "configs_over_pool":
-        if replicas * n > batch:
-            raise OpWeaveError(f"{what}: {replicas} replicas x {n} microbatches exceed batch {batch} "
-                               "(a replica would get no sequence)")
-        raise OpWeaveError(f"{what}: needs {replicas * tp} GPUs, the cluster has {p.count} {gpu}")
-    if why == "configs_over_memory":
-        raise OpWeaveError(f"{what}: needs {mem / 1e9:.1f} GB per GPU at batch {batch}, context "
-                           f"{ev.space.context}; a {gpu} has {p.gpu.usable_memory_bytes / 1e9:.1f} GB usable")
-    return _config(ev, plan, k, slot, pool, tp, replicas, batch, n, mem, layout)
-
-
-def owner_groups(owners: tuple[OwnerConfig, ...]) -> tuple[Group, ...]:
-    """What placement needs of a plan's owners: per owner, its replicas' TP groups."""
-    return tuple(Group(gpu=o.gpu.name, tp=o.tp, replicas=o.replicas) for o in owners)
-
-
-def build_sim_problem(ev: _Evaluator, plan: StagePlan, batch: int, n: int,
-                      owners: tuple[OwnerConfig, ...]) -> SimProblem | None:
-    """The simulator's view of a complete plan, with every transfer costed where placement puts it
-    (`placement.transfer_locality`); None when not one replica set of the owners can be placed."""
-    k = len(owners)
-    mb = math.ceil(batch / n)
-    local = ev.locality(owners, mb)
-    if local is None:
-        return None
-    slots = [slot_of(s.index, plan.stages_per_block, k) for s in plan.stages]
-    sent = ev.send_bytes(plan, k)
-    per_slot_index = [0] * k
-    stages = []
-    for i, s in enumerate(plan.stages):
-        o = owners[slots[i]]
-        compute = o.latencies[per_slot_index[slots[i]]]
-        per_slot_index[slots[i]] += 1
-        send_s = send_bytes = 0.0
-        intra = False
-        if i + 1 < len(plan.stages) and slots[i + 1] != slots[i] and sent[i] > 0:
-            dst = owners[slots[i + 1]]
-            intra = local[(slots[i], slots[i + 1])]
-            send_s = boundary_s(sent[i], o.gpu, o.share, dst.gpu, dst.share, dst.tp, inter_node=not intra)
-            send_bytes = sent[i] * mb
-        stages.append(SimStage(owner=slots[i], compute_s=compute, send_s=send_s, send_bytes=send_bytes,
-                               inter_node=send_s > 0 and not intra, label=ev.label(s)))
-    last, first = owners[slots[-1]], owners[slots[0]]
-    return_s = return_bytes = 0.0
-    intra = False
-    if slots[-1] != slots[0]:
-        intra = local[(slots[-1], slots[0])]
-        return_s = transfer_s(TOKEN_ID_BYTES * last.share, last.gpu, first.gpu, inter_node=not intra,
-                              received=TOKEN_ID_BYTES * first.share)
-        return_bytes = TOKEN_ID_BYTES * mb
-    sim_owners = tuple(SimOwner(name=f"o{o.slot} {o.describe()}", replicas=o.replicas, gpus_per_replica=o.tp,
-                                price_per_hour=o.gpu.price_per_hour, memory_per_gpu=o.memory_per_gpu)
-                       for o in owners)
-    return SimProblem(owners=sim_owners, stages=tuple(stages), return_s=return_s, batch=batch,
-                      num_microbatches=n, return_bytes=return_bytes, return_inter_node=return_s > 0 and not intra)
-
-
-def _label(graph: OpGraph, stage) -> str:
-    a, b = graph.ops[stage.first], graph.ops[stage.last]
-    layers = f"L{a.layer}" if a.layer == b.layer else f"L{a.layer}-{b.layer}"
-    return f"s{stage.index} {layers} {a.kind.value}..{b.kind.value}"
-
-
 class _Search:
     def __init__(self, space: PlanSpace, options: SearchOptions, progress: Callable[[str], None] | None,
                  fastest: bool = False):
         self.space, self.options, self.progress = space, options, progress
         self.fastest = fastest  # objective: lowest TPOT instead of lowest cost (names the closest plan)
-        self.ev = _Evaluator(space)
+        self.ev = Evaluator(space)
         self.counters = Counters()
         self.best: Candidate | None = None
         self.closest: Candidate | None = None
@@ -543,7 +155,7 @@ class _Search:
             min(options.max_batch, memory_batch_limit(space.graph, space.cluster, space.context)))
 
     # ---- bounds
-    def _bound(self, plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]
+    def _bound(self, stage_plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]
                ) -> tuple[float, float, float]:
         """Optimistic (TPOT, $/Mtok) of any completion of `chosen` (C.1).
 
@@ -551,7 +163,7 @@ class _Search:
         owner change), and TPOT >= n x each owner's work per microbatch (the simulator's TPOT is the
         steady-state period, at least every stream's load per round)."""
         busy = [chosen[o].busy_s if o < len(chosen) else self._min_busy[o] for o in range(k)]
-        path = sum(busy) + self._crossings[(plan.template.name, k)] * self.min_link_latency
+        path = sum(busy) + self._crossings[(stage_plan.template.name, k)] * self.min_link_latency
         tpot = max(path, n * max(busy))
         rate = sum(c.cost_per_hour for c in chosen) + sum(self._min_rate[len(chosen):])
         cost_time = sum(c.cost_per_hour * n * c.busy_s for c in chosen) + sum(self._min_cost_time[len(chosen):])
@@ -597,23 +209,23 @@ class _Search:
         return all(n <= self._counts[name] for name, n in _gpus_by_type(chosen).items())
 
     # ---- leaves
-    def _leaf(self, plan: StagePlan, batch: int, n: int, chosen: list[OwnerConfig]) -> None:
+    def _leaf(self, stage_plan: StagePlan, batch: int, n: int, chosen: list[OwnerConfig]) -> None:
         self.counters.candidates += 1
         owners = tuple(chosen)
-        problem = build_sim_problem(self.ev, plan, batch, n, owners)
+        problem = build_sim_problem(self.ev, stage_plan, batch, n, owners)
         if problem is None:
             self.counters.unplaceable += 1
             return
         self.counters.simulator_calls += 1
-        result = simulate(problem, keep_records=False)
-        cand = Candidate(stage_plan=plan, batch=batch, microbatches=n, owners=owners, problem=problem, result=result,
+        sim = simulate(problem, keep_records=False)
+        cand = Candidate(stage_plan=stage_plan, batch=batch, microbatches=n, owners=owners, problem=problem, sim=sim,
                          sets=self.ev.sets(owners))
-        if self.closest is None or result.tpot_s < self.closest.tpot_s:
+        if self.closest is None or sim.tpot_s < self.closest.tpot_s:
             self.closest = cand
         if self.fastest:
-            if self.best is None or result.tpot_s < self.best.tpot_s:
+            if self.best is None or sim.tpot_s < self.best.tpot_s:
                 self.best = cand
-        elif result.tpot_s <= self.space.tpot_slo_s and (self.best is None or self._better(cand, self.best)):
+        elif sim.tpot_s <= self.space.tpot_slo_s and (self.best is None or self._better(cand, self.best)):
             self.best = cand
 
     def _better(self, a: Candidate, b: Candidate) -> bool:
@@ -622,12 +234,12 @@ class _Search:
             return ta > tb or (ta == tb and a.cost < b.cost)
         return a.cost < b.cost
 
-    def _dfs(self, plan, k, batch, n, frontiers, chosen):
+    def _dfs(self, stage_plan, k, batch, n, frontiers, chosen):
         if not self._capacity_ok(chosen):
             self.counters.over_capacity += 1
             return
         if self.options.bnb:
-            why = self._prune(*self._bound(plan, k, batch, n, chosen))
+            why = self._prune(*self._bound(stage_plan, k, batch, n, chosen))
             if why:
                 self.counters.pruned_prefixes += 1
                 if why == "slo":
@@ -638,9 +250,9 @@ class _Search:
                     self.counters.candidates += 1
                 return
         if len(chosen) == k:
-            self._leaf(plan, batch, n, chosen)
+            self._leaf(stage_plan, batch, n, chosen)
             return
-        limit, costly = self._level_cuts(plan, k, batch, n, chosen)
+        limit, costly = self._level_cuts(stage_plan, k, batch, n, chosen)
         leaf = len(chosen) + 1 == k
         for config in frontiers[len(chosen)]:
             if config.busy_s > limit:   # its TPOT bound exceeds the SLO: cut without building the prefix
@@ -653,9 +265,9 @@ class _Search:
                 self.counters.pruned_cost += 1
                 self.counters.candidates += leaf
                 continue
-            self._dfs(plan, k, batch, n, frontiers, chosen + [config])
+            self._dfs(stage_plan, k, batch, n, frontiers, chosen + [config])
 
-    def _level_cuts(self, plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]):
+    def _level_cuts(self, stage_plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]):
         """What `_bound` would cut among the next slot's configurations, from the prefix's sums:
         (the most work per microbatch a configuration may have before the TPOT bound exceeds the
         SLO, a test `config -> bool` whether the cost bound reaches the incumbent's cost, or None).
@@ -668,7 +280,7 @@ class _Search:
             return math.inf, None
         level = len(chosen)
         others = [chosen[o].busy_s if o < level else self._min_busy[o] for o in range(k) if o != level]
-        path = sum(others) + self._crossings[(plan.template.name, k)] * self.min_link_latency
+        path = sum(others) + self._crossings[(stage_plan.template.name, k)] * self.min_link_latency
         widest = n * max(others) if others else 0.0
         slo = self.space.tpot_slo_s
         if not math.isfinite(slo):
@@ -697,13 +309,13 @@ class _Search:
             templates = tuple(t for t in templates if t.name in self.options.only_templates)
         self.counters.templates = len(templates)
         for ti, template in enumerate(templates):
-            plan = build_stages(self.space.blocks, template)
+            stage_plan = build_stages(self.space.blocks, template)
             for batch in (self.batches if self.options.objective != "throughput" else self.batches[::-1]):
                 for n in self.options.microbatches:
                     if n > batch or batch % n:  # microbatches of equal rows (the lowering)
                         continue
                     if self.options.bnb:
-                        why = self._prune(*self._root_bound(plan, batch, n))
+                        why = self._prune(*self._root_bound(stage_plan, batch, n))
                         if why:
                             self.counters.pruned_prefixes += 1
                             if why == "slo":
@@ -711,9 +323,9 @@ class _Search:
                             else:
                                 self.counters.pruned_root_cost += 1
                             continue
-                    for k in self._owner_counts(plan):
+                    for k in self._owner_counts(stage_plan):
                         if k > 1 or n == 1:
-                            self._plan(plan, k, batch, n)
+                            self._plan(stage_plan, k, batch, n)
             if self.progress and (ti + 1) % 16 == 0:
                 best = f"${self.best.cost:.4g}/Mtok" if self.best else "none yet"
                 self.progress(f"templates {ti + 1}/{len(templates)}, simulator calls "
@@ -721,12 +333,12 @@ class _Search:
         return SearchResult(best=self.best, closest=self.closest, counters=self.counters,
                             reason="" if self.best else self._reason(), seconds=time.perf_counter() - start)
 
-    def _root_bound(self, plan: StagePlan, batch: int, n: int) -> tuple[float, float, float]:
+    def _root_bound(self, stage_plan: StagePlan, batch: int, n: int) -> tuple[float, float, float]:
         """Optimistic (TPOT, $/Mtok) of any plan with this stage plan, batch and microbatch count,
         whatever its owners: each stage at its fastest, and at its cheapest GPU-time
         (rate x TPOT >= sum over owners of rate_o x n x busy_o, since TPOT >= n x busy_o)."""
         counts: dict[int, int] = {}
-        for sig in self.ev.sig_ids(plan):
+        for sig in self.ev.sig_ids(stage_plan):
             counts[sig] = counts.get(sig, 0) + 1
         tpot = cost_time = gpu_time = 0.0
         for sig, count in counts.items():
@@ -757,16 +369,19 @@ class _Search:
             floor = self._floors[key] = (best_lat, best_ct, best_gt)
         return floor
 
-    def _owner_counts(self, plan: StagePlan) -> list[int]:
-        if plan.stages_per_block <= 1 and len(plan.stages) == 1:
+    def _owner_counts(self, stage_plan: StagePlan) -> list[int]:
+        if stage_plan.stages_per_block <= 1 and len(stage_plan.stages) == 1:
             return [1]
-        return [k for k in range(2, self.options.max_owners + 1) if plan.stages_per_block % k == 0]
+        return [k for k in range(2, self.options.max_owners + 1) if stage_plan.stages_per_block % k == 0]
 
-    def _plan(self, plan: StagePlan, k: int, batch: int, n: int) -> None:
+    def _plan(self, stage_plan: StagePlan, k: int, batch: int, n: int) -> None:
         self.counters.stage_plans += 1
         slots = []
         for slot in range(k):
-            configs = _owner_configs(self.ev, plan, k, slot, batch, n, self.options, self.counters)
+            configs, misfits = owner_configs(self.ev, stage_plan, k, slot, batch, n, self.options.tp_degrees,
+                                             self.options.replicas)
+            for why, count in misfits.items():   # the `Counters` fields of what did not fit
+                setattr(self.counters, why, getattr(self.counters, why) + count)
             self.counters.owner_configs += len(configs)
             if not configs:   # no plan here: nothing went through Pareto either
                 self.counters.frontier_configs += sum(len(c) for c in slots)
@@ -780,21 +395,21 @@ class _Search:
             frontiers.append(configs)
         self.fits_anywhere = True
         self.min_gpus_needed = min(self.min_gpus_needed, sum(min(c.num_gpus for c in f) for f in frontiers))
-        key = (plan.template.name, k)
+        key = (stage_plan.template.name, k)
         if key not in self._crossings:
-            m = len(plan.stages)
-            sent = self.ev.send_bytes(plan, k)
+            m = len(stage_plan.stages)
+            sent = self.ev.send_bytes(stage_plan, k)
             # owner changes that move bytes (a boundary whose values all stay put costs nothing),
             # and the token ids' return
-            self._crossings[key] = sum(1 for i in range(m) if slot_of(i, plan.stages_per_block, k)
-                                       != slot_of((i + 1) % m, plan.stages_per_block, k)
+            self._crossings[key] = sum(1 for i in range(m) if slot_of(i, stage_plan.stages_per_block, k)
+                                       != slot_of((i + 1) % m, stage_plan.stages_per_block, k)
                                        and (i == m - 1 or sent[i] > 0))
         self._min_busy = [min(c.busy_s for c in f) for f in frontiers]
         self._min_rate = [min(c.cost_per_hour for c in f) for f in frontiers]
         self._min_cost_time = [min(c.cost_per_hour * n * c.busy_s for c in f) for f in frontiers]
         self._min_gpu_time = [min(c.num_gpus * n * c.busy_s for c in f) for f in frontiers]
         self._min_gpus = [min(c.num_gpus for c in f) for f in frontiers]
-        self._dfs(plan, k, batch, n, frontiers, [])
+        self._dfs(stage_plan, k, batch, n, frontiers, [])
 
     def _reason(self) -> str:
         if not self.fits_anywhere:

@@ -296,7 +296,7 @@ def _meta_step(source, dtype: str, tp: int) -> DecodeStep:
         return DecodeStep(copy.deepcopy(source.module).to("meta"))
     cfg = source.cfg.with_dtype(dtype)
     if tp > 1:
-        from opweave.runtime.tp import sharded_config
+        from opweave.runtime.shard import sharded_config
 
         cfg = sharded_config(cfg, tp)
     return DecodeStep(build_model(cfg, "meta"))

@@ -1,12 +1,12 @@
-"""The queues between a serving process (`opweave.serve.engine`) and the scheduler leaders.
+"""The queues between a serving process (`opweave.serve.engine`) and the scheduler leaders, and
+the messages that cross them.
 
 Each scheduler leader (the embedding owner's replica leaders, in every replica set) reads its own
-inbox between rounds: `("add", id, prompt_ids, max_new_tokens, stop_ids, sampling_word, ignore_eos, min_tokens)` (the word:
-`opweave.runtime.sampling.encode`), `("cancel", id)` and `("stop",)`; all of them write to one
-outbox: `("event", id, token, finish_reason, error)` as tokens are learned and requests end, and
-`("ready",)` once loaded. Every rank (leader or not) writes `("rounds", replica_set, rank,
-[seconds, ...])`, its round times, at most every `ROUND_REPORT_S`. Messages are tuples of plain
-values (no objects cross processes).
+inbox between rounds: `Add` (a request, with its sampling word: `opweave.kernels.sampling.encode`),
+`Cancel` and `Stop`; all of them write to one outbox: `TokenEvent` as tokens are learned and
+requests end, and `Ready` once loaded. Every rank (leader or not) writes `RoundReport`, its round
+times, at most every `ROUND_REPORT_S`. A message is a frozen dataclass of plain values (ints,
+strings, tuples): the queues pickle it, and no other object crosses processes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,61 @@ IDLE_WAIT_S = 0.02  # an idle leader waits this long for a request before its ne
 ROUND_REPORT_S = 0.25  # a rank reports its round times at most this often
 
 
+# ---------------------------------------------------------------- server -> a scheduler leader
+@dataclasses.dataclass(frozen=True)
+class Add:
+    """A new request for the leader's scheduler."""
+
+    id: int
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]         # ids that end the request besides the model's EOS ids
+    sampling_word: tuple[int, ...]    # `opweave.kernels.sampling.encode`
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancel:
+    """End request `id` within a round (unknown ids: nothing)."""
+
+    id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """End every request now; the ranks stop once all agree."""
+
+
+# ---------------------------------------------------------------- a rank -> the server
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """A token learned for request `id` (`token`), or its end (`finish_reason`, with `error`)."""
+
+    id: int
+    token: int | None
+    finish_reason: str | None         # None while running; then "stop", "length", "cancelled" or "error"
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """A scheduler leader has loaded and runs rounds."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundReport:
+    """Rank `rank` of replica set `replica_set` ran rounds of these wall times (seconds)."""
+
+    replica_set: int
+    rank: int
+    seconds: tuple[float, ...]
+
+
+ToLeader = Add | Cancel | Stop
+ToServer = TokenEvent | Ready | RoundReport
+
+
 @dataclasses.dataclass
 class ServeChannel:
     """One leader's end: its inbox and the shared outbox (multiprocessing queues)."""
@@ -25,7 +80,7 @@ class ServeChannel:
     inbox: object
     outbox: object
 
-    def receive(self, wait_s: float = 0.0) -> list[tuple]:
+    def receive(self, wait_s: float = 0.0) -> list[ToLeader]:
         """Every message waiting; with `wait_s`, waits that long for the first one."""
         out = []
         try:
@@ -36,7 +91,7 @@ class ServeChannel:
             pass
         return out
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: ToServer) -> None:
         self.outbox.put(message)
 
 

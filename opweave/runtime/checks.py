@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 
+from opweave.artifact import VerifiedArtifact, load_artifact
 from opweave.errors import OpWeaveError
 from opweave.models.checkpoint import CheckpointReader, require_regular_file
 from opweave.models.config import ModelConfig
@@ -53,14 +54,15 @@ HF_NAMES = {
 """Config fields as config.json names them, for messages (others are shown by their path)."""
 
 
-def check_inputs(cfg) -> None:
+def check_inputs(cfg, artifact: VerifiedArtifact | None = None) -> None:
     """Every check of a `RunConfig` that needs the artifact: prompts in the vocabulary, and the
-    checkpoint (unless the weights are random) matching the compiled model.
+    checkpoint (unless the weights are random) matching the compiled model. `artifact`: the
+    artifact's files already read and checked (else its model config is read here, checked).
 
     Raises:
         OpWeaveError: the first problem, naming the file (and line or field) concerned.
     """
-    model = artifact_model_config(cfg.artifact)
+    model = artifact_model_config(artifact if artifact is not None else cfg.artifact)
     check_vocabulary(cfg.requests, model.vocab_size)
     if cfg.weights != "random":
         check_checkpoint(cfg.weights, model)
@@ -77,9 +79,13 @@ def _read_json(path: str, what: str):
         raise OpWeaveError(f"{path}: the {what} is not valid JSON ({str(e).splitlines()[0]})") from None
 
 
-def artifact_model_config(artifact: str) -> ModelConfig:
-    path = os.path.join(artifact, "model_config.json")
-    return config_from_hf(_read_json(path, "model config"), "artifact", where=path)
+def artifact_model_config(artifact: str | VerifiedArtifact) -> ModelConfig:
+    """The artifact's model_config.json (from the folder, checked against its manifest, or from
+    the files already checked)."""
+    if isinstance(artifact, str):
+        artifact = load_artifact(artifact, ["model_config.json"])
+    path = os.path.join(artifact.folder, "model_config.json")
+    return config_from_hf(artifact.json("model_config.json"), "artifact", where=path)
 
 
 # ---------------------------------------------------------------- the checkpoint

@@ -23,9 +23,9 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, join_process_group, read_requests
+    from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, join_process_group, read_requests, world_size
     from opweave.runtime.checks import check_inputs
-    from opweave.runtime.manifest import load_artifact, read_key
+    from opweave.artifact import load_artifact, read_key
     from opweave.runtime.worker import run_rank
 
     parser = argparse.ArgumentParser(prog="opweave.runtime.entry")
@@ -48,7 +48,8 @@ def main() -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=device, requests=requests,
                         stall_timeout_s=args.stall_timeout)  # validates the flags as `opweave run` does
-        check_inputs(cfg)
+        check_inputs(cfg, artifact)
+        config.check_run(device, world_size(args.artifact, artifact.manifest))
         if args.iface:
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = args.iface
         join_process_group(device, args.stall_timeout,
@@ -79,12 +80,12 @@ def torchrun_commands(artifact: str, weights: str, prompts: str, max_new_tokens:
     Every argument is quoted for a POSIX shell (`shlex.quote`), so a path with a space, `;` or
     `$(...)` stays one argument; `<node-0-address>` (quoted too: unedited it is a bad host name,
     not a redirection) is to be replaced by the address of the first node."""
+    from opweave.artifact import load_artifact
     from opweave.hardware.catalog import load_catalog
     from opweave.hardware.cluster import parse_cluster
     from opweave.ir.plan import plan_from_json
 
-    with open(os.path.join(artifact, "plan.json")) as f:
-        plan = plan_from_json(json.load(f))
+    plan = plan_from_json(load_artifact(artifact, ["plan.json"]).json("plan.json"))
     cluster = parse_cluster(plan.cluster, load_catalog())
     rank_nodes = [cluster.locate(g).node_index for o in plan.owners for replica in o.gpus for g in replica]
     nodes = sorted(set(rank_nodes), key=rank_nodes.index)

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from opweave.runtime.sampling import GREEDY
+from opweave.kernels.sampling import GREEDY
 from opweave.runtime.scheduler import StepPlan
 
 
 class RowInputs:
     """Static per-microbatch buffers of a scheduler replica's leader: `positions[mb]` holds each
     row's position in the microbatch's last round (-1: idle), `ids[mb]` its decode ids, `words[mb]`
-    its request's sampling word (`opweave.runtime.sampling`; set with the prefill that admits it)."""
+    its request's sampling word (`opweave.kernels.sampling`; set with the prefill that admits it)."""
 
     def __init__(self, rows: int, num_microbatches: int, device: torch.device):
         self.rows, self.device = rows, device

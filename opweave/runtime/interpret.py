@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import re
 
-from opweave.codegen.render import stateful
-from opweave.ir.program import RankProgram
+from opweave.ir.program import RankProgram, stateful
 
 _VALUE = re.compile(r"^(?P<name>[^\[]+)(\[(?P<index>\d+)\])?$")
 

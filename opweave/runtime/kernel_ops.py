@@ -1,4 +1,4 @@
-"""Operators backed by the kernel library (`opweave.codegen.kernels`).
+"""Operators backed by the kernel library (`opweave.kernels`).
 
 On CUDA the runtime wraps the operators that have kernels so the generated code calls the Triton
 kernels; on CPU it keeps the torch operator modules. `OPWEAVE_KERNELS=triton|torch` forces a
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from opweave import config
-from opweave.codegen.kernels import get_backend
-from opweave.codegen.kernels.reference import cache_write
+from opweave.kernels import get_backend
+from opweave.kernels.reference import cache_write
 from opweave.ir.kinds import OpKind
 from opweave.models.ops import OpModule
 

@@ -40,7 +40,7 @@ from opweave import config
 from opweave.errors import OpWeaveError
 from opweave.runtime import heartbeat
 from opweave.runtime.heartbeat import Heartbeat, Phase, StallWatch
-from opweave.runtime.manifest import VerifiedArtifact, load_artifact
+from opweave.artifact import VerifiedArtifact, load_artifact
 from opweave.runtime.checks import check_inputs, parse_prompt_ids, read_prompts_file
 from opweave.runtime.scheduler import Request
 from opweave.signals import deferred
@@ -323,9 +323,10 @@ class Ranks:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.artifact = load_artifact(cfg.artifact, verify_key=cfg.verify_key)  # read once, checked, used by every rank
-        check_inputs(cfg)
+        check_inputs(cfg, self.artifact)
         self.world = world_size(cfg.artifact, self.artifact.manifest)
-        _check_devices(cfg, self.world)
+        _check_devices(cfg, self.artifact, self.world)
+        config.check_run(cfg.device, self.world)  # fault ranks the plan has, kernels the device can run
         self.sets = _deal(cfg.requests, cfg.replica_sets) if cfg.requests else [((), [])] * cfg.replica_sets
         self.procs: dict[tuple[int, int], object] = {}
         self.folder = _RunFolder()
@@ -375,8 +376,8 @@ def _import_for_ranks() -> None:
         pass
 
 
-def _check_devices(cfg: RunConfig, world: int) -> None:
-    planned = planned_replica_sets(cfg.artifact)
+def _check_devices(cfg: RunConfig, artifact: VerifiedArtifact, world: int) -> None:
+    planned = planned_replica_sets(artifact)
     if cfg.replica_sets > planned:
         raise OpWeaveError(f"--replica-sets {cfg.replica_sets}: the plan places {planned} replica set(s)")
     if cfg.device == "cuda":
@@ -409,12 +410,21 @@ def cuda_device_count() -> int:
         return 0
 
 
-def planned_replica_sets(artifact: str) -> int:
-    try:
-        with open(os.path.join(artifact, "plan.json")) as f:
-            return max(1, int(json.load(f).get("replica_sets", 1)))
-    except (OSError, ValueError, TypeError):
-        return 1
+def planned_replica_sets(artifact: str | VerifiedArtifact) -> int:
+    """The replica sets the plan places (plan.json's "replica_sets"; `--replica-sets all`), from
+    the folder (plan.json checked against the manifest) or from the files already checked.
+
+    Raises:
+        OpWeaveError: one line naming plan.json when it is missing, damaged or holds no count.
+    """
+    if isinstance(artifact, str):
+        artifact = load_artifact(artifact, ["plan.json"])
+    plan = artifact.json("plan.json")
+    count = plan.get("replica_sets") if isinstance(plan, dict) else None
+    if type(count) is not int or count < 1:
+        raise OpWeaveError(f"{os.path.join(artifact.folder, 'plan.json')}: 'replica_sets' must be a whole number "
+                           f"of at least 1, got {count!r} (recompile)")
+    return count
 
 
 def _deal(requests: tuple[Request, ...], sets: int) -> list[tuple[tuple[Request, ...], list[int]]]:

@@ -1,6 +1,6 @@
 """The bytes of one transfer between two ranks: one message per peer per stage boundary.
 
-Layout: each row's sampling word [rows, WORD] (int64, `opweave.runtime.sampling`: it travels with
+Layout: each row's sampling word [rows, WORD] (int64, `opweave.kernels.sampling`: it travels with
 the row to the last stage), positions [rows, width] (int64), then each value [rows, width, *shape]
 in packing order, all as bytes. The width (tokens per row) of every message of a round is known to both ends
 before the round (the scheduler plans it ahead and every rank agrees on it between rounds,
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from opweave.runtime.sampling import WORD
+from opweave.kernels.sampling import WORD
 
-WORD_BYTES = 8 * WORD  # a row's sampling word: `WORD` int64s (`opweave.runtime.sampling.FIELDS`)
+WORD_BYTES = 8 * WORD  # a row's sampling word: `WORD` int64s (`opweave.kernels.sampling.FIELDS`)
 
 
 def message_bytes(rows: int, width: int, per_token: int) -> int:

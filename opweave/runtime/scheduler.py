@@ -5,7 +5,7 @@ needs nothing from the host:
   - `plan()` plans the next round: per microbatch, what each row feeds (`RowStep`). A free slot
     takes the next request of this replica's queue and prefills its prompt through the same
     compiled stages, at most `prefill_chunk` tokens per step (a planned figure carried by the rank
-    program, `opweave.models.activation.PREFILL_CHUNK` by default); a longer prompt takes several
+    program, `opweave.ir.plan.PREFILL_CHUNK` by default); a longer prompt takes several
     steps, and the token sampled after a chunk that is not the prompt's last is not an output.
     Later steps decode: they feed the token the last stage sampled, which stays on the device
     (`opweave.runtime.inputs`); positions are known ahead (one more per step), so the plan knows
@@ -32,9 +32,9 @@ import dataclasses
 from collections import deque
 
 from opweave.errors import OpWeaveError
-from opweave.models.activation import PREFILL_CHUNK
+from opweave.ir.plan import PREFILL_CHUNK
 from opweave.models.ops import NON_FINITE_TOKEN
-from opweave.runtime.sampling import GREEDY
+from opweave.kernels.sampling import GREEDY
 
 
 @dataclasses.dataclass
@@ -47,7 +47,7 @@ class Request:
     source: str = ""  # where the prompt came from, for messages ("--prompts p.jsonl: line 3")
     stop_ids: tuple[int, ...] = ()  # ids that end this request besides the model's EOS ids
     finish_reason: str | None = None  # "stop" (an EOS or stop id), "length", "cancelled", "error"
-    sampling: tuple[int, ...] = GREEDY  # its row's sampling word (`opweave.runtime.sampling.encode`)
+    sampling: tuple[int, ...] = GREEDY  # its row's sampling word (`opweave.kernels.sampling.encode`)
     ignore_eos: bool = False  # the model's EOS ids do not end it
     min_tokens: int = 0       # no EOS or stop id ends it before this many outputs (the sampler bans EOS)
 

@@ -3,12 +3,13 @@
 Its operators get deterministic random weights; receives return zeros of the planned shapes,
 sends and token returns go nowhere, TP collectives are skipped (one process), so the figure is
 this rank's compute and Python dispatch per decode round for the planned batch. On CUDA the
-round is also captured once as a CUDA graph and replayed, and both times are printed.
+round is also captured once as a CUDA graph and replayed, and both times are printed. The rank's
+program, the model config and the op names are read from the artifact checked against its
+manifest; the module itself is the file run (`python rank_XX.py`), as its user edits it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from opweave.artifact import VerifiedArtifact, load_artifact
 from opweave.ir.program import program_from_json
 from opweave.ir.tp import split_on
 from opweave.models.hf_config import config_from_hf
@@ -26,11 +28,9 @@ from opweave.runtime.state import RankState
 
 
 class _LoneRuntime:
-    def __init__(self, artifact: str, program, width: int, device: torch.device):
-        with open(os.path.join(artifact, "model_config.json")) as f:
-            cfg = config_from_hf(json.load(f), program.model)
-        with open(os.path.join(artifact, "ops.json")) as f:
-            names = json.load(f)
+    def __init__(self, artifact: VerifiedArtifact, program, width: int, device: torch.device):
+        cfg = config_from_hf(artifact.json("model_config.json"), program.model)
+        names = artifact.json("ops.json")
         modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
         self.ops = materialize({i: modules[names[i]] for i in program.ops}, "random", program.tp, program.tp_rank,
                                device, experts=program.experts)
@@ -75,7 +75,7 @@ class _LoneRuntime:
 
     def sample(self, mb, logits, positions):
         """The server's sampler on this rank's slice (temperature 1, top_p 0.9): its cost is timed."""
-        from opweave.runtime.sampling import encode, sample
+        from opweave.kernels.sampling import encode, sample
 
         words = torch.tensor([encode(1.0, 0.9, mb)] * self.rows, dtype=torch.long, device=self.device)
         return sample(logits[:, -1], words, positions[:, -1])
@@ -85,10 +85,10 @@ def load_alone(module_path: str, device: torch.device):
     """(runtime, program) of one generated rank module with no peers (see the module docstring)."""
     from opweave.runtime.worker import load_program_module
 
-    artifact = os.path.dirname(os.path.abspath(module_path))
+    folder = os.path.dirname(os.path.abspath(module_path))
     name = os.path.splitext(os.path.basename(module_path))[0]
-    with open(os.path.join(artifact, name + ".json")) as f:
-        program = program_from_json(json.load(f))
+    artifact = load_artifact(folder, [name + ".json", "model_config.json", "ops.json"])
+    program = program_from_json(artifact.json(name + ".json"))
     rt = _LoneRuntime(artifact, program, width=1, device=device)
     return rt, load_program_module(module_path).Program(rt)
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import time
 
+from opweave.artifact import load_artifact
 from opweave.outputs import atomic_file, check_output_file
 
 US_PER_S = 1e6
@@ -139,24 +139,23 @@ def with_simulated(trace: dict, spans_by_rank: dict[int, list[Span]], simulated:
 
 def write_trace(stats: dict, path: str, artifact: str | None = None) -> list[str]:
     """Writes the Chrome trace of a traced run's stats (atomically), with the plan's simulated
-    schedule beside it when `artifact` holds one; returns a summary to print."""
+    schedule beside it when `artifact` holds one (its trace.json and plan.json, checked against the
+    manifest); returns a summary to print."""
     spans = {int(r): from_rows(rows) for r, rows in stats["spans"].items()}
     trace = chrome_trace(spans)
-    simulated = os.path.join(artifact, "trace.json") if artifact else None
-    if simulated and os.path.isfile(simulated):
-        with open(simulated) as f:
-            trace = with_simulated(trace, spans, json.load(f), STEADY_SKIP)
+    files = load_artifact(artifact, ["trace.json", "plan.json"], missing_ok=True) if artifact else None
+    simulated = files is not None and files.has("trace.json")
+    if simulated:
+        trace = with_simulated(trace, spans, files.json("trace.json"), STEADY_SKIP)
     check_output_file(path, "--trace")  # checked before the run too; the folder may have gone since
     with atomic_file(path, flag="--trace") as f:
         json.dump(trace, f)
-    beside = "; the simulated schedule beside it" if simulated and os.path.isfile(simulated) else ""
+    beside = "; the simulated schedule beside it" if simulated else ""
     lines = [f"trace: {path} ({len(spans)} ranks, {len(stats['round_s'])} rounds{beside}; open at ui.perfetto.dev)"]
     lines += summary(spans, len(stats["round_s"]))
-    plan = os.path.join(artifact, "plan.json") if artifact else None
     rounds = stats["round_s"][STEADY_SKIP:-STEADY_SKIP] if len(stats["round_s"]) > 2 * STEADY_SKIP else []
-    if plan and os.path.isfile(plan) and rounds:
-        with open(plan) as f:
-            predicted = float(json.load(f)["tpot_ms"]) / 1e3
+    if files is not None and files.has("plan.json") and rounds:
+        predicted = float(files.json("plan.json")["tpot_ms"]) / 1e3
         measured = statistics.median(rounds)
         lines.append(f"TPOT: predicted {predicted * 1e3:.2f} ms (plan.json), measured {measured * 1e3:.2f} ms "
                      f"(rank 0's median decode round; predicted/measured - 1 = {predicted / measured - 1:+.1%})")

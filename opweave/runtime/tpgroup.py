@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from opweave.codegen.kernels.reference import NON_FINITE_TOKEN
+from opweave.kernels.reference import NON_FINITE_TOKEN
 from opweave.ir.tp import Layout, Split
 
 
@@ -88,9 +88,9 @@ class TPGroup:
     def sample(self, logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor,
                eos_ids: tuple[int, ...] = ()) -> torch.Tensor:
         """Temperature / top-k / top-p / min-p sampling over the vocabulary split across the group,
-        each row by its sampling word (`opweave.runtime.sampling`), `eos_ids` banned on rows still
+        each row by its sampling word (`opweave.kernels.sampling`), `eos_ids` banned on rows still
         short of their min_tokens; temperature-0 rows take `argmax`'s answer."""
-        from opweave.runtime.sampling import ban_columns, sample
+        from opweave.kernels.sampling import ban_columns, sample
 
         last = logits[:, -1, :]
         offset = self.tp_rank * last.shape[-1]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from opweave.ir.program import RankProgram, StageProgram, Transfer
 from opweave.runtime.inbox import Inbox, Slot
 from opweave.runtime.message import WORD_BYTES, pack_message, unpack_message
-from opweave.runtime.sampling import WORD
+from opweave.kernels.sampling import WORD
 
 
 def numel(shape: tuple[int, ...]) -> int:

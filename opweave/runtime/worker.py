@@ -11,7 +11,8 @@
     per microbatch that the generated code passes to the op (`state=`);
   - `opweave.runtime.scheduler` (requests, on the leader of a replica with the embedding) and
     `opweave.runtime.timeline` (measured spans, when traced).
-`run_rank` runs one rank to completion.
+`run_rank` runs one rank to completion: its round loop, with the hooks around each round (times,
+the no-host-sync check, a server's round reports, injected faults, progress) in `_Rounds`.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.graphs import RoundRunner
-from opweave.runtime.channel import IDLE_WAIT_S, ROUND_REPORT_S
+from opweave.runtime.channel import (IDLE_WAIT_S, ROUND_REPORT_S, Add, Cancel, Ready, RoundReport, ServeQueues, Stop,
+                                     TokenEvent)
 from opweave.runtime import heartbeat
 from opweave.runtime.heartbeat import DeviceBeats, Phase, pulse, report
 from opweave.runtime.inputs import RowInputs, TokenCopies
 from opweave.runtime.kernel_ops import add_norm, device_kernels, with_kernels
-from opweave.runtime.manifest import VerifiedArtifact, load_artifact, load_program_source, rank_files
-from opweave.runtime.sampling import WORD, bad_word
+from opweave.artifact import VerifiedArtifact, load_artifact, load_program_source, rank_files
+from opweave.kernels.sampling import WORD, bad_word
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import check_placement, materialize
 from opweave.runtime.state import RankState, StateView
@@ -59,7 +61,10 @@ class Runtime:
 
     def __init__(self, artifact: VerifiedArtifact, program: RankProgram, weights: str, device: str,
                  groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False,
-                 comm=dist):
+                 comm=dist, serve: ServeQueues | None = None, replica_set: int = 0):
+        """With `serve` (a server's queues), the rank serves: it samples each row by its sampling
+        word, and a scheduler leader takes its requests from its inbox in `replica_set` between
+        rounds and reports every token learned and every end to the outbox (`Ready` once loaded)."""
         self.program = program
         self.timeline = Timeline() if trace else None  # measured spans (see opweave.runtime.timeline)
         self.device = torch.device(device)
@@ -92,47 +97,50 @@ class Runtime:
             self.inputs = RowInputs(self.rows, m, self.device)
             self.copies = TokenCopies(self.rows, m, self.device)
         self.steps: list = [None] * m  # this round's plan per microbatch (scheduler leaders)
-        self.words: list = [None] * m  # this round's rows' sampling words per microbatch (`opweave.runtime.sampling`)
-        self.sampling = False    # a server samples by each row's word; `opweave run` is greedy
+        self.words: list = [None] * m  # this round's rows' sampling words per microbatch (`opweave.kernels.sampling`)
+        self.sampling = serve is not None  # a server samples by each row's word; `opweave run` is greedy
         self._sampler = next((i for i, op in self.modules.items() if op.kind == OpKind.SAMPLE), None)
         self.round_index = 0
-        self.channel = None      # serving: this scheduler leader's queues (`serve`)
+        self.channel = None      # serving: this scheduler leader's queues
+        if serve is not None and self.scheduler is not None:
+            self.channel = serve.channel(replica_set, program.scheduler_leaders.index(program.rank))
+            self.scheduler.on_event = self._send_event  # each token learned and each end, as it happens
         self.stopping = False
         first = [self.scheduler.plan() if self.scheduler else (1,) * m for _ in range(2)]
         self._start_round(0, self.transport.agree(first)[0])
+        if self.channel is not None:
+            self.channel.send(Ready())
 
     @property
     def is_leader(self) -> bool:
         return self.program.tp_rank == 0
 
-    def serve(self, channel) -> None:
-        """Serve requests from `channel` (a scheduler leader only): each token learned and each end
-        goes to its outbox as it happens."""
-        self.channel = channel
-        self.scheduler.on_event = lambda req, token, reason: channel.send(("event", req.index, token, reason,
-                                                                          req.error))
-        channel.send(("ready",))
+    def _send_event(self, req: Request, token: int | None, reason: str | None) -> None:
+        self.channel.send(TokenEvent(req.index, token, reason, req.error))
 
     def _serve_io(self) -> None:
         """Between rounds: take the server's messages (an idle leader waits a little for one)."""
         self.scheduler.done.clear()  # reported as they ended: a server keeps no history
         idle = not self.scheduler.active and not self.stopping
         for message in self.channel.receive(IDLE_WAIT_S if idle else 0.0):
-            if message[0] == "add":
-                _, index, prompt, max_new, stop_ids, word, ignore_eos, min_tokens = message
-                req = Request(index=index, prompt=list(prompt), max_new_tokens=max_new, stop_ids=tuple(stop_ids),
-                              sampling=tuple(word), ignore_eos=ignore_eos, min_tokens=min_tokens)
-                error = bad_word(req.sampling)
-                if error is None:
-                    self.scheduler.add(req)
-                else:  # this request fails alone; the rank and the other rows carry on
-                    self.channel.send(("event", index, None, "error", error))
-            elif message[0] == "cancel":
-                self.scheduler.cancel(message[1])
-            elif message[0] == "stop":  # end every request now; the ranks stop once all agree
+            if isinstance(message, Add):
+                self._admit(message)
+            elif isinstance(message, Cancel):
+                self.scheduler.cancel(message.id)
+            elif isinstance(message, Stop):  # end every request now; the ranks stop once all agree
                 self.stopping = True
                 for req in list(self.scheduler.queue) + self.scheduler.running():
                     self.scheduler.cancel(req.index)
+
+    def _admit(self, add: Add) -> None:
+        req = Request(index=add.id, prompt=list(add.prompt_ids), max_new_tokens=add.max_new_tokens,
+                      stop_ids=tuple(add.stop_ids), sampling=tuple(add.sampling_word), ignore_eos=add.ignore_eos,
+                      min_tokens=add.min_tokens)
+        error = bad_word(req.sampling)
+        if error is None:
+            self.scheduler.add(req)
+        else:  # this request fails alone; the rank and the other rows carry on
+            self.channel.send(TokenEvent(add.id, None, "error", error))
 
     @property
     def has_work(self) -> bool:
@@ -249,7 +257,7 @@ class Runtime:
         OPWEAVE_FAULT_SLOW_OP (each operator call of a prefill step sleeps first)."""
         self._mb = 0                 # the microbatch the generated code is in (begin / recv)
         self.capturing = False       # a CUDA graph capture is recording the round (`graphs.RoundRunner`)
-        self.mark_ops = False        # device events per operator (set per round by `run_rank`)
+        self.mark_ops = False        # device events per operator (set per round by `_Rounds.run`)
         self._slow = config.fault_slow_op(rank)
         self._device_beats = (DeviceBeats(torch.cuda.Event)
                               if self.device.type == "cuda" and heartbeat.installed() else None)
@@ -341,7 +349,7 @@ def load_program_module(path: str):
 
 
 def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: str, requests: list[Request],
-             interpret: bool = False, trace: bool = False, serve=None, replica_set: int = 0
+             interpret: bool = False, trace: bool = False, serve: ServeQueues | None = None, replica_set: int = 0
              ) -> tuple[list[Request], dict] | None:
     """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the
     outputs and its per-round wall and host (CPU) times, and with `trace` every rank's spans
@@ -355,66 +363,105 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
         artifact = load_artifact(artifact, rank_files(rank))
     program = program_from_json(artifact.json(f"rank_{rank:02d}.json"))
     groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
-    mine = []
-    if program.scheduler:
-        k = program.scheduler_leaders.index(program.tp_group[0])
-        mine = [r for r in requests if r.index % len(program.scheduler_leaders) == k]
-    rt = Runtime(artifact, program, weights, device, groups, mine, trace=trace)
-    rounds_out = None  # serving: every rank reports its round times to the server
-    if serve is not None:
-        rt.sampling = True
-        rounds_out = RoundReports(serve.outbox, replica_set, rank)
-        if rt.scheduler is not None:
-            rt.serve(serve.channel(replica_set, program.scheduler_leaders.index(program.rank)))
-    if interpret:
-        from opweave.runtime.interpret import InterpretedProgram
-
-        prog = InterpretedProgram(rt, program)
-    else:
-        prog = load_program_source(artifact, f"rank_{rank:02d}.py").Program(rt)
-    runner = RoundRunner(rt, prog, who=f"rank {rank}")
-    faults = _fault_injection(rank)
-    check = config.check_sync()
-    checked = 0
+    rt = Runtime(artifact, program, weights, device, groups, _my_requests(program, requests), trace=trace,
+                 serve=serve, replica_set=replica_set)
+    reports = RoundReports(serve.outbox, replica_set, rank) if serve is not None else None
+    runner = RoundRunner(rt, _round_program(rt, artifact, rank, interpret), who=f"rank {rank}")
+    rounds = _Rounds(rt, runner, rank, reports)
     report(Phase.LOADED)
-    wall, host = [], []
     with torch.no_grad():
         while True:
-            t0, c0 = time.perf_counter(), time.process_time()
-            if rt.timeline is not None:
-                rt.timeline.restart()
-            rt.mark_ops = not rt.decode_round  # device events per op in the long rounds (CUDA)
-            if check and rt.decode_round and rt.round_index > 0:
-                with NoHostSync(f"rank {rank}, round {rt.round_index} (decode)"):
-                    runner.round()
-                checked += 1
-            else:
-                runner.round()
-            wall.append(time.perf_counter() - t0)
-            host.append(time.process_time() - c0)
-            if rounds_out is not None:
-                rounds_out.add(wall[-1])
-                wall, host = wall[-1000:], host[-1000:]  # a server runs for days: keep the recent rounds
-            if rt.round_index == faults.get("kill"):
-                os.kill(os.getpid(), 9)
-            while rt.round_index == faults.get("stall"):
-                time.sleep(3600)
-            if rt.round_index == faults.get("raise"):
-                raise RuntimeError(f"fault injected after round {rt.round_index} (OPWEAVE_FAULT_RAISE)")
-            report(Phase.ROUND, rt.round_index)
+            rounds.run()
+            rounds.after()
             if not rt.end_round():
                 break
         rt.drain()
     report(Phase.FINISHED, rt.round_index)
+    return _outputs(rt, runner, rounds, rank, trace)
+
+
+def _my_requests(program: RankProgram, requests: list[Request]) -> list[Request]:
+    """The requests of this rank's scheduler: dealt round-robin over the scheduler leaders."""
+    if not program.scheduler:
+        return []
+    k = program.scheduler_leaders.index(program.tp_group[0])
+    return [r for r in requests if r.index % len(program.scheduler_leaders) == k]
+
+
+def _round_program(rt: Runtime, artifact: VerifiedArtifact, rank: int, interpret: bool):
+    """What runs a round: the generated module, executed from its checked bytes, or the interpreter."""
+    if interpret:
+        from opweave.runtime.interpret import InterpretedProgram
+
+        return InterpretedProgram(rt, rt.program)
+    return load_program_source(artifact, f"rank_{rank:02d}.py").Program(rt)
+
+
+class _Rounds:
+    """The hooks around each round of `run_rank`: its wall and host times, the no-host-sync check
+    of decode rounds (OPWEAVE_CHECK_SYNC), a serving rank's round reports, the injected faults
+    (OPWEAVE_FAULT_*: `opweave.config.fault_injection`) and the progress report the launcher's
+    stall watch reads."""
+
+    KEEP = 1000  # a server runs for days: it keeps the recent rounds' times only
+
+    def __init__(self, rt: Runtime, runner: RoundRunner, rank: int, reports: RoundReports | None):
+        self.rt, self.runner, self.rank, self.reports = rt, runner, rank, reports
+        self.faults = config.fault_injection(rank)
+        self.check = config.check_sync()
+        self.checked = 0  # decode rounds run under the check
+        self.wall: list[float] = []
+        self.host: list[float] = []
+
+    def run(self) -> None:
+        """One round, timed; with the check, a decode round after the first runs under `NoHostSync`."""
+        rt = self.rt
+        t0, c0 = time.perf_counter(), time.process_time()
+        if rt.timeline is not None:
+            rt.timeline.restart()
+        rt.mark_ops = not rt.decode_round  # device events per op in the long rounds (CUDA)
+        if self.check and rt.decode_round and rt.round_index > 0:
+            with NoHostSync(f"rank {self.rank}, round {rt.round_index} (decode)"):
+                self.runner.round()
+            self.checked += 1
+        else:
+            self.runner.round()
+        self._timed(time.perf_counter() - t0, time.process_time() - c0)
+
+    def _timed(self, wall: float, host: float) -> None:
+        self.wall.append(wall)
+        self.host.append(host)
+        if self.reports is not None:
+            self.reports.add(wall)
+            self.wall, self.host = self.wall[-self.KEEP:], self.host[-self.KEEP:]
+
+    def after(self) -> None:
+        """After a round: the faults injected at it, then the progress report."""
+        self._inject(self.rt.round_index)
+        report(Phase.ROUND, self.rt.round_index)
+
+    def _inject(self, round_index: int) -> None:
+        if round_index == self.faults.get("kill"):
+            os.kill(os.getpid(), 9)
+        while round_index == self.faults.get("stall"):
+            time.sleep(3600)
+        if round_index == self.faults.get("raise"):
+            raise RuntimeError(f"fault injected after round {round_index} (OPWEAVE_FAULT_RAISE)")
+
+
+def _outputs(rt: Runtime, runner: RoundRunner, rounds: _Rounds, rank: int, trace: bool
+             ) -> tuple[list[Request], dict] | None:
+    """Every rank's ended requests, spans and counters gathered at rank 0, which returns the
+    outputs and the stats; the other ranks return None."""
     done = rt.scheduler.done if rt.scheduler is not None else []
     spans = rt.timeline.to_rows() if rt.timeline is not None else None
-    gathered = _gather_json({"done": [dataclasses.asdict(r) for r in done], "spans": spans, "checked": checked,
+    gathered = _gather_json({"done": [dataclasses.asdict(r) for r in done], "spans": spans, "checked": rounds.checked,
                              "graphs": runner.stats},
-                            rank, program.world_size, rt.device)
+                            rank, rt.program.world_size, rt.device)
     if rank != 0:
         return None
     out = [Request(**r) for part in gathered for r in part["done"]]
-    stats = {"round_s": wall, "host_s": host, "checked_rounds": [part["checked"] for part in gathered],
+    stats = {"round_s": rounds.wall, "host_s": rounds.host, "checked_rounds": [part["checked"] for part in gathered],
              "graphs": [part["graphs"] for part in gathered]}
     if trace:
         stats["spans"] = {r: part["spans"] for r, part in enumerate(gathered)}
@@ -443,12 +490,11 @@ class _Counted:
 
 
 class RoundReports:
-    """A serving rank's round times to the server's outbox: `("rounds", replica_set, rank, [seconds])`,
-    batched at most every `ROUND_REPORT_S` (a message per round would cost each round a queue
-    put)."""
+    """A serving rank's round times to the server's outbox (`channel.RoundReport`), batched at most
+    every `ROUND_REPORT_S` (a message per round would cost each round a queue put)."""
 
     def __init__(self, outbox, replica_set: int, rank: int):
-        self.outbox, self.key = outbox, (replica_set, rank)
+        self.outbox, self.replica_set, self.rank = outbox, replica_set, rank
         self._pending: list[float] = []
         self._last = time.monotonic()
 
@@ -456,7 +502,7 @@ class RoundReports:
         self._pending.append(seconds)
         now = time.monotonic()
         if now - self._last >= ROUND_REPORT_S:
-            self.outbox.put(("rounds", *self.key, self._pending))
+            self.outbox.put(RoundReport(self.replica_set, self.rank, tuple(self._pending)))
             self._pending, self._last = [], now
 
 
@@ -476,8 +522,3 @@ def _gather_json(value, rank: int, world: int, device: torch.device) -> list | N
     if rank != 0:
         return None
     return [json.loads(bytes(p[:int(n)].cpu().numpy())) for p, n in zip(parts, sizes)]
-
-
-def _fault_injection(rank: int) -> dict[str, int]:
-    """Faults for the fault tests (`opweave.config.fault_injection`)."""
-    return config.fault_injection(rank)

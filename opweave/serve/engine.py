@@ -9,7 +9,7 @@ ends of requests to one outbox (`runtime.channel`). A reader thread turns those 
 (a rank that fails, dies or stalls makes the engine unhealthy and ends every request in flight
 with an error). Requests go to the leader with the fewest in flight.
 
-Sampling happens on the device, in the last stage (`opweave.runtime.sampling`): each request's
+Sampling happens on the device, in the last stage (`opweave.kernels.sampling`): each request's
 temperature, top_k, top_p, min_p, seed and EOS ban (min_tokens) travel with its row as a sampling
 word; temperature 0 is greedy and gives exactly `opweave run`'s tokens. A request without a seed
 gets a random one. `ignore_eos` and `min_tokens` also reach the row's scheduler, which then does
@@ -21,18 +21,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import json
-import os
 import queue
 import secrets
 import threading
 import time
 from collections.abc import Callable
 
+from opweave.artifact import load_artifact
 from opweave.errors import OpWeaveError
-from opweave.runtime.channel import ServeQueues
+from opweave.runtime.channel import Add, Cancel, Ready, RoundReport, ServeQueues, Stop, TokenEvent
 from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, Ranks, start_method
-from opweave.runtime.sampling import MAX_TOP_K, encode
+from opweave.kernels.sampling import MAX_TOP_K, encode
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range [0, 2]
 
@@ -54,7 +53,7 @@ class Sampling:
     max_tokens: int
     temperature: float = 0.0        # 0: greedy
     top_p: float = 1.0
-    seed: int | None = None         # None: a random seed (`opweave.runtime.sampling`)
+    seed: int | None = None         # None: a random seed (`opweave.kernels.sampling`)
     stop_token_ids: tuple[int, ...] = ()   # extra ids that end the request (the model's EOS does too)
     top_k: int = 0                  # 0: off
     min_p: float = 0.0              # 0: off
@@ -80,7 +79,7 @@ class Sampling:
                                 f"got {self.min_tokens}", "min_tokens")
 
     def word(self, prompt_len: int, seed: int) -> tuple[int, ...]:
-        """The row's sampling word (`opweave.runtime.sampling.encode`) for a prompt of `prompt_len`:
+        """The row's sampling word (`opweave.kernels.sampling.encode`) for a prompt of `prompt_len`:
         output k is sampled at position prompt_len - 2 + k, so EOS is banned before
         prompt_len - 1 + min_tokens."""
         return encode(self.temperature, self.top_p, seed, top_k=self.top_k, min_p=self.min_p,
@@ -114,12 +113,9 @@ class Engine:
 
         if max_queue < 1:
             raise OpWeaveError(f"--max-queue must be at least 1, got {max_queue}")
-        cfg = artifact_model_config(artifact)
-        try:
-            with open(os.path.join(artifact, "rank_00.json")) as f:
-                program = json.load(f)
-        except (OSError, ValueError) as e:
-            raise OpWeaveError(f"{artifact}: not a compiled artifact with rank programs ({e})") from None
+        files = load_artifact(artifact, ["model_config.json", "rank_00.json"])  # checked against the manifest
+        cfg = artifact_model_config(files)
+        program = files.json("rank_00.json")
         self.model = program["model"]
         self.context = int(program["context"])
         self.eos_token_ids = tuple(cfg.eos_token_ids)
@@ -166,7 +162,7 @@ class Engine:
         self._stopping = True  # the ranks' end is asked for: what is left ends "cancelled" (`_watch`)
         for k, inboxes in enumerate(self._queues.inboxes):
             for inbox in inboxes:
-                inbox.put(("stop",))
+                inbox.put(Stop())
         if self.healthy:  # running ranks end their requests and stop; ranks still loading are killed
             self._stopped.wait(timeout_s)
         self._ranks.stop()
@@ -204,33 +200,31 @@ class Engine:
                 continue
             except (EOFError, OSError):
                 return
-            kind = message[0]
-            if kind == "event":
-                self._deliver(*message[1:])
-            elif kind == "rounds":
-                _, replica_set, rank, seconds = message
+            if isinstance(message, TokenEvent):
+                self._deliver(message)
+            elif isinstance(message, RoundReport):
                 with self._lock:
-                    recent = self._rounds.setdefault((replica_set, rank), collections.deque(maxlen=256))
-                    recent.extend(seconds)
-            elif kind == "ready":
+                    key = (message.replica_set, message.rank)
+                    self._rounds.setdefault(key, collections.deque(maxlen=256)).extend(message.seconds)
+            elif isinstance(message, Ready):
                 self._ready += 1
                 if self._ready == len(self._leaders):
                     self.healthy = True
                     self._started.set()
 
-    def _deliver(self, index: int, token: int | None, reason: str | None, error: str | None) -> None:
+    def _deliver(self, event: TokenEvent) -> None:
         with self._lock:
-            req = self._requests.get(index)
+            req = self._requests.get(event.id)
             if req is None:
                 return
-            if token is not None:
+            if event.token is not None:
                 req.tokens += 1
-            if reason is not None:
-                del self._requests[index]
-        if token is not None:
-            req.on_event(Event(token, None))
-        if reason is not None:
-            req.on_event(Event(None, reason, error))
+            if event.finish_reason is not None:
+                del self._requests[event.id]
+        if event.token is not None:
+            req.on_event(Event(event.token, None))
+        if event.finish_reason is not None:
+            req.on_event(Event(None, event.finish_reason, event.error))
 
     def _fail_all(self, reason: str, error: str | None) -> None:
         with self._lock:
@@ -267,10 +261,11 @@ class Engine:
             load = collections.Counter(r.leader for r in self._requests.values())
             leader = min(self._leaders, key=lambda key: (load[key], key))
             self._requests[index] = _Request(on_event, leader)
-        self._queues.inboxes[leader[0]][leader[1]].put(
-            ("add", index, [int(t) for t in prompt_ids], int(sampling.max_tokens),
-             [int(t) for t in sampling.stop_token_ids], sampling.word(len(prompt_ids), seed),
-             bool(sampling.ignore_eos), int(sampling.min_tokens)))
+        self._queues.inboxes[leader[0]][leader[1]].put(Add(
+            id=index, prompt_ids=tuple(int(t) for t in prompt_ids), max_new_tokens=int(sampling.max_tokens),
+            stop_ids=tuple(int(t) for t in sampling.stop_token_ids),
+            sampling_word=tuple(sampling.word(len(prompt_ids), seed)), ignore_eos=bool(sampling.ignore_eos),
+            min_tokens=int(sampling.min_tokens)))
         return index
 
     def cancel(self, request_id: int) -> None:
@@ -278,7 +273,7 @@ class Engine:
         with self._lock:
             req = self._requests.get(request_id)
         if req is not None:
-            self._queues.inboxes[req.leader[0]][req.leader[1]].put(("cancel", request_id))
+            self._queues.inboxes[req.leader[0]][req.leader[1]].put(Cancel(request_id))
 
     def stats(self) -> dict:
         with self._lock:

@@ -4,7 +4,8 @@
 identical to the operator modules in `opweave.models`); `get_backend("triton")` returns the Triton
 kernels (`triton_kernels`, the CUDA path; on CPU they run only under `TRITON_INTERPRET=1`). Both
 modules define the functions in `KERNEL_NAMES` with the same signatures (`docs/kernels.md`).
-Triton is imported only when its backend is asked for.
+Triton is imported only when its backend is asked for. Also here: the sampler (`sampling`), the
+torch kernels' block sizes (`blocks`), per-GPU launch limits (`targets`), the AOT checks (`aot`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ BACKENDS = ("torch", "triton")
 KERNEL_NAMES = ("rms_norm", "add_rms_norm", "rope", "decode_attention", "gdn_step", "gated_act",
                 "moe_route", "moe_experts", "argmax", "moe_experts_swiglu", "mla_decode_attention")
 
-_MODULES = {"torch": "opweave.codegen.kernels.reference", "triton": "opweave.codegen.kernels.triton_kernels"}
+_MODULES = {"torch": "opweave.kernels.reference", "triton": "opweave.kernels.triton_kernels"}
 
 
 def get_backend(name: str) -> ModuleType:

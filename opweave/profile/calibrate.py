@@ -29,24 +29,30 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import functools
 import math
 import os
+import re
 import statistics
 
 import numpy as np
 
-from opweave.cost.model import CostModel, op_flops, op_state_bytes, op_stream_bytes
+from opweave.cost.model import CostModel, needs_allreduce, op_stream_bytes, shards, state_shards
 from opweave.errors import OpWeaveError
 from opweave.hardware.catalog import GPUSpec, get_gpu
 from opweave.ir.kinds import OpKind
 
 REQUIRED_COLUMNS = ("gpu", "model", "tp", "batch", "context", "tpot_ms")
+LIMITS = {"tp": 1024, "batch": 1 << 20, "context": 1 << 24, "tpot_ms": 1e6}
+"""The largest value of each column a measurement may have: TP over 1024 GPUs, a resident batch
+of 1,048,576 sequences, a 16M-token context, 1000 s per output token. Anything larger is a typo
+(or a unit mix-up), and bounding them keeps every derived figure finite and the fit fast."""
 MIN_ROWS_PER_GPU = 4
 """Fewer rows of one GPU type than this cannot say anything about more than a term or two."""
 
 HUBER_DELTA = 0.08
 """Relative residual beyond which a row's weight falls off (Huber): a few published points are
-off by up to 2x (`../shared/reference/README.md` names one)."""
+off by up to 2x (`bench/data/README.md` names one)."""
 
 IDENTIFIABLE_MIN = 0.02
 """A term is identifiable when its column of the (relative) Jacobian, scaled to unit length, is
@@ -101,15 +107,26 @@ class Measurement:
 
     @property
     def group(self) -> str:
-        engine = f" {self.engine}" if self.engine else ""
-        return f"{self.gpu}{engine} {self.model} tp{self.tp}"
+        return group_name(self.gpu, self.engine, self.model, self.tp)
+
+
+def group_name(gpu: str, engine: str, model: str, tp: int) -> str:
+    """"h100 vllm llama-3.1-8b tp2": the rows of one GPU type, engine, model and TP degree."""
+    return f"{gpu}{' ' + engine if engine else ''} {model} tp{tp}"
+
+
+def _groups(rows: list[Measurement]) -> tuple[str, ...]:
+    """The groups of `rows`, in order of appearance."""
+    return tuple(group_name(*key) for key in dict.fromkeys((r.gpu, r.engine, r.model, r.tp) for r in rows))
 
 
 def read_measurements(path: str, catalog: dict[str, GPUSpec]) -> list[Measurement]:
-    """The rows of a measurements CSV; one-line OpWeaveError for a missing file or column, a value
-    that is not a positive number, an unknown GPU type, or no rows."""
+    """The rows of a measurements CSV (UTF-8, with or without a byte-order mark); one-line
+    OpWeaveError for a missing file or column, a value that is not a positive number or is
+    beyond `LIMITS`, an unknown GPU type, or no rows."""
+    gpus: dict[str, str] = {}  # as written -> catalog name
     try:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:
             reader = csv.DictReader(f)
             header = [h.strip() for h in (reader.fieldnames or [])]
             missing = [c for c in REQUIRED_COLUMNS if c not in header]
@@ -117,7 +134,7 @@ def read_measurements(path: str, catalog: dict[str, GPUSpec]) -> list[Measuremen
                 raise OpWeaveError(f"{path}: missing column(s) {', '.join(missing)} "
                                    f"(a measurements CSV has {', '.join(REQUIRED_COLUMNS)})")
             reader.fieldnames = header
-            rows = [_measurement(path, reader.line_num, raw, catalog) for raw in reader]
+            rows = [_measurement(path, reader.line_num, raw, catalog, gpus) for raw in reader]
     except FileNotFoundError:
         raise OpWeaveError(f"measurements file '{path}' not found") from None
     except IsADirectoryError:
@@ -131,7 +148,8 @@ def read_measurements(path: str, catalog: dict[str, GPUSpec]) -> list[Measuremen
     return rows
 
 
-def _measurement(path: str, line: int, raw: dict, catalog: dict[str, GPUSpec]) -> Measurement:
+def _measurement(path: str, line: int, raw: dict, catalog: dict[str, GPUSpec], gpus: dict[str, str]) -> Measurement:
+    """One row (`gpus` caches the GPU names already resolved)."""
     where = f"{path} line {line}"
 
     def text(column: str) -> str:
@@ -148,6 +166,8 @@ def _measurement(path: str, line: int, raw: dict, catalog: dict[str, GPUSpec]) -
             raise OpWeaveError(f"{where}: {column} must be a whole number, got {value[:30]!r}") from None
         if not math.isfinite(number) or number != int(number) or number <= 0:
             raise OpWeaveError(f"{where}: {column} must be a positive whole number, got {value[:30]!r}")
+        if number > LIMITS[column]:
+            raise OpWeaveError(f"{where}: {column} must be at most {LIMITS[column]:,}, got {value[:30]!r}")
         return int(number)
 
     tpot = text("tpot_ms")
@@ -157,10 +177,16 @@ def _measurement(path: str, line: int, raw: dict, catalog: dict[str, GPUSpec]) -
         raise OpWeaveError(f"{where}: tpot_ms must be a number, got {tpot[:30]!r}") from None
     if not math.isfinite(tpot_ms) or tpot_ms <= 0:
         raise OpWeaveError(f"{where}: tpot_ms must be a positive number, got {tpot[:30]!r}")
-    try:
-        gpu = get_gpu(text("gpu"), catalog).name
-    except OpWeaveError as e:
-        raise OpWeaveError(f"{where}: {e}") from None
+    if tpot_ms > LIMITS["tpot_ms"]:
+        raise OpWeaveError(f"{where}: tpot_ms must be at most {LIMITS['tpot_ms']:,.0f} (ms per output token), "
+                           f"got {tpot[:30]!r}")
+    name = text("gpu")
+    if name not in gpus:
+        try:
+            gpus[name] = get_gpu(name, catalog).name
+        except OpWeaveError as e:
+            raise OpWeaveError(f"{where}: {e}") from None
+    gpu = gpus[name]
     return Measurement(line=line, gpu=gpu, model=text("model"), engine=str(raw.get("engine") or "").strip(),
                        tp=whole("tp"), batch=whole("batch"), context=whole("context"), tpot_s=tpot_ms / 1e3)
 
@@ -170,16 +196,35 @@ def _measurement(path: str, line: int, raw: dict, catalog: dict[str, GPUSpec]) -
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Features:
-    """What the prediction of each row needs, for rows of one GPU type (ops padded with zeros)."""
+    """What the prediction of each row needs, for rows of one GPU type.
 
-    stream: np.ndarray      # [rows, ops] weight + activation bytes / mem_bandwidth (s at efficiency 1)
-    state: np.ndarray       # [rows, ops] state bytes / mem_bandwidth
-    math: np.ndarray        # [rows, ops] math time at the catalog's GEMM efficiency
-    num_ops: np.ndarray     # [rows]
-    batch: np.ndarray       # [rows]
-    collectives: np.ndarray  # [rows] TP collectives per step
-    ring_s: np.ndarray      # [rows] the collectives' link time (hops and bytes)
+    Rows measured at the same point (model, TP, batch and context) share its figures: the arrays
+    hold one entry per distinct point, and per-op arrays one column per distinct op (padded with
+    zeros); `point` and `measured` are per row."""
+
+    stream: np.ndarray      # [points, ops] weight + activation bytes / mem_bandwidth (s at efficiency 1)
+    state: np.ndarray       # [points, ops] state bytes / mem_bandwidth
+    math: np.ndarray        # [points, ops] math time at the catalog's GEMM efficiency
+    num_ops: np.ndarray     # [points]
+    batch: np.ndarray       # [points]
+    collectives: np.ndarray  # [points] TP collectives per step
+    ring_s: np.ndarray      # [points] the collectives' link time (hops and bytes)
+    tp: np.ndarray          # [points] TP degree
+    point: np.ndarray       # [rows] the row's point
     measured: np.ndarray    # [rows] seconds
+
+    def per_point(self, values: np.ndarray) -> np.ndarray:
+        """The sums of per-row `values` over the rows of each point."""
+        return np.bincount(self.point, weights=values, minlength=len(self.batch))
+
+    @functools.cached_property
+    def sums(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per point: the sums of stream, state and math; and the columns where some point has state."""
+        kv = np.flatnonzero(self.state.any(axis=0))
+        return _row_sums(self.stream), _row_sums(self.state[:, kv]), _row_sums(self.math), kv
+
+
+_PER_ROW = ("point", "measured")
 
 
 def graph_of(model: str, graphs: dict) -> object:
@@ -192,41 +237,106 @@ def graph_of(model: str, graphs: dict) -> object:
 
 
 def features(rows: list[Measurement], gpu: GPUSpec, graphs: dict) -> Features:
-    """The per-op arrays of `rows` (all of GPU type `gpu`)."""
+    """The per-op arrays of `rows` (all of GPU type `gpu`), built per (model, TP) group of rows.
+
+    Note: ops that differ only in their place in the model (the same op in another layer) cost
+    the same, so they share one column holding their sum: an op's terms scale with its count
+    (max(k m, k c) = k max(m, c)), so the prediction and its Jacobian are unchanged, and a
+    column per distinct op (a dozen for a dense model) keeps 200,000 rows a few arrays."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault((r.model, r.tp), []).append(i)
+    parts = [_group_features(graph_of(model, graphs), gpu, [rows[i] for i in index])
+             for (model, _), index in groups.items()]
+    width = max(part["stream"].shape[1] for part in parts)
+    point = np.zeros(len(rows), dtype=int)
+    offset = 0
+    for index, part in zip(groups.values(), parts):
+        point[np.array(index)] = part.pop("point") + offset
+        offset += len(part["batch"])
+        for name in ("stream", "state", "math"):
+            part[name] = np.pad(part[name], ((0, 0), (0, width - part[name].shape[1])))
+    columns = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    columns["collectives"] = np.round(columns["collectives"])
+    return Features(**columns, point=point, measured=np.array([r.tpot_s for r in rows]))
+
+
+def _cost_key(op) -> object:
+    """`op` without its place in the model (index, layer, inputs, the layer's number in its names):
+    equal for the same op in two layers, whose costs are the same."""
+    if op.layer is None:
+        return op
+    number = re.compile(rf"(^|\.){op.layer}(\.|$)")
+
+    def anonymous(name: str) -> str:
+        return number.sub(r"\1#\2", name)
+
+    return dataclasses.replace(op, index=0, layer=None, inputs=(), name=anonymous(op.name),
+                               weights=tuple(dataclasses.replace(w, name=anonymous(w.name)) for w in op.weights))
+
+
+def _group_features(graph, gpu: GPUSpec, rows: list[Measurement]):
+    """The `Features` fields of rows of one model and TP degree, but `measured`: per distinct
+    (batch, context) point, stream, state and math of each distinct op ([points, distinct ops],
+    times the op's count), ops, collectives and ring seconds; per row, its point. Each term is
+    computed once per distinct batch or context."""
     from opweave.cost.estimate import tp_problem
 
-    width = max(len(graph_of(r.model, graphs).ops) for r in rows)
-    stream, state, math_s = (np.zeros((len(rows), width)) for _ in range(3))
-    num_ops, collectives, ring = (np.zeros(len(rows)) for _ in range(3))
+    first, tp = rows[0], rows[0].tp
+    why = tp_problem(graph, gpu, tp)
+    if why is not None:
+        raise OpWeaveError(f"line {first.line} ({first.group}): {why}")
+    ops = graph.ops
+    if not any(op.kind == OpKind.EMBED for op in ops):
+        raise OpWeaveError(f"line {first.line} ({first.group}): the model has no embedding op to carry the step costs")
+    distinct: dict[object, list] = {}   # cost key -> [op, count]
+    pairs: dict[object, list] = {}      # (cost key, all-reduced) -> [op, the op after it, count]
+    for j, op in enumerate(ops):
+        following = ops[j + 1] if j + 1 < len(ops) else None
+        key = _cost_key(op)
+        distinct.setdefault(key, [op, 0])[1] += 1
+        pairs.setdefault((key, needs_allreduce(op, following)), [op, following, 0])[2] += 1
+    points, point = np.unique(np.array([(r.batch, r.context) for r in rows], dtype=np.int64), axis=0,
+                              return_inverse=True)
+    batches, batch_at = np.unique(points[:, 0], return_inverse=True)
+    contexts, context_at = np.unique(points[:, 1], return_inverse=True)
+    counts = np.array([count for _, count in distinct.values()], dtype=float)
+    reps = [op for op, _ in distinct.values()]
+    stream = np.array([[op_stream_bytes(op, tp, b) / gpu.mem_bandwidth for op in reps] for b in batches.tolist()])
+    state_bytes = np.zeros((len(contexts), len(reps)))
+    flops = np.tile([float(op.flops_at(0)) for op in reps], (len(contexts), 1))
+    for j, op in enumerate(reps):
+        if op.state is not None:  # an op without state costs the same at every context (`Op.flops_at`)
+            state_bytes[:, j] = [op.state_bytes(s) for s in contexts.tolist()]
+            flops[:, j] = [op.flops_at(s) for s in contexts.tolist()]
+    state_div = np.array([state_shards(op, tp) for op in reps], dtype=float)
+    flops_div = np.array([shards(op, tp) for op in reps], dtype=float)
+    batch = points[:, :1].astype(float)
+    # op_state_bytes and op_flops (layout "tp": no expert-parallel factors), per point
+    state = batch * state_bytes[context_at] / state_div / gpu.mem_bandwidth
+    math_s = batch * flops[context_at] / flops_div / gpu.effective_flops
+    hidden = graph.cuts[0].bytes_per_token if graph.cuts else 0
     silent = dataclasses.replace(gpu, collective_latency=0.0)
     counted = dataclasses.replace(gpu, collective_latency=1.0)
     model = CostModel()
-    for i, r in enumerate(rows):
-        graph = graph_of(r.model, graphs)
-        why = tp_problem(graph, gpu, r.tp)
-        if why is not None:
-            raise OpWeaveError(f"line {r.line} ({r.group}): {why}")
-        hidden = graph.cuts[0].bytes_per_token if graph.cuts else 0
-        ops = graph.ops
-        for j, op in enumerate(ops):
-            stream[i, j] = op_stream_bytes(op, r.tp, r.batch) / gpu.mem_bandwidth
-            state[i, j] = op_state_bytes(op, r.tp, r.batch, r.context) / gpu.mem_bandwidth
-            math_s[i, j] = op_flops(op, r.tp, r.batch, r.context) / gpu.effective_flops
-            following = ops[j + 1] if j + 1 < len(ops) else None
-            base = model.collectives_s(op, silent, r.tp, r.batch, hidden, following)
-            ring[i] += base
-            collectives[i] += model.collectives_s(op, counted, r.tp, r.batch, hidden, following) - base
-        num_ops[i] = len(ops)
-        if not any(op.kind == OpKind.EMBED for op in ops):
-            raise OpWeaveError(f"line {r.line} ({r.group}): the model has no embedding op to carry the step costs")
-    return Features(stream=stream, state=state, math=math_s, num_ops=num_ops,
-                    batch=np.array([r.batch for r in rows], dtype=float), collectives=np.round(collectives),
-                    ring_s=ring, measured=np.array([r.tpot_s for r in rows]))
+    ring, collectives = np.zeros(len(batches)), np.zeros(len(batches))
+    for k, b in enumerate(batches.tolist()):
+        for op, following, count in pairs.values():
+            base = model.collectives_s(op, silent, tp, b, hidden, following)
+            ring[k] += count * base
+            collectives[k] += count * (model.collectives_s(op, counted, tp, b, hidden, following) - base)
+    return {"stream": stream[batch_at] * counts, "state": state * counts, "math": math_s * counts,
+            "num_ops": np.full(len(points), float(len(ops))), "batch": batch[:, 0],
+            "collectives": collectives[batch_at], "ring_s": ring[batch_at], "tp": np.full(len(points), float(tp)),
+            "point": point.reshape(-1)}
 
 
 def take(f: Features, index: np.ndarray) -> Features:
-    """The rows `index` of `f`."""
-    return Features(**{field.name: getattr(f, field.name)[index] for field in dataclasses.fields(Features)})
+    """The rows `index` of `f` (with only their points)."""
+    used, point = np.unique(f.point[index], return_inverse=True)
+    per_point = {field.name: getattr(f, field.name)[used] for field in dataclasses.fields(Features)
+                 if field.name not in _PER_ROW}
+    return Features(**per_point, point=point.reshape(-1), measured=f.measured[index])
 
 
 # ---------------------------------------------------------------- prediction and fit
@@ -250,21 +360,34 @@ def values_of(params: np.ndarray) -> dict[str, float]:
 
 def predict(params: np.ndarray, f: Features) -> np.ndarray:
     """Predicted seconds per token of every row."""
-    return _predict_and_jacobian(params, f, jacobian=False)[0]
+    return _predict_and_jacobian(params, f, jacobian=False)[0][f.point]
 
 
 def _predict_and_jacobian(params: np.ndarray, f: Features, jacobian: bool = True):
+    """Predictions at each point and their Jacobian in the parameters ([points, terms]).
+
+    Note: per op, max(m, c) + serial * min(m, c) = m + c - (1 - serial) * min(m, c), and the
+    sums of m and c are linear in the parameters (`Features.sums`): of the per-op arrays only
+    min(m, c) and which ops are memory-bound are computed, a handful of passes over them."""
     u_w, u_kv, step, seq, coll, serial, launch = params
-    mem = f.stream * u_w + f.state * u_kv
-    mem_bound = mem >= f.math
-    hi, lo = np.where(mem_bound, mem, f.math), np.where(mem_bound, f.math, mem)
-    pred = (hi + serial * lo).sum(axis=1) + f.num_ops * launch + step + f.batch * seq + f.collectives * coll + f.ring_s
+    stream_sum, state_sum, math_sum, kv = f.sums
+    mem = np.multiply(f.stream, u_w)
+    mem[:, kv] += f.state[:, kv] * u_kv
+    lo_sum = _row_sums(np.minimum(mem, f.math))
+    pred = u_w * stream_sum + u_kv * state_sum + math_sum - (1.0 - serial) * lo_sum
+    pred += f.num_ops * launch + step + f.batch * seq + f.collectives * coll + f.ring_s
     if not jacobian:
         return pred, None
-    dmem = np.where(mem_bound, 1.0, serial)
-    jac = np.stack([(f.stream * dmem).sum(axis=1), (f.state * dmem).sum(axis=1), np.ones_like(pred), f.batch,
-                    f.collectives, lo.sum(axis=1), f.num_ops], axis=1)
+    bound = mem >= f.math  # memory-bound ops: d(max + serial * min) / dm = 1, else serial
+    d_stream = serial * stream_sum + (1.0 - serial) * np.einsum("ij,ij->i", f.stream, bound)
+    d_state = serial * state_sum + (1.0 - serial) * np.einsum("ij,ij->i", f.state[:, kv], bound[:, kv])
+    jac = np.stack([d_stream, d_state, np.ones_like(pred), f.batch, f.collectives, lo_sum, f.num_ops], axis=1)
     return pred, jac
+
+
+def _row_sums(a: np.ndarray) -> np.ndarray:
+    """Row sums of a [rows, ops] array (einsum: a third of the time of `sum(axis=1)` on narrow rows)."""
+    return np.einsum("ij->i", a)
 
 
 def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
@@ -309,36 +432,70 @@ def bounded_lstsq(a: np.ndarray, b: np.ndarray, lower: np.ndarray, upper: np.nda
     return np.minimum(x, upper)
 
 
-def _weights(params: np.ndarray, f: Features) -> np.ndarray:
-    """Per row: 1 / measured (relative error), times the Huber weight of its current residual."""
-    rel = np.abs(predict(params, f) / f.measured - 1.0)
+def _cholesky_qr(a: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(Q, R) of a tall `a` by Cholesky QR twice: three passes of matrix products over the rows,
+    as accurate as Householder QR for a condition number up to about 1e7 (Yamamoto et al. 2015);
+    None for a worse conditioned `a`."""
+    try:
+        r = np.linalg.cholesky(a.T @ a).T
+        diagonal = np.abs(np.diag(r))
+        if diagonal.min() <= 1e-7 * diagonal.max():
+            return None
+        q = a @ np.linalg.inv(r)
+        r2 = np.linalg.cholesky(q.T @ q).T
+    except np.linalg.LinAlgError:
+        return None
+    return q @ np.linalg.inv(r2), r2 @ r
+
+
+def _triangular(a: np.ndarray) -> np.ndarray:
+    """R of a's QR: ||a x - a y|| = ||R x - R y|| for all x, y, in min(rows, columns) rows."""
+    fast = _cholesky_qr(a) if a.shape[0] > 4 * a.shape[1] else None
+    return np.linalg.qr(a, mode="r") if fast is None else fast[1]
+
+
+def _reduced(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(R, Q^T b) from a's QR: min ||R x - Q^T b|| has the minimisers of min ||a x - b|| (under any
+    bounds), in as many rows as a has columns: each bounded solve costs the same for any row count."""
+    fast = _cholesky_qr(a) if a.shape[0] > 4 * a.shape[1] else None
+    q, r = np.linalg.qr(a) if fast is None else fast
+    return r, q.T @ b
+
+
+def _weights(pred: np.ndarray, f: Features) -> np.ndarray:
+    """Per row: 1 / measured (relative error), times the Huber weight of its residual at `pred`
+    (per point)."""
+    rel = np.abs(pred[f.point] / f.measured - 1.0)
     huber = np.where(rel <= HUBER_DELTA, 1.0, HUBER_DELTA / np.maximum(rel, 1e-300))
     return np.sqrt(huber) / f.measured
 
 
-def not_identifiable(params: np.ndarray, f: Features, rows: list[Measurement],
-                     fixed: dict[str, str] | None = None) -> dict[str, str]:
-    """Terms these rows cannot identify -> the one-line reason (the rest can be fitted)."""
+def not_identifiable(params: np.ndarray, f: Features, fixed: dict[str, str] | None = None,
+                     jac: np.ndarray | None = None) -> dict[str, str]:
+    """Terms the rows of `f` cannot identify -> the one-line reason (the rest can be fitted);
+    `jac`: the Jacobian at `params`, when the caller has it."""
     reasons = dict(fixed or {})
-    batches = {r.batch for r in rows}
+    batches = np.unique(f.batch)
     if len(batches) == 1:
-        reasons.setdefault("sequence_overhead", f"every row has batch {next(iter(batches))}, so the per-sequence "
+        reasons.setdefault("sequence_overhead", f"every row has batch {int(batches[0])}, so the per-sequence "
                                                 "cost cannot be told apart from the per-step cost")
-    if all(r.tp == 1 for r in rows):
+    if (f.tp == 1).all():
         reasons.setdefault("collective_latency", "every row has TP 1 (no collectives)")
     if not f.state.any():
         reasons.setdefault("kv_efficiency", "no row reads KV cache or state")
-    if len(set(f.num_ops.tolist())) == 1:
+    if len(np.unique(f.num_ops)) == 1:
         reasons.setdefault("launch_overhead", f"every row's model has {int(f.num_ops[0])} ops, so the per-op "
                                               "launch overhead cannot be told apart from the per-step cost")
-    _, jac = _predict_and_jacobian(params, f)
-    jac = jac / f.measured[:, None]
+    if jac is None:
+        jac = _predict_and_jacobian(params, f)[1]
+    jac = jac * np.sqrt(f.per_point(f.measured ** -2.0))[:, None]  # each row's relative error, per point
     while True:
         free = [i for i, t in enumerate(TERMS) if t.field not in reasons]
         if not free:
             return reasons
         cols = jac[:, free]
         norms = np.linalg.norm(cols, axis=0)
+        cols = _triangular(cols)  # the same regressions below, on a few rows instead of one per measurement
         weak = []
         for pos, i in enumerate(free):
             if norms[pos] == 0:
@@ -379,7 +536,7 @@ def fit_gpu(gpu: GPUSpec, f: Features, rows: list[Measurement],
         raise OpWeaveError(f"{gpu.name}: {len(rows)} measurement row(s), at least {MIN_ROWS_PER_GPU} are needed "
                            "to fit its terms")
     start = params_of(gpu)
-    reasons = not_identifiable(start, f, rows, held)
+    reasons = not_identifiable(start, f, held)
     if "mem_efficiency" in reasons:
         raise OpWeaveError(f"{gpu.name}: cannot fit the weight-streaming efficiency: {reasons['mem_efficiency']}")
     free = np.array([t.field not in reasons for t in TERMS])
@@ -387,19 +544,25 @@ def fit_gpu(gpu: GPUSpec, f: Features, rows: list[Measurement],
     upper = np.array([t.upper for t in TERMS])[free]
     params = start.copy()
     params[free] = np.clip(params[free], lower, upper)
+    pred, jac = _predict_and_jacobian(params, f)
     for _ in range(GN_ITERATIONS):
-        pred, jac = _predict_and_jacobian(params, f)
-        w = _weights(params, f)
+        # the rows' weighted least squares, per point: over a point's rows, the sum of
+        # w_i^2 (measured_i - model)^2 is W^2 (target - model)^2 + a constant, with W^2 the sum
+        # of the w_i^2 and target the w_i^2-weighted mean of the measured values
+        w2 = _weights(pred, f) ** 2
+        w = np.sqrt(f.per_point(w2))
+        target = f.per_point(w2 * f.measured) / w ** 2
         a = jac[:, free] * w[:, None]
         scale = np.linalg.norm(a, axis=0)
         scale = np.where(scale > 0, scale, 1.0)
-        rhs = w * (f.measured - pred + jac[:, free] @ params[free])
-        step = bounded_lstsq(a / scale, rhs, lower * scale, upper * scale) / scale
+        rhs = w * (target - pred + jac[:, free] @ params[free])
+        step = bounded_lstsq(*_reduced(a / scale, rhs), lower * scale, upper * scale) / scale
         moved = np.max(np.abs(step - params[free]) / np.maximum(np.abs(params[free]), 1e-9))
         params[free] = step
         if moved < 1e-7:
             break
-        late = not_identifiable(params, f, rows, reasons)  # a term may become unidentifiable at the fit
+        pred, jac = _predict_and_jacobian(params, f)
+        late = not_identifiable(params, f, reasons, jac)  # a term may become unidentifiable at the fit
         if len(late) > len(reasons):
             reasons = late
             drop = np.array([t.field in reasons for t in TERMS]) & free
@@ -407,8 +570,9 @@ def fit_gpu(gpu: GPUSpec, f: Features, rows: list[Measurement],
             free = free & ~drop
             lower = np.array([t.lower for t in TERMS])[free]
             upper = np.array([t.upper for t in TERMS])[free]
+            pred, jac = _predict_and_jacobian(params, f)
     return GPUFit(gpu=gpu.name, start=values_of(start), values=values_of(params), held=reasons, rows=len(rows),
-                  groups=tuple(dict.fromkeys(r.group for r in rows)))
+                  groups=_groups(rows))
 
 
 def fitted_spec(gpu: GPUSpec, fit: GPUFit) -> GPUSpec:
@@ -472,8 +636,9 @@ def calibrate(path: str, catalog: dict[str, GPUSpec], logo: bool = True, engine:
         sub = take(feats, mine)
         before = predict(params_of(catalog[name]), sub)
         after = predict(params_of(fitted_spec(catalog[name], fit)), sub)
+        labels = np.array([pool[i].group for i in mine])
         for group in fit.groups:
-            index = np.array([k for k, i in enumerate(mine) if pool[i].group == group])
+            index = np.flatnonzero(labels == group)
             logo_ms, note = (), ""
             if logo:
                 logo_ms, note = _left_out(catalog[name], feats, pool, mine, mine[index], engine is not None)

@@ -23,7 +23,7 @@ The rule, for a row with temperature T > 0 and logits l over the whole vocabular
   - the token is the Gumbel-max choice argmax_i(l_i / T + g_i) over the kept tokens, with
     g_i = -log(-log(u_i)) and u_i a hash of (seed, position, vocabulary id) (`uniform`), so one
     seed gives the same tokens at any TP degree, batch row or plan, and a rerun repeats them.
-Temperature 0 is greedy: exactly `argmax` (`opweave.codegen.kernels.reference`) of the logits
+Temperature 0 is greedy: exactly `argmax` (`opweave.kernels.reference`) of the logits
 after the ban, the path `opweave run` takes; top_k, top_p and min_p do not change it. A row
 whose logits are not all finite gives NON_FINITE_TOKEN either way.
 
@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from opweave.codegen.kernels.reference import NON_FINITE_TOKEN
+from opweave.kernels.reference import NON_FINITE_TOKEN
 
 FIELDS = ("seed", "temperature", "top_p", "top_k", "min_p", "ban_until")  # a word's int64s
 WORD = len(FIELDS)
@@ -172,7 +172,7 @@ def sample(logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor, voc
     `greedy(logits)`: the greedy sampler of the same group (ids [B]), whose answer temperature-0
     rows take (None: `argmax` on this rank alone); `banned`: this rank's columns of the ids
     `ban` masks (written into `logits` in place, before `greedy` sees them)."""
-    from opweave.codegen.kernels.reference import argmax
+    from opweave.kernels.reference import argmax
 
     ban(logits, word, position, banned)
     gather = gather or (lambda x: x[None])

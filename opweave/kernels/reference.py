@@ -10,7 +10,7 @@ Besides the decode kernels (`KERNEL_NAMES`) this module holds the torch-only pie
 need for steps of several tokens: `chunk_attention` (key-blocked attention of a prefill chunk over
 the cache and itself), `cache_write` (writes a step's keys and values into a ring-buffer cache),
 `causal_conv_step` and `gated_rms_norm` (Gated-DeltaNet). Their scratch is bounded by the block
-sizes in `opweave.models.activation`, never by the context.
+sizes in `opweave.kernels.blocks`, never by the context.
 
 KV caches are ring buffers: a cache of C slots holds position p at slot p % C. A full-attention
 cache has C = context (so slot = position); a sliding-window cache has C = min(context, window).
@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from opweave.models.activation import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK
+from opweave.kernels.blocks import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK
 
 NON_FINITE_TOKEN = -1
 """The id the sampler gives a row whose logits are not all finite (NaN or infinite): argmax would

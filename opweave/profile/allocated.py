@@ -14,7 +14,8 @@ hands out meta tensors: the same TP shards, the same parameters), and then:
                  live in host memory (messages are packed and received on the CPU)
 
 `artifact_memory(folder)` gives, per rank of an artifact, these figures next to the planned
-ones (`opweave.cost.memory.plan_rank_memory`): what `opweave dump ARTIFACT --what memory` prints.
+ones (`opweave.passes.plan_memory.plan_rank_memory`): what `opweave dump ARTIFACT --what memory`
+prints.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from opweave.cost.memory import CATEGORIES, PREFILL_CHUNK, SEND_ROUNDS, MemoryBreakdown, plan_rank_memory
+from opweave.cost.memory import CATEGORIES, MemoryBreakdown
+from opweave.ir.plan import PREFILL_CHUNK
 from opweave.ir.program import RankProgram
+from opweave.passes.plan_memory import SEND_ROUNDS, plan_rank_memory
 from opweave.runtime.message import message_bytes
 from opweave.runtime.state import RankState
 
@@ -208,14 +211,14 @@ class MetaRuntime:
         return x
 
     def add_norm(self, norm, x, residual):
-        from opweave.codegen.kernels import reference
+        from opweave.kernels import reference
         from opweave.runtime.kernel_ops import add_norm
 
         return add_norm(norm, x, residual, reference)
 
     def sample(self, mb: int, logits, positions):
         """The server's sampler on this rank's slice (the larger of its two paths: greedy is one max)."""
-        from opweave.runtime.sampling import WORD, encode, sample
+        from opweave.kernels.sampling import WORD, encode, sample
 
         words = torch.tensor([encode(1.0, 0.9, 0)], dtype=torch.long, device=META).expand(self.rows, WORD)
         return sample(logits[:, -1], words, positions[:, -1])
@@ -274,10 +277,10 @@ def artifact_memory(folder: str, activations: bool = True) -> list[RankMemory]:
     program's prefill chunk (at most the context) tokens per row."""
     from opweave.ir.plan import plan_from_json
     from opweave.ir.program import program_from_json
-    from opweave.ir.trace import build_graph
+    from opweave.passes.trace import build_graph
     from opweave.models.hf_config import config_from_hf
     from opweave.models.model import build_model
-    from opweave.runtime.manifest import load_artifact, load_program_source, rank_files
+    from opweave.artifact import load_artifact, load_program_source, rank_files
 
     probe = load_artifact(folder, ["plan.json", "model_config.json", "ops.json"])
     plan = plan_from_json(probe.json("plan.json"))

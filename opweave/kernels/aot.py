@@ -9,8 +9,8 @@ marked `tt.divisibility` 16, integers equal to 1 made constants. The compiled ke
 shared memory per block; the bundled `ptxas -v` gives registers and spill bytes (None where no
 bundled ptxas accepts the PTX).
 
-    python -m opweave.codegen.kernels.aot [--summary] [--arch 80,89,90] [--dtype bf16,fp16,fp32]
-                                          [--kernel NAME,...] [--json PATH]
+    python -m opweave.kernels.aot [--summary] [--arch 80,89,90] [--dtype bf16,fp16,fp32]
+                                  [--kernel NAME,...] [--json PATH]
 
 prints one row per compilation and exits 1 when a kernel exceeds its target's per-block shared
 memory or spills registers (`docs/kernels.md`, "Ahead-of-time checks"). Needs TRITON_INTERPRET
@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from opweave import config
-from opweave.codegen.kernels import targets
 from opweave.errors import OpWeaveError
+from opweave.kernels import targets
 
 ARCHS = {80: (8, 0), 89: (8, 9), 90: (9, 0)}  # sm_XX -> compute capability (A100; L40S, L4; H100, H200)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -101,17 +101,18 @@ def record(call: Callable[[], object]) -> list[Launch]:
     """The kernel launches `call` makes (it calls `triton_kernels` wrappers, typically on meta tensors)."""
     import triton
 
-    from opweave.codegen.kernels import triton_kernels as tk
+    from opweave.kernels import triton_kernels as tk
 
     sink: list[Launch] = []
-    jitted = {name: obj for name, obj in vars(tk).items() if isinstance(obj, triton.runtime.jit.KernelInterface)}
+    jitted = [(module, name, obj) for module in tk.FAMILIES for name, obj in vars(module).items()
+              if isinstance(obj, triton.runtime.jit.KernelInterface)]
     try:
-        for name, obj in jitted.items():
-            setattr(tk, name, _Recorder(obj, sink))
+        for module, name, obj in jitted:
+            setattr(module, name, _Recorder(obj, sink))
         call()
     finally:
-        for name, obj in jitted.items():
-            setattr(tk, name, obj)
+        for module, name, obj in jitted:
+            setattr(module, name, obj)
     return sink
 
 
@@ -205,7 +206,7 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
     """(label, call) per launcher use at model-sized shapes: batch 8, hidden 4096, 32 query and
     8 kv heads, a 4096-slot cache (and batch 1 at 131072 slots), Qwen3-Next's Gated-DeltaNet and MoE (512 experts, top 10),
     vocabulary 151936."""
-    from opweave.codegen.kernels import triton_kernels as tk
+    from opweave.kernels import triton_kernels as tk
 
     m = lambda *shape, dt=dtype: _meta(*shape, dtype=dt)  # noqa: E731
     pos = m(8, dt=torch.int64)
@@ -249,9 +250,9 @@ def kernel_names() -> list[str]:
     """The `@triton.jit` kernels the launchers call (helpers they inline are not compiled alone)."""
     import triton
 
-    from opweave.codegen.kernels import triton_kernels as tk
+    from opweave.kernels import triton_kernels as tk
 
-    return sorted(name for name, obj in vars(tk).items()
+    return sorted(name for module in tk.FAMILIES for name, obj in vars(module).items()
                   if isinstance(obj, triton.runtime.jit.KernelInterface) and name.endswith("_kernel"))
 
 
@@ -343,7 +344,7 @@ def format_summary(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m opweave.codegen.kernels.aot", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m opweave.kernels.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default=",".join(map(str, ARCHS)), help="targets, e.g. 80,89,90")
     parser.add_argument("--dtype", default=",".join(DTYPES), help="model dtypes, e.g. bf16,fp32")
     parser.add_argument("--kernel", default=None, help="only these kernels (comma-separated names)")

@@ -1,0 +1,146 @@
+"""The bodies of the compile's steps, one function per step.
+
+Each function takes the IRs it reads as keyword arguments and returns the IRs it makes. The
+argument names are the fields of the compile's record. `compiler/pipeline.py` holds the table
+that names what each step reads and makes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Callable
+
+from opweave.artifact import sha256_text
+from opweave.compiler.inputs import Inputs, plan_space
+from opweave.errors import OpWeaveError
+from opweave.ir.graph import OpGraph
+from opweave.ir.plan import PLAN_FORMAT, Plan, PlanOwner, PlanStage, Predicted, plan_to_json
+from opweave.ir.program import RankProgram
+from opweave.models.registry import ModelSource
+from opweave.passes import placement as placement_pass
+from opweave.passes.blocks import BlockedGraph
+from opweave.passes.carry import round_robin, send_bytes_per_token
+from opweave.passes.lower import lower
+from opweave.passes.placement import Placement
+from opweave.passes.search import SearchResult, search
+from opweave.passes.space import owner_groups, slot_of
+
+
+def trace_model(inputs: Inputs) -> tuple[ModelSource, OpGraph]:
+    """Step trace: resolves MODEL (name, checkpoint folder or model.py) and traces its decode
+    step with torch.fx on the meta device (`passes/trace.py`)."""
+    from opweave.models.registry import resolve
+    from opweave.passes.trace import build_graph
+
+    source = resolve(inputs.model)
+    return source, build_graph(source.build("meta", inputs.dtype))
+
+
+def check_context(source: ModelSource, graph: OpGraph, context: int, allow_long_context: bool,
+                  warn: Callable[[str], None] | None) -> None:
+    """Refuses a context beyond the model's `max_position_embeddings`.
+
+    Those are the positions it was trained for. Past them its output is not to be trusted, and
+    nothing at run time would say so. `allow_long_context` turns the refusal into a warning
+    through `warn` (default: Python's `warnings.warn`).
+    """
+    limit = source.cfg.max_position_embeddings
+    if context <= limit:
+        return
+    what = f"--context {context} is beyond {graph.model}'s max_position_embeddings {limit}"
+    if not allow_long_context:
+        raise OpWeaveError(f"{what} (the positions it was trained for); pass --allow-long-context to plan it anyway")
+    message = f"{what}: its output past {limit} tokens is not to be trusted"
+    if warn is None:
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
+    else:
+        warn(message)
+
+
+def search_plans(inputs: Inputs, source: ModelSource, graph: OpGraph, blocks: BlockedGraph) -> SearchResult:
+    """Step search: templates x owners x batching over the plan space (`passes/search.py`).
+    A context past the trained positions, or a space with no plan, is a one-line error."""
+    check_context(source, graph, inputs.context, inputs.allow_long_context, inputs.warn)
+    result = search(plan_space(graph, blocks, inputs), inputs.options, inputs.progress)
+    if result.best is None:
+        raise OpWeaveError(f"no plan: {result.reason}")
+    return result
+
+
+def place_best(inputs: Inputs, result: SearchResult) -> Placement:
+    """Step place: the best candidate's replica sets on the cluster's nodes (`passes/placement.py`:
+    first fit, TP groups inside a node). A one-line error when not even one set fits."""
+    where = placement_pass.place(owner_groups(result.best.owners), inputs.cluster)
+    if where.num_sets == 0:
+        raise OpWeaveError(f"the plan's TP groups do not fit inside the nodes of {inputs.cluster.spec}")
+    return where
+
+
+def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: Placement) -> Plan:
+    """Step plan: the best candidate, placed, as a Plan. It carries the search's figures and the
+    schedule's inputs (stage compute and send times, prices, the return), so it can be simulated
+    again alone."""
+    cand, cluster, where = result.best, inputs.cluster, placement
+    sets = where.num_sets
+    set0 = where.replica_set(0)  # what the runtime deploys; set k is where.replica_set(k)
+    k = len(cand.owners)
+    sim, problem = cand.sim, cand.problem
+    sent = send_bytes_per_token(cand.stage_plan, round_robin(cand.stage_plan, k))
+    stages = tuple(PlanStage(index=s.index, first_op=s.first, last_op=s.last,
+                             owner=slot_of(s.index, cand.stage_plan.stages_per_block, k), slot=s.slot,
+                             label=problem.stages[s.index].label, out_bytes_per_token=sent[s.index],
+                             compute_s=problem.stages[s.index].compute_s, send_s=problem.stages[s.index].send_s,
+                             send_bytes=problem.stages[s.index].send_bytes,
+                             send_inter_node=problem.stages[s.index].inter_node)
+                   for s in cand.stage_plan.stages)
+    owners = tuple(PlanOwner(slot=o.slot, gpu=o.gpu.name, tp=o.tp, replicas=o.replicas,
+                             memory_per_gpu_bytes=o.memory_per_gpu, occupancy=sim.owners[i].occupancy,
+                             bubble_ms=sim.owners[i].bubble_s * 1e3, gpus=set0[i], price_per_hour=o.gpu.price_per_hour,
+                             experts=o.experts)
+                   for i, o in enumerate(cand.owners))
+    predicted = Predicted(
+        tpot_ms=sim.tpot_s * 1e3, tokens_per_s=sim.tokens_per_s * sets, tokens_per_s_per_set=sim.tokens_per_s,
+        cost_per_mtok_usd=sim.cost_per_mtok_usd, cost_per_hour_usd=sim.cost_per_hour * sets,
+        bytes_per_token_intra=sim.bytes_per_token_intra_node, bytes_per_token_inter=sim.bytes_per_token_inter_node,
+        mean_occupancy=sum(o.occupancy for o in sim.owners) / len(sim.owners))
+    template = cand.stage_plan.template
+    return Plan(format=PLAN_FORMAT, model=graph.model, cluster=cluster.spec, context=inputs.context,
+                tpot_slo_ms=inputs.tpot_slo_s * 1e3, template=template.name, template_family=template.family,
+                template_sites=tuple(tuple(sorted(s)) for s in template.sites), num_stages=len(stages),
+                stages_per_block=cand.stage_plan.stages_per_block, stages=stages, owners=owners,
+                batch=cand.batch, microbatches=cand.microbatches, replica_sets=sets, idle_gpus=where.idle,
+                predicted=predicted, counters=dataclasses.asdict(result.counters), return_s=problem.return_s,
+                return_bytes=problem.return_bytes, return_inter_node=problem.return_inter_node,
+                prefill_chunk=inputs.prefill_chunk)
+
+
+def plan_text(plan: Plan) -> str:
+    """plan.json's text. Its sha256 is the plan hash every rank program carries."""
+    return json.dumps(plan_to_json(plan), indent=1)
+
+
+def rank_programs(plan: Plan, source: ModelSource, graph: OpGraph, blocks: BlockedGraph,
+                  plan_hash: str) -> tuple[RankProgram, ...]:
+    """One rank program per rank of replica set 0 (`passes/lower.py`). None for a model.py
+    model, which `opweave run` cannot load."""
+    if source.kind == "file":
+        return ()
+    return lower(plan, graph, blocks.period, blocks.num_blocks, plan_hash, blocks.num_head_layers)
+
+
+def lower_plan(source: ModelSource, graph: OpGraph, blocks: BlockedGraph,
+               plan: Plan) -> tuple[str, tuple[RankProgram, ...]]:
+    """Step lower: plan.json's text and the rank programs, which carry its hash."""
+    text = plan_text(plan)
+    return text, rank_programs(plan, source, graph, blocks, sha256_text(text))
+
+
+def render_modules(graph: OpGraph, plan: Plan, programs: tuple[RankProgram, ...]) -> dict[str, str]:
+    """Step render: each rank program as a Python module, `rank_XX.py` (`codegen/render.py`)."""
+    from opweave.codegen.render import render_rank
+
+    names = [op.name for op in graph.ops]
+    return {f"rank_{p.rank:02d}.py": render_rank(p, names, plan.template, plan.num_stages) for p in programs}

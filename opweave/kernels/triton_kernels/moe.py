@@ -1,0 +1,338 @@
+"""MoE and gated-MLP Triton kernels: the gated activation, top-k routing, grouped experts."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from opweave.kernels.triton_kernels.common import _MAX_BLOCK, _check_last_contiguous, _dot_fp32, _pow2
+
+MOE_WARPS = 8  # float32 MoE tl.dot tiles spill registers at 4 warps (docs/kernels.md, ahead-of-time checks)
+
+
+# ---------------------------------------------------------------------------------------------- gated MLP
+
+@triton.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+    return x * tl.sigmoid(2.0 * 0.7978845608028654 * (x + 0.044715 * x * x * x))
+
+
+@triton.jit
+def _gated_act_kernel(
+    gate_ptr, up_ptr,         # [N, I] inputs, model dtype
+    out_ptr,                  # [N, I] output, model dtype
+    stride_g, stride_u, stride_o,  # elements between rows
+    I,                        # row length
+    SILU: tl.constexpr,       # True: silu; False: tanh-approximated gelu
+    BLOCK_I: tl.constexpr,    # columns per program
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = cols < I
+    x = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        a = x * tl.sigmoid(x)
+    else:
+        a = _gelu_tanh(x)
+    a = a.to(out_ptr.dtype.element_ty).to(tl.float32)  # the reference rounds act(gate) before * up
+    tl.store(out_ptr + row * stride_o + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    """See `reference.gated_act`."""
+    assert gate.shape == up.shape and gate.dtype == up.dtype, f"gate {tuple(gate.shape)} vs up {tuple(up.shape)}"
+    i = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, i), up.reshape(-1, i)
+    _check_last_contiguous(gate=g2, up=u2)
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    block = min(_pow2(i), _MAX_BLOCK)
+    if g2.shape[0]:
+        _gated_act_kernel[(g2.shape[0], triton.cdiv(i, block))](
+            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), i, SILU=kind == "silu", BLOCK_I=block)
+    return out.view(gate.shape)
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr,               # [N, E] router logits, model dtype
+    w_ptr,                    # [N, K] routing weights out, model dtype
+    ids_ptr,                  # [N, K] int64 expert ids out
+    stride_l,                 # elements between rows of logits
+    E,                        # experts
+    TOP_K: tl.constexpr,      # experts per token
+    RENORM: tl.constexpr,     # divide the k weights by their sum
+    BLOCK_E: tl.constexpr,    # power of two >= E
+    BLOCK_K: tl.constexpr,    # power of two >= TOP_K
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < E, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(cols < E, e / tl.sum(e, axis=0), -1.0)  # padding lanes below any probability
+    slot = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_K], tl.float32)
+    top_i = tl.zeros([BLOCK_K], tl.int64)
+    for j in tl.static_range(TOP_K):  # k rounds of argmax; ties go to the lower expert id
+        best = tl.argmax(p, axis=0)
+        top_w = tl.where(slot == j, tl.max(p, axis=0), top_w)
+        top_i = tl.where(slot == j, best.to(tl.int64), top_i)
+        p = tl.where(cols == best, -2.0, p)
+    if RENORM:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(w_ptr + row * TOP_K + slot, top_w.to(w_ptr.dtype.element_ty), mask=slot < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slot, top_i, mask=slot < TOP_K)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `reference.moe_route`."""
+    e = logits.shape[-1]
+    assert 0 < top_k <= e, f"top_k {top_k} with {e} experts"
+    rows = logits.reshape(-1, e)
+    _check_last_contiguous(logits=rows)
+    weights = torch.empty(rows.shape[0], top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(rows.shape[0], top_k, dtype=torch.int64, device=logits.device)
+    if rows.shape[0]:
+        _moe_route_kernel[(rows.shape[0],)](rows, weights, ids, rows.stride(0), e, TOP_K=top_k,
+                                            RENORM=bool(renormalize), BLOCK_E=_pow2(e), BLOCK_K=_pow2(top_k))
+    lead = tuple(logits.shape[:-1])
+    return weights.view(*lead, top_k), ids.view(*lead, top_k)
+
+
+MOE_BLOCK_M = 16  # (token, expert) pairs per grouped block: the rows of each `tl.dot` (>= 16)
+
+
+def moe_block_table(ids: torch.Tensor, num_experts: int,
+                    block_m: int = MOE_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped MoE schedule of a routing, computed on the device with static shapes.
+
+    The N*k (token, expert) pairs (pair p = token * k + j) are sorted by expert (stable, so the
+    pairs of an expert stay in token order) and cut into blocks of at most `block_m` pairs of one
+    expert. The number of blocks is data dependent, so the table has a static upper bound of rows,
+    min(N*k, N*k // block_m + min(E, N*k)) (each expert with pairs adds at most one partial block);
+    the rows past the real blocks are empty (start == stop) and their programs do no work.
+    Pairs of id num_experts (the foreign-pair sentinel of an expert-parallel shard) sort last and
+    fall in no block: no program computes them.
+
+    Args:
+        ids: [N, k] int64 expert ids, each in [0, num_experts].
+    Returns:
+        (order [N*k] int64: pair indices sorted by expert, table [G, 3] int64: per block its
+        expert, and the range [start, stop) of `order` it covers).
+    """
+    flat = ids.reshape(-1)
+    pairs = flat.shape[0]
+    grid = min(pairs, pairs // block_m + min(num_experts, pairs))
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    first = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=ids.device))  # [E+1]
+    blocks = (first[1:] - first[:-1] + block_m - 1) // block_m                                # [E]
+    block_end = torch.cumsum(blocks, 0)
+    b = torch.arange(grid, device=ids.device)
+    expert = torch.searchsorted(block_end, b, right=True).clamp(max=num_experts - 1)
+    start = first[expert] + (b - (block_end[expert] - blocks[expert])) * block_m
+    stop = torch.minimum(start + block_m, first[expert + 1])
+    stop = torch.where(b < block_end[-1], stop, start)  # rows past the last real block: empty
+    return order, torch.stack((expert, start, stop), dim=1)
+
+
+@triton.jit
+def _moe_block(table_ptr, order_ptr, BLOCK_M: tl.constexpr):
+    """This program's block of the table: (expert, its pairs [BLOCK_M], their mask, any pair at all)."""
+    blk = tl.program_id(0).to(tl.int64)
+    expert = tl.load(table_ptr + blk * 3)
+    start = tl.load(table_ptr + blk * 3 + 1)
+    stop = tl.load(table_ptr + blk * 3 + 2)
+    m = start + tl.arange(0, BLOCK_M)
+    m_mask = m < stop
+    pair = tl.load(order_ptr + m, mask=m_mask, other=0)
+    return expert, pair, m_mask, stop > start
+
+
+@triton.jit
+def _moe_gate_up_act_kernel(
+    x_ptr,                    # [N, H] tokens, model dtype
+    order_ptr,                # [N*K] int64 pair indices (token * K + j) sorted by expert
+    table_ptr,                # [G, 3] int64 per block: expert, start, stop (a range of order)
+    gu_ptr,                   # gate/up weights, model dtype: [E, 2I, H] gate rows then up rows (Qwen,
+                              # Mixtral), or [E, H, 2I] gate / up columns interleaved (GPT-OSS)
+    gub_ptr,                  # [E, 2I] gate/up bias laid out like a weight row (read only with GPT_OSS)
+    act_ptr,                  # [N*K, I] act(gate, up) per pair, model dtype, contiguous
+    stride_x,                 # elements between rows of x
+    stride_ge, stride_gh, stride_gc,  # gate_up strides: expert, hidden, intermediate channel
+    up_offset,                # elements from a gate weight to its up weight (I rows, or the next column)
+    stride_be,                # bias strides: expert (its channels are laid out as the weight's)
+    H, I,                     # hidden size, expert intermediate size
+    alpha, limit,             # GPT_OSS: SwiGLU's sigmoid gain; clamp of gate (above) and up (both sides)
+    K: tl.constexpr,          # experts per token
+    GPT_OSS: tl.constexpr,    # biases and the clamped SwiGLU; else silu(gate) * up
+    BLOCK_M: tl.constexpr,    # pairs per block (rows of the tl.dot)
+    BLOCK_I: tl.constexpr,    # intermediate channels per program
+    BLOCK_H: tl.constexpr,    # hidden columns per iteration
+    DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
+):
+    expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
+    token = pair // K
+    ch = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
+    h_end = tl.where(busy, H, 0)  # an empty block reads nothing
+    for h0 in range(0, h_end, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + token[:, None] * stride_x + hs[None, :], mask=m_mask[:, None] & (hs < H)[None, :],
+                    other=0.0)
+        w_mask = (hs < H)[:, None] & (ch < I)[None, :]
+        w_base = gu_ptr + expert * stride_ge + hs[:, None] * stride_gh + ch[None, :] * stride_gc
+        wg = tl.load(w_base, mask=w_mask, other=0.0)       # [BLOCK_H, BLOCK_I]: once per block of pairs
+        wu = tl.load(w_base + up_offset, mask=w_mask, other=0.0)
+        if DOT_FP32:
+            x = x.to(tl.float32)
+            acc_g += tl.dot(x, wg.to(tl.float32), input_precision="ieee")
+            acc_u += tl.dot(x, wu.to(tl.float32), input_precision="ieee")
+        else:
+            acc_g += tl.dot(x, wg)
+            acc_u += tl.dot(x, wu)
+    dtype = act_ptr.dtype.element_ty
+    # rounded to the model dtype where the reference rounds
+    gate = acc_g.to(dtype).to(tl.float32)
+    up = acc_u.to(dtype).to(tl.float32)
+    if GPT_OSS:  # the biased sums, glu, up + 1
+        bias = gub_ptr + expert * stride_be + ch * stride_gc
+        bg = tl.load(bias, mask=ch < I, other=0.0).to(tl.float32)
+        bu = tl.load(bias + up_offset, mask=ch < I, other=0.0).to(tl.float32)
+        gate = tl.minimum((gate + bg[None, :]).to(dtype).to(tl.float32), limit)
+        up = (up + bu[None, :]).to(dtype).to(tl.float32)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        glu = (gate * tl.sigmoid(gate * alpha)).to(dtype).to(tl.float32)
+        act = (up + 1.0).to(dtype).to(tl.float32) * glu
+    else:        # silu(gate), then the product
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up
+    tl.store(act_ptr + pair[:, None] * I + ch[None, :], act.to(dtype), mask=m_mask[:, None] & (ch < I)[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    act_ptr,                  # [N*K, I] expert activations per pair, model dtype, contiguous
+    w_ptr,                    # [N, K] routing weights, model dtype
+    order_ptr,                # [N*K] int64 pair indices sorted by expert
+    table_ptr,                # [G, 3] int64 per block: expert, start, stop
+    down_ptr,                 # down projections, model dtype: [E, H, I] (Qwen, Mixtral) or [E, I, H] (GPT-OSS)
+    db_ptr,                   # [E, H] down bias, model dtype (read only with HAS_BIAS)
+    out_ptr,                  # [N*K, H] weighted expert outputs per pair, model dtype, contiguous
+    stride_w,                 # elements between rows of weights
+    stride_de, stride_dh, stride_di,  # down strides (expert, output column, intermediate row)
+    stride_be,                # down bias stride (expert)
+    H, I,                     # hidden size, expert intermediate size
+    K: tl.constexpr,          # experts per token
+    HAS_BIAS: tl.constexpr,   # add the expert's down bias before the routing weight
+    BLOCK_M: tl.constexpr,    # pairs per block
+    BLOCK_H: tl.constexpr,    # output columns per program
+    BLOCK_I: tl.constexpr,    # intermediate rows per iteration
+    DOT_FP32: tl.constexpr,   # cast tl.dot operands to float32 and use IEEE precision
+):
+    expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    i_end = tl.where(busy, I, 0)  # an empty block reads nothing
+    for i0 in range(0, i_end, BLOCK_I):
+        rows = i0 + tl.arange(0, BLOCK_I)
+        a = tl.load(act_ptr + pair[:, None] * I + rows[None, :], mask=m_mask[:, None] & (rows < I)[None, :],
+                    other=0.0)
+        w = tl.load(down_ptr + expert * stride_de + rows[:, None] * stride_di + hs[None, :] * stride_dh,
+                    mask=(rows < I)[:, None] & (hs < H)[None, :], other=0.0)  # [BLOCK_I, BLOCK_H], once per block
+        if DOT_FP32:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    dtype = out_ptr.dtype.element_ty
+    out = acc.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(db_ptr + expert * stride_be + hs, mask=hs < H, other=0.0).to(tl.float32)
+        out = (out + bias[None, :]).to(dtype).to(tl.float32)
+    weight = tl.load(w_ptr + (pair // K) * stride_w + pair % K, mask=m_mask, other=0.0).to(tl.float32)
+    out = (out * weight[:, None]).to(dtype)  # rounded like the reference
+    tl.store(out_ptr + pair[:, None] * H + hs[None, :], out, mask=m_mask[:, None] & (hs < H)[None, :])
+
+
+def _grouped_experts(x, weights, ids, e: int, i: int, gate_up, gate_up_strides, up_offset: int, down,
+                     down_strides, gate_up_bias=None, down_bias=None, alpha: float = 0.0, limit: float = 0.0):
+    """The launch both expert layouts share: the (token, expert) pairs sorted by expert in blocks of
+    `MOE_BLOCK_M` (`moe_block_table`, on the device), `_moe_gate_up_act_kernel` then
+    `_moe_down_kernel` per block, and the k weighted outputs of a token summed in float32 in a fixed
+    order (no atomics). Sentinel pairs (id == e: not on this expert-parallel shard) have no block,
+    so their output rows are never written: they are zeroed before the sum (on the device).
+    `gate_up_strides` = (hidden, intermediate channel), `down_strides` = (output column,
+    intermediate row); with the biases, GPT-OSS's clamped SwiGLU."""
+    h, k = x.shape[-1], ids.shape[-1]
+    x2, w2, ids2 = x.reshape(-1, h), weights.reshape(-1, k), ids.reshape(-1, k)
+    n = x2.shape[0]
+    assert w2.shape == ids2.shape == (n, k), f"weights {tuple(weights.shape)}, ids {tuple(ids.shape)} vs x {tuple(x.shape)}"
+    assert ids.dtype == torch.int64, f"ids dtype {ids.dtype}"
+    biases = {} if gate_up_bias is None else {"gate_up_bias": gate_up_bias, "down_bias": down_bias}
+    _check_last_contiguous(x=x2, weights=w2, ids=ids2, gate_up=gate_up, down=down, **biases)
+    if not n * k:
+        return torch.zeros_like(x)
+    gpt_oss = gate_up_bias is not None
+    order, table = moe_block_table(ids2, e)
+    act = torch.empty(n * k, i, dtype=x.dtype, device=x.device)
+    out = torch.empty(n * k, h, dtype=x.dtype, device=x.device)
+    dot_fp32 = _dot_fp32(x.dtype)
+    # float32 tl.dot runs on FMA units: its tiles spill registers at 4 warps (ahead-of-time checks)
+    warps = MOE_WARPS if x.dtype == torch.float32 else 4
+    block_i, block_h = min(_pow2(i, 16), 64), min(_pow2(h, 16), 64)  # weight tiles of both kernels
+    _moe_gate_up_act_kernel[(table.shape[0], triton.cdiv(i, block_i))](
+        x2, order, table, gate_up, gate_up_bias if gpt_oss else gate_up, act, x2.stride(0), gate_up.stride(0),
+        *gate_up_strides, up_offset, gate_up_bias.stride(0) if gpt_oss else 0, h, i, float(alpha), float(limit),
+        K=k, GPT_OSS=gpt_oss, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32,
+        num_warps=warps)
+    _moe_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](
+        act, w2, order, table, down, down_bias if gpt_oss else down, out, w2.stride(0), down.stride(0),
+        *down_strides, down_bias.stride(0) if gpt_oss else 0, h, i, K=k, HAS_BIAS=gpt_oss, BLOCK_M=MOE_BLOCK_M,
+        BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32, num_warps=warps)
+    out = out.view(n, k, h).masked_fill_((ids2 >= e)[..., None], 0.0)  # sentinel rows: never written
+    y = torch.sum(out, dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
+    return y.view(x.shape)
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """See `reference.moe_experts`. Grouped (`_grouped_experts`): gate_up + activation then down +
+    routing weight per block of pairs of one expert with `tl.dot`, so each expert's weights are read
+    once per block of tokens. No host synchronisation: the grid is sized from the shapes. Ids must
+    be in [0, E]; id E (the foreign-pair sentinel, `reference.local_expert_ids`) contributes
+    nothing."""
+    h = x.shape[-1]
+    e, two_i, h2 = gate_up.shape
+    i = two_i // 2
+    assert h2 == h and two_i == 2 * i, f"gate_up {tuple(gate_up.shape)} vs hidden {h}"
+    assert down.shape == (e, h, i), f"down {tuple(down.shape)} != ({e}, {h}, {i})"
+    assert x.dtype == weights.dtype == gate_up.dtype == down.dtype, "x, weights and expert weights must share a dtype"
+    # gate_up [E, 2I, H]: gate rows then up rows; down [E, H, I]
+    return _grouped_experts(x, weights, ids, e, i, gate_up, (gate_up.stride(2), gate_up.stride(1)),
+                            i * gate_up.stride(1), down, (down.stride(1), down.stride(2)))
+
+
+def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                       gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor, alpha: float,
+                       limit: float) -> torch.Tensor:
+    """See `reference.moe_experts_swiglu`. Grouped like `moe_experts` (`_grouped_experts`), with the
+    biases and the clamped SwiGLU (a gate column and its up column are neighbours, so one program
+    reads both). No host synchronisation. Ids must be in [0, E]; id E contributes nothing (nor its
+    bias)."""
+    h = x.shape[-1]
+    e, h2, two_i = gate_up.shape
+    i = two_i // 2
+    assert h2 == h and two_i == 2 * i, f"gate_up {tuple(gate_up.shape)} vs hidden {h}"
+    assert gate_up_bias.shape == (e, two_i), f"gate_up_bias {tuple(gate_up_bias.shape)} != ({e}, {two_i})"
+    assert down.shape == (e, i, h), f"down {tuple(down.shape)} != ({e}, {i}, {h})"
+    assert down_bias.shape == (e, h), f"down_bias {tuple(down_bias.shape)} != ({e}, {h})"
+    assert x.dtype == weights.dtype == gate_up.dtype == down.dtype == gate_up_bias.dtype == down_bias.dtype, \
+        "x, weights, expert weights and biases must share a dtype"
+    # gate_up [E, H, 2I]: gate / up columns interleaved; down [E, I, H]: its rows are I
+    return _grouped_experts(x, weights, ids, e, i, gate_up, (gate_up.stride(1), 2 * gate_up.stride(2)),
+                            gate_up.stride(2), down, (down.stride(2), down.stride(1)), gate_up_bias, down_bias,
+                            alpha, limit)
