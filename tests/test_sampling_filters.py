@@ -153,3 +153,10 @@ def test_a_rank_refuses_a_malformed_word_for_that_request_only():
     assert bad_word(encode(1.0, 4e-7, 5, top_k=3, min_p=1e-9, ban_until=9)) is None
     assert bad_word((1, 2, 3)) and bad_word(encode(1.0, 1.0, 0)[:2] + (0, 0, 0, 0))
     assert bad_word((0, 0, 10 ** 7, 0, 0, 0)) and bad_word((0, -1, 1, 0, 0, 0))
+
+
+def test_the_ban_keeps_a_non_finite_row_reported():
+    logits = torch.tensor([[0.0, 0.0, -math.inf], [0.0, 1.0, 2.0]])
+    word = torch.tensor([encode(0.0, 1.0, 0, ban_until=9)] * 2, dtype=torch.long)
+    out = sample(logits, word, torch.tensor([0, 0]), banned=ban_columns((2,), 0, 3, "cpu")).tolist()
+    assert out == [NON_FINITE_TOKEN, 1]

@@ -152,12 +152,15 @@ def _threshold(logits: torch.Tensor, inv_temp: torch.Tensor, top_p: torch.Tensor
 def ban(logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor, columns: torch.Tensor | None) -> None:
     """Bans, in place, `columns` (this rank's columns of the EOS ids, a device tensor) of the rows
     [B, Vr] whose newest `position` is before their word's ban_until: they get the lowest finite
-    value of the dtype, so the greedy and the sampled choice avoid them and the row stays finite."""
+    value of the dtype (a NaN or an infinity stays), so the greedy and the sampled choice avoid them
+    and a finite row stays finite."""
     if columns is None or columns.numel() == 0:
         return
     banned = (position < word[:, FIELDS.index("ban_until")])[:, None]
     low = torch.finfo(logits.dtype).min
-    logits[:, columns] = torch.where(banned, torch.full_like(logits[:, columns], low), logits[:, columns])
+    cols = logits[:, columns]
+    # A non-finite value stays: the row is still reported as not finite (NON_FINITE_TOKEN).
+    logits[:, columns] = torch.where(banned & torch.isfinite(cols), torch.full_like(cols, low), cols)
 
 
 def sample(logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor, vocab_offset: int = 0,
