@@ -28,6 +28,19 @@ class _Parser(argparse.ArgumentParser):
 _NEGATIVE = re.compile(r"-[0-9.]")
 
 
+def _warn(message: str) -> None:
+    """A warning for the user: one line on stderr."""
+    print(f"opweave: warning: {message}", file=sys.stderr)
+
+
+def _progress(quiet: bool):
+    """A long command's progress lines on stderr (nothing with --quiet)."""
+    def progress(message: str) -> None:
+        if not quiet:
+            print(f"  ... {message}", file=sys.stderr, flush=True)
+    return progress
+
+
 def _attach_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`argv` with `--tpot-slo -5ms` written `--tpot-slo=-5ms`, for every long option that takes a
     value: argparse reads a value starting with '-' that is not a plain number as an option
@@ -70,6 +83,19 @@ def _cmd_dump(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_dump(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, model.py, "
+                                 "or (with --what plan|ranks|memory) an artifact folder")
+    p.add_argument("--what", choices=("ir", "blocks", "plan", "ranks", "memory"), default="ir")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="override the checkpoint's dtype for the cost facts")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="with --what plan: simulate the plan's schedule again and write its Chrome trace to FILE")
+    p.add_argument("--gantt", metavar="FILE", default=None,
+                   help="with --what plan: simulate the plan's schedule again and draw its Gantt chart (PNG) in FILE")
+
+
 def _dump_memory(args: argparse.Namespace) -> int:
     """Per rank of an artifact: planned bytes and the bytes its modules allocate (built on meta)."""
     from opweave.profile.allocated import artifact_memory, format_memory
@@ -93,7 +119,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from opweave.cost.analysis import analyze
     from opweave.cost.report import analysis_to_json, format_analysis, plot_analysis
     from opweave.hardware.catalog import get_gpu, load_catalog
-    from opweave.units import parse_contexts
+    from opweave.units import names, parse_contexts
 
     if args.plot is not None:
         from opweave.outputs import check_output_file
@@ -101,11 +127,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         check_output_file(args.plot, "--plot", inputs=(args.model, args.catalog))
     contexts = parse_contexts(args.context)
     catalog = load_catalog(args.catalog, prices=args.prices,
-                           warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr))
-    names = [n for n in args.gpus.split(",") if n.strip()]
-    if not names:
+                           warn=_warn)
+    gpu_names = names(args.gpus)
+    if not gpu_names:
         raise OpWeaveError("--gpus needs at least one GPU type, e.g. --gpus h100,l40s")
-    gpus = [get_gpu(n.strip(), catalog) for n in names]
+    gpus = [get_gpu(n, catalog) for n in gpu_names]
     if len({g.name for g in gpus}) != len(gpus):
         raise OpWeaveError(f"--gpus lists a GPU type twice: {args.gpus}")
     fe = run_front_end(args.model)
@@ -116,6 +142,19 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     if args.plot and args.format != "json":
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _args_analyze(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
+    p.add_argument("--gpus", default="h100", help="comma-separated GPU types from the catalog (default h100)")
+    p.add_argument("--context", default="1k..128k",
+                   help="context lengths: 32k, 4k,32k,128k, or a doubling range 1k..128k (default)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--plot", metavar="FILE.png", help="write cost and gain against context length")
+    p.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    p.add_argument("--prices", metavar="NAME",
+                   help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
+                        "GPUs it does not list keep the catalog price (a warning names them)")
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
@@ -139,7 +178,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     context = parse_tokens(args.context)
     prefill_chunk = PREFILL_CHUNK if args.prefill_chunk is None else parse_tokens(args.prefill_chunk, "--prefill-chunk")
     catalog = load_catalog(args.catalog, prices=args.prices,
-                           warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr))
+                           warn=_warn)
     table = front_end = None
     if args.profile:  # the profile is checked against the traced graph, which the compile then reuses
         from opweave.compiler.frontend import run_front_end
@@ -158,15 +197,12 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                             objective=args.objective,
                             **({} if args.max_batch is None else {"max_batch": args.max_batch}))
 
-    def progress(message: str) -> None:
-        if not args.quiet:
-            print(f"  ... {message}", file=sys.stderr, flush=True)
-
+    progress = _progress(args.quiet)
     from opweave.cost.model import CostModel
 
     compiled = compile_model(args.model, cluster, slo, context, options, cost_model=CostModel(profile=table),
                              progress=progress, allow_long_context=args.allow_long_context,
-                             warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr),
+                             warn=_warn,
                              prefill_chunk=prefill_chunk, front_end=front_end)
     write_artifact(args.output, compiled, force=args.force, sign_key=sign_key)
     if table is not None:
@@ -199,6 +235,46 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 _BAD_CONTENT = (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError)
 """What parsing and printing a damaged artifact file raises: wrong or missing keys, wrong types."""
+
+
+def _args_compile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
+    p.add_argument("--cluster", required=True, help="e.g. h100x8+l40sx8, a100x16, a YAML/JSON file, or local")
+    p.add_argument("--tpot-slo", required=True, help="time per output token target, e.g. 50ms")
+    p.add_argument("--context", required=True, help="context length to plan for, e.g. 32k")
+    p.add_argument("--prefill-chunk", default=None, metavar="TOKENS",
+                   help="prompt tokens per sequence per step at run time (default 128); sizes the "
+                        "planned activation memory")
+    p.add_argument("-o", "--output", required=True,
+                   help="artifact folder to write: a new or empty folder, or a previous artifact (replaced)")
+    p.add_argument("--sign-key", metavar="KEY_FILE",
+                   help="sign the artifact: manifest.sig = HMAC-SHA256 of manifest.json under the secret in "
+                        "KEY_FILE (opweave run --verify-key checks it)")
+    p.add_argument("--force", action="store_true",
+                   help="replace -o even if it holds other files (never the model's folder or one above it)")
+    p.add_argument("--templates", choices=("all", "colocated", "afd", "cad"), default="all",
+                   help="restrict the stage templates (baselines): default all")
+    p.add_argument("--objective", choices=("cost", "throughput"), default="cost",
+                   help="cost: least $/Mtoken (default); throughput: most tokens/s on the given cluster, "
+                        "ties by cost; both at the TPOT SLO")
+    p.add_argument("--fleet", action="store_true",
+                   help="also plan the GPUs the plan leaves idle: further plans side by side (a fleet), "
+                        "each on what the earlier ones leave, with the idle GPUs reported; the artifact "
+                        "holds the first plan (compile the others with the --cluster each one names)")
+    p.add_argument("--no-pareto", action="store_true", help="switch off per-owner Pareto pruning (ablation)")
+    p.add_argument("--no-bnb", action="store_true", help="switch off branch-and-bound (ablation)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="largest resident batch per replica set the search tries (default 4096, "
+                        "opweave.passes.search.DEFAULT_MAX_BATCH; the grid also stops where the cluster's memory does)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    p.add_argument("--prices", metavar="NAME",
+                   help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
+                        "GPUs it does not list keep the catalog price (a warning names them)")
+    p.add_argument("--profile", metavar="PROFILE.json", help="measured op latencies from opweave profile")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="plan a --context beyond the model's max_position_embeddings (with a warning)")
 
 
 def _render_artifact_file(path: str, what: str, render) -> str:
@@ -314,6 +390,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("artifact", help="folder written by opweave compile")
+    p.add_argument("--weights", required=True, help="Hugging Face checkpoint folder, or 'random'")
+    p.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt_ids": [...]} per line')
+    p.add_argument("--prompt-ids", help="one prompt as comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
+    p.add_argument("--json", action="store_true", help='print {"outputs": [{"prompt_ids", "token_ids"}], "stats": {rounds, round times, CUDA graphs}}')
+    p.add_argument("--torchrun", action="store_true", help="print the torchrun command for each node instead")
+    p.add_argument("--replica-sets", default="1", metavar="N|all",
+                   help="run N of the plan's replica sets at once (requests dealt round-robin; default 1)")
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="record what every rank did when (Chrome trace: compute, wait, send per stage and microbatch)")
+    p.add_argument("--verify-key", metavar="KEY_FILE",
+                   help="refuse the artifact unless its manifest.sig is the HMAC-SHA256 of manifest.json under "
+                        "the secret in KEY_FILE (see compile --sign-key)")
+    p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="end the run, naming the rank, when a rank makes no progress for this long (default 120)")
+
+
 def _run_stats(stats: dict) -> dict:
     """Rank 0's rounds (median wall ms over all rounds and over the decode rounds after the first
     two) and every rank's CUDA-graph use, for `run --json`."""
@@ -361,6 +457,41 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return code
     finally:
         engine.stop()
+
+
+def _args_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("artifact", help="folder written by opweave compile")
+    p.add_argument("--weights", required=True, help="Hugging Face checkpoint folder, or 'random'")
+    p.add_argument("--tokenizer", metavar="FOLDER",
+                   help="folder with tokenizer.json / tokenizer_config.json (default: the --weights folder)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the model name clients use (default: the plan's model)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 429 (default 256)")
+    p.add_argument("--replica-sets", default="1", metavar="N|all", help="run N of the plan's replica sets (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
+    p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="a rank without progress for this long stops the server, naming the rank (default 120)")
+    from opweave.serve import guard  # the standard library only
+
+    p.add_argument("--api-key", type=guard.parse_api_key, default=config.api_key(),
+                   help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                        "(default: $OPWEAVE_API_KEY; none when unset)")
+    p.add_argument("--allowed-hosts", type=guard.parse_hosts, default=[], metavar="NAME,...|*",
+                   help="Host header names accepted besides localhost, 127.0.0.1 and ::1 ('*': any). Bound to "
+                        "loopback, other names are refused by default; bound elsewhere, any is accepted unless given")
+    p.add_argument("--max-request-bytes", type=lambda t: guard.parse_size(t, "--max-request-bytes"),
+                   default=guard.MAX_REQUEST_BYTES, metavar="SIZE",
+                   help="larger request bodies are refused with 413, e.g. 512k, 16m (default 4m)")
+    p.add_argument("--max-connections", type=lambda t: guard.parse_count(t, "--max-connections"),
+                   default=guard.MAX_CONNECTIONS, metavar="N",
+                   help=f"open connections beyond this are answered 503 and closed (default {guard.MAX_CONNECTIONS})")
+    p.add_argument("--header-timeout", type=lambda t: guard.parse_seconds(t, "--header-timeout"),
+                   default=guard.HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help=f"close a connection whose request head takes longer (default {guard.HEADER_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=lambda t: guard.parse_seconds(t, "--body-timeout"),
+                   default=guard.BODY_TIMEOUT_S, metavar="SECONDS",
+                   help=f"answer 408 to a request whose body takes longer (default {guard.BODY_TIMEOUT_S:g})")
 
 
 def _replica_sets(text: str, artifact: str) -> int:
@@ -416,29 +547,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="opweave-demo", help="folder for the two artifacts (default ./opweave-demo)")
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     from opweave.profile.measure import profile
-    from opweave.units import parse_tokens
+    from opweave.units import parse_tokens, positive_list
 
-    def numbers(text: str, flag: str, parse=int) -> tuple[int, ...]:
-        try:
-            values = tuple(parse(x.strip()) for x in text.split(",") if x.strip())
-        except (ValueError, OverflowError):  # OverflowError: a figure too large for a float
-            raise OpWeaveError(f"{flag} must be comma-separated whole numbers, got {text[:60]!r}") from None
-        if not values or min(values) <= 0:
-            raise OpWeaveError(f"{flag} must list positive numbers, got {text!r}")
-        return values
-
-    def progress(message: str) -> None:
-        if not args.quiet:
-            print(f"  ... {message}", file=sys.stderr, flush=True)
-
+    progress = _progress(args.quiet)
     from opweave.outputs import check_output_file
 
     check_output_file(args.output, "-o", inputs=(args.model,))  # before minutes of measuring
-    table = profile(args.model, args.device, batches=numbers(args.batches, "--batches"),
-                    contexts=numbers(args.contexts, "--contexts", parse_tokens),
-                    tp_degrees=numbers(args.tp, "--tp"), progress=progress, busy_cores=args.busy_cores)
+    table = profile(args.model, args.device, batches=positive_list(args.batches, "--batches"),
+                    contexts=positive_list(args.contexts, "--contexts", parse_tokens),
+                    tp_degrees=positive_list(args.tp, "--tp"), progress=progress, busy_cores=args.busy_cores)
     table.save(args.output)
     for w in table.warnings:
         print(f"opweave: warning: {w}", file=sys.stderr)
@@ -447,15 +570,17 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_ints(text: str, flag: str) -> list[int]:
-    """`1,16,64` -> [1, 16, 64]; one-line error for anything else."""
-    try:
-        values = [int(x.strip()) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise OpWeaveError(f"{flag} must be comma-separated whole numbers, got {text[:60]!r}") from None
-    if not values or min(values) <= 0:
-        raise OpWeaveError(f"{flag} must list positive whole numbers, got {text[:60]!r}")
-    return list(dict.fromkeys(values))
+def _args_profile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="built-in model name, Hugging Face checkpoint folder, or model.py")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("-o", "--output", required=True, metavar="PROFILE.json")
+    p.add_argument("--batches", default="1,2,4,8", help="batch sizes to measure (default 1,2,4,8)")
+    p.add_argument("--contexts", default="64,256,1024", help="context lengths for attention ops (default 64,256,1024)")
+    p.add_argument("--tp", default="1", help="TP degrees to measure one shard at, e.g. 1,2 (default 1)")
+    p.add_argument("--busy-cores", type=int, default=0, metavar="N",
+                   help="CPU: keep N other cores running the decode step while ops are timed, as the ranks of "
+                        "a plan that fills the machine will (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
@@ -463,18 +588,33 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from opweave.cost.estimate import estimate, estimate_to_json, format_estimate
     from opweave.cost.model import CostModel
     from opweave.hardware.catalog import get_gpu, load_catalog
-    from opweave.units import parse_contexts
+    from opweave.units import parse_contexts, positive_list
 
-    tps = _positive_ints(args.tp, "--tp")
-    batches = _positive_ints(args.batch, "--batch")
+    tps = list(positive_list(args.tp, "--tp"))
+    batches = list(positive_list(args.batch, "--batch"))
     contexts = parse_contexts(args.context)
-    gpu = get_gpu(args.gpu, load_catalog(args.catalog, prices=args.prices,
-                                         warn=lambda message: print(f"opweave: warning: {message}", file=sys.stderr)))
+    gpu = get_gpu(args.gpu, load_catalog(args.catalog, prices=args.prices, warn=_warn))
     graph = run_front_end(args.model).graph
     points = estimate(graph, gpu, tps, batches, contexts, CostModel(cuda_graphs=not args.eager))
     print(json.dumps(estimate_to_json(graph.model, points), indent=1) if args.format == "json"
           else format_estimate(graph.model, points))
     return 0
+
+
+def _args_estimate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
+    p.add_argument("--gpu", required=True, help="GPU type from the catalog, e.g. h100")
+    p.add_argument("--tp", default="1", help="TP degrees, e.g. 1 or 1,2,4 (default 1)")
+    p.add_argument("--batch", default="1", help="resident batches, e.g. 1,16,64 (default 1)")
+    p.add_argument("--context", default="1536",
+                   help="context lengths: 1536,32k or a doubling range 1k..32k (default 1536)")
+    p.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    p.add_argument("--prices", metavar="NAME",
+                   help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
+                        "GPUs it does not list keep the catalog price (a warning names them)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--eager", action="store_true",
+                   help="ops launched one by one instead of a replayed CUDA graph (eager launch overhead)")
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -497,182 +637,46 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_calibrate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("measurements", metavar="MEASUREMENTS.csv",
+                   help="columns gpu, model, tp, batch, context, tpot_ms (others ignored; engine groups rows)")
+    p.add_argument("-o", "--output", required=True, metavar="CATALOG.json",
+                   help="override catalog to write (give it to --catalog of compile, analyze, estimate)")
+    p.add_argument("--catalog", metavar="FILE",
+                   help="starting catalog: terms the rows cannot identify keep its values (default the built-in "
+                        "one; 'roofline' the ideal bound)")
+    p.add_argument("--engine", metavar="NAME",
+                   help="fit the rows whose engine column is NAME; the file's other rows give the starting values")
+    p.add_argument("--no-logo", action="store_true", help="skip the leave-one-group-out check (faster)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+
+
+COMMANDS = (  # name, help, its arguments, its function (`opweave --help` lists them in this order)
+    ("demo", "plan gemma-3-27b on 32 H100s, then compile and run a tiny model on CPU ranks", _args_demo, _cmd_demo),
+    ("dump", "print a model's operator IR or partition blocks, or an artifact's plan, rank programs or memory",
+     _args_dump, _cmd_dump),
+    ("analyze", "cost analysis of colocated vs disaggregated decode (§3) on the cost model, with a TP scan and "
+                "Theorem 3.1/3.2's closed forms", _args_analyze, _cmd_analyze),
+    ("estimate", "TPOT, tokens/s and memory fit of colocated decode at given points, with the cost model's terms",
+     _args_estimate, _cmd_estimate),
+    ("calibrate", "fit the cost model's efficiency and overhead terms per GPU type to measured decode steps; "
+                  "write an override catalog", _args_calibrate, _cmd_calibrate),
+    ("compile", "search the cheapest serving plan that meets a TPOT SLO", _args_compile, _cmd_compile),
+    ("profile", "measure a model's operators and links on this machine for the planner", _args_profile, _cmd_profile),
+    ("run", "run a compiled artifact: one process per rank, greedy generation", _args_run, _cmd_run),
+    ("serve", "serve a compiled artifact over an OpenAI-compatible HTTP API (continuous batching on the plan's "
+              "ranks)", _args_serve, _cmd_serve),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="opweave", description="Compiler for LLM decode serving on mixed GPU clusters.")
     parser.add_argument("--version", action="version", version=f"opweave {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    demo = sub.add_parser("demo", help="plan gemma-3-27b on 32 H100s, then compile and run a tiny model on CPU ranks")
-    demo.add_argument("--out", default="opweave-demo", help="folder for the two artifacts (default ./opweave-demo)")
-    demo.set_defaults(func=_cmd_demo)
-
-    dump = sub.add_parser("dump", help="print a model's operator IR or partition blocks, or an artifact's plan, rank programs or memory")
-    dump.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, model.py, "
-                                    "or (with --what plan|ranks|memory) an artifact folder")
-    dump.add_argument("--what", choices=("ir", "blocks", "plan", "ranks", "memory"), default="ir")
-    dump.add_argument("--format", choices=("text", "json"), default="text")
-    dump.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                      help="override the checkpoint's dtype for the cost facts")
-    dump.add_argument("--trace", metavar="FILE", default=None,
-                      help="with --what plan: simulate the plan's schedule again and write its Chrome trace to FILE")
-    dump.add_argument("--gantt", metavar="FILE", default=None,
-                      help="with --what plan: simulate the plan's schedule again and draw its Gantt chart (PNG) in FILE")
-    dump.set_defaults(func=_cmd_dump)
-
-    analyze = sub.add_parser("analyze", help="cost analysis of colocated vs disaggregated decode (§3) on the cost "
-                             "model, with a TP scan and Theorem 3.1/3.2's closed forms")
-    analyze.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
-    analyze.add_argument("--gpus", default="h100", help="comma-separated GPU types from the catalog (default h100)")
-    analyze.add_argument("--context", default="1k..128k",
-                         help="context lengths: 32k, 4k,32k,128k, or a doubling range 1k..128k (default)")
-    analyze.add_argument("--format", choices=("text", "json"), default="text")
-    analyze.add_argument("--plot", metavar="FILE.png", help="write cost and gain against context length")
-    analyze.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
-    analyze.add_argument("--prices", metavar="NAME",
-                         help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
-                              "GPUs it does not list keep the catalog price (a warning names them)")
-    analyze.set_defaults(func=_cmd_analyze)
-
-    est = sub.add_parser("estimate", help="TPOT, tokens/s and memory fit of colocated decode at given points, "
-                                          "with the cost model's terms")
-    est.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
-    est.add_argument("--gpu", required=True, help="GPU type from the catalog, e.g. h100")
-    est.add_argument("--tp", default="1", help="TP degrees, e.g. 1 or 1,2,4 (default 1)")
-    est.add_argument("--batch", default="1", help="resident batches, e.g. 1,16,64 (default 1)")
-    est.add_argument("--context", default="1536",
-                     help="context lengths: 1536,32k or a doubling range 1k..32k (default 1536)")
-    est.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
-    est.add_argument("--prices", metavar="NAME",
-                     help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
-                          "GPUs it does not list keep the catalog price (a warning names them)")
-    est.add_argument("--format", choices=("text", "json"), default="text")
-    est.add_argument("--eager", action="store_true",
-                     help="ops launched one by one instead of a replayed CUDA graph (eager launch overhead)")
-    est.set_defaults(func=_cmd_estimate)
-
-    cal = sub.add_parser("calibrate", help="fit the cost model's efficiency and overhead terms per GPU type to "
-                                           "measured decode steps; write an override catalog")
-    cal.add_argument("measurements", metavar="MEASUREMENTS.csv",
-                     help="columns gpu, model, tp, batch, context, tpot_ms (others ignored; engine groups rows)")
-    cal.add_argument("-o", "--output", required=True, metavar="CATALOG.json",
-                     help="override catalog to write (give it to --catalog of compile, analyze, estimate)")
-    cal.add_argument("--catalog", metavar="FILE",
-                     help="starting catalog: terms the rows cannot identify keep its values (default the built-in "
-                          "one; 'roofline' the ideal bound)")
-    cal.add_argument("--engine", metavar="NAME",
-                     help="fit the rows whose engine column is NAME; the file's other rows give the starting values")
-    cal.add_argument("--no-logo", action="store_true", help="skip the leave-one-group-out check (faster)")
-    cal.add_argument("--format", choices=("text", "json"), default="text")
-    cal.set_defaults(func=_cmd_calibrate)
-
-    comp = sub.add_parser("compile", help="search the cheapest serving plan that meets a TPOT SLO")
-    comp.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
-    comp.add_argument("--cluster", required=True, help="e.g. h100x8+l40sx8, a100x16, a YAML/JSON file, or local")
-    comp.add_argument("--tpot-slo", required=True, help="time per output token target, e.g. 50ms")
-    comp.add_argument("--context", required=True, help="context length to plan for, e.g. 32k")
-    comp.add_argument("--prefill-chunk", default=None, metavar="TOKENS",
-                      help="prompt tokens per sequence per step at run time (default 128); sizes the "
-                           "planned activation memory")
-    comp.add_argument("-o", "--output", required=True,
-                      help="artifact folder to write: a new or empty folder, or a previous artifact (replaced)")
-    comp.add_argument("--sign-key", metavar="KEY_FILE",
-                      help="sign the artifact: manifest.sig = HMAC-SHA256 of manifest.json under the secret in "
-                           "KEY_FILE (opweave run --verify-key checks it)")
-    comp.add_argument("--force", action="store_true",
-                      help="replace -o even if it holds other files (never the model's folder or one above it)")
-    comp.add_argument("--templates", choices=("all", "colocated", "afd", "cad"), default="all",
-                      help="restrict the stage templates (baselines): default all")
-    comp.add_argument("--objective", choices=("cost", "throughput"), default="cost",
-                      help="cost: least $/Mtoken (default); throughput: most tokens/s on the given cluster, "
-                           "ties by cost; both at the TPOT SLO")
-    comp.add_argument("--fleet", action="store_true",
-                      help="also plan the GPUs the plan leaves idle: further plans side by side (a fleet), "
-                           "each on what the earlier ones leave, with the idle GPUs reported; the artifact "
-                           "holds the first plan (compile the others with the --cluster each one names)")
-    comp.add_argument("--no-pareto", action="store_true", help="switch off per-owner Pareto pruning (ablation)")
-    comp.add_argument("--no-bnb", action="store_true", help="switch off branch-and-bound (ablation)")
-    comp.add_argument("--max-batch", type=int, default=None,
-                      help="largest resident batch per replica set the search tries (default 4096, "
-                           "opweave.passes.search.DEFAULT_MAX_BATCH; the grid also stops where the cluster's memory does)")
-    comp.add_argument("--format", choices=("text", "json"), default="text")
-    comp.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
-    comp.add_argument("--prices", metavar="NAME",
-                      help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
-                           "GPUs it does not list keep the catalog price (a warning names them)")
-    comp.add_argument("--profile", metavar="PROFILE.json", help="measured op latencies from opweave profile")
-    comp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    comp.add_argument("--allow-long-context", action="store_true",
-                      help="plan a --context beyond the model's max_position_embeddings (with a warning)")
-    comp.set_defaults(func=_cmd_compile)
-
-    prof = sub.add_parser("profile", help="measure a model's operators and links on this machine for the planner")
-    prof.add_argument("--model", required=True, help="built-in model name, Hugging Face checkpoint folder, or model.py")
-    prof.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    prof.add_argument("-o", "--output", required=True, metavar="PROFILE.json")
-    prof.add_argument("--batches", default="1,2,4,8", help="batch sizes to measure (default 1,2,4,8)")
-    prof.add_argument("--contexts", default="64,256,1024", help="context lengths for attention ops (default 64,256,1024)")
-    prof.add_argument("--tp", default="1", help="TP degrees to measure one shard at, e.g. 1,2 (default 1)")
-    prof.add_argument("--busy-cores", type=int, default=0, metavar="N",
-                      help="CPU: keep N other cores running the decode step while ops are timed, as the ranks of "
-                           "a plan that fills the machine will (default 0)")
-    prof.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    prof.set_defaults(func=_cmd_profile)
-
-    run = sub.add_parser("run", help="run a compiled artifact: one process per rank, greedy generation")
-    run.add_argument("artifact", help="folder written by opweave compile")
-    run.add_argument("--weights", required=True, help="Hugging Face checkpoint folder, or 'random'")
-    run.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt_ids": [...]} per line')
-    run.add_argument("--prompt-ids", help="one prompt as comma-separated token ids")
-    run.add_argument("--max-new-tokens", type=int, default=16)
-    run.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
-    run.add_argument("--json", action="store_true", help='print {"outputs": [{"prompt_ids", "token_ids"}], "stats": {rounds, round times, CUDA graphs}}')
-    run.add_argument("--torchrun", action="store_true", help="print the torchrun command for each node instead")
-    run.add_argument("--replica-sets", default="1", metavar="N|all",
-                     help="run N of the plan's replica sets at once (requests dealt round-robin; default 1)")
-    run.add_argument("--trace", metavar="FILE.json",
-                     help="record what every rank did when (Chrome trace: compute, wait, send per stage and microbatch)")
-    run.add_argument("--verify-key", metavar="KEY_FILE",
-                     help="refuse the artifact unless its manifest.sig is the HMAC-SHA256 of manifest.json under "
-                          "the secret in KEY_FILE (see compile --sign-key)")
-    run.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
-                     help="end the run, naming the rank, when a rank makes no progress for this long (default 120)")
-    run.set_defaults(func=_cmd_run)
-
-    srv = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API "
-                                       "(continuous batching on the plan's ranks)")
-    srv.add_argument("artifact", help="folder written by opweave compile")
-    srv.add_argument("--weights", required=True, help="Hugging Face checkpoint folder, or 'random'")
-    srv.add_argument("--tokenizer", metavar="FOLDER",
-                     help="folder with tokenizer.json / tokenizer_config.json (default: the --weights folder)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--served-model-name", help="the model name clients use (default: the plan's model)")
-    srv.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 429 (default 256)")
-    srv.add_argument("--replica-sets", default="1", metavar="N|all", help="run N of the plan's replica sets (default 1)")
-    srv.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
-    srv.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
-                     help="a rank without progress for this long stops the server, naming the rank (default 120)")
-    from opweave.serve import guard  # the standard library only
-
-    srv.add_argument("--api-key", type=guard.parse_api_key, default=config.api_key(),
-                     help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
-                          "(default: $OPWEAVE_API_KEY; none when unset)")
-    srv.add_argument("--allowed-hosts", type=guard.parse_hosts, default=[], metavar="NAME,...|*",
-                     help="Host header names accepted besides localhost, 127.0.0.1 and ::1 ('*': any). Bound to "
-                          "loopback, other names are refused by default; bound elsewhere, any is accepted unless given")
-    srv.add_argument("--max-request-bytes", type=lambda t: guard.parse_size(t, "--max-request-bytes"),
-                     default=guard.MAX_REQUEST_BYTES, metavar="SIZE",
-                     help="larger request bodies are refused with 413, e.g. 512k, 16m (default 4m)")
-    srv.add_argument("--max-connections", type=lambda t: guard.parse_count(t, "--max-connections"),
-                     default=guard.MAX_CONNECTIONS, metavar="N",
-                     help=f"open connections beyond this are answered 503 and closed (default {guard.MAX_CONNECTIONS})")
-    srv.add_argument("--header-timeout", type=lambda t: guard.parse_seconds(t, "--header-timeout"),
-                     default=guard.HEADER_TIMEOUT_S, metavar="SECONDS",
-                     help=f"close a connection whose request head takes longer (default {guard.HEADER_TIMEOUT_S:g})")
-    srv.add_argument("--body-timeout", type=lambda t: guard.parse_seconds(t, "--body-timeout"),
-                     default=guard.BODY_TIMEOUT_S, metavar="SECONDS",
-                     help=f"answer 408 to a request whose body takes longer (default {guard.BODY_TIMEOUT_S:g})")
-    srv.set_defaults(func=_cmd_serve)
+    for name, text, add_arguments, func in COMMANDS:
+        command = sub.add_parser(name, help=text)
+        add_arguments(command)
+        command.set_defaults(func=func)
     return parser
 
 

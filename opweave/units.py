@@ -64,3 +64,21 @@ def _refuse_negative(text: str, what: str) -> None:
     if _NEGATIVE.match(text):
         shown = text if len(text) <= 40 else text[:40] + "..."
         raise OpWeaveError(f"{what} must be positive, got '{shown}'")
+
+
+def positive_list(text: str, flag: str, parse=int) -> tuple:
+    """`1,16,64` -> (1, 16, 64), each item read by `parse` (e.g. `parse_tokens` for `1k,4k`), in
+    order without repeats; a one-line error naming `flag` for anything else."""
+    try:
+        values = tuple(dict.fromkeys(parse(x.strip()) for x in text.split(",") if x.strip()))
+    except (ValueError, OverflowError):  # OverflowError: a figure too large for a float
+        raise OpWeaveError(f"{flag} must be comma-separated whole numbers, got {text[:60]!r}") from None
+    if not values or min(values) <= 0:
+        raise OpWeaveError(f"{flag} must list positive whole numbers, got {text[:60]!r}")
+    return values
+
+
+def names(text: str) -> list[str]:
+    """`h100, l40s` -> ["h100", "l40s"]: a comma-separated list of names, blanks dropped."""
+    return [n.strip() for n in text.split(",") if n.strip()]
+
