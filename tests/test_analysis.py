@@ -131,6 +131,7 @@ def test_tp_scan_is_the_planners():
     assert A.TP_SCAN + WIDE_TP == SearchOptions().tp_degrees
 
 
+@pytest.mark.slow
 def test_marginal_batch_is_compute_bound_for_every_gemm_on_every_catalog_gpu():
     from opweave.cost.model import op_times
 
@@ -148,6 +149,7 @@ def gemma_h100():
     return h100, A.analyze(graph("gemma-3-27b"), [h100], [8192, 32768, 131072])
 
 
+@pytest.mark.slow
 def test_gemma3_colocated_tp_is_the_cheapest_at_its_memory_limited_batch(gemma_h100):
     h100, result = gemma_h100
     g = graph("gemma-3-27b")
@@ -198,6 +200,7 @@ def test_hom_ods_is_the_cost_models_marginal_cost():
     assert t.cost_hom_ods < big[1].cost_per_mtok_usd  # the fixed costs are amortised away
 
 
+@pytest.mark.slow
 def test_qwen3_next_needs_tensor_parallel_weights_and_has_hybrid_note():
     catalog = load_catalog()
     result = A.analyze(graph("qwen3-next-80b-a3b"), [get_gpu("h100", catalog), get_gpu("a100", catalog)],
@@ -209,6 +212,7 @@ def test_qwen3_next_needs_tensor_parallel_weights_and_has_hybrid_note():
     assert "hybrid attention" in result.hybrid_note
 
 
+@pytest.mark.slow
 def test_price_sweep_agrees_with_the_analysis_and_peaks_at_its_crossing():
     catalog = load_catalog()
     h100, l40s = get_gpu("h100", catalog), get_gpu("l40s", catalog)

@@ -26,6 +26,7 @@ def blocks_of(name: str):
     ("llama-3.1-70b", 1, 80, 0),
     ("qwen3-30b-a3b", 1, 48, 0),
 ])
+@pytest.mark.slow
 def test_real_models(name, period, blocks, tail):
     bg = blocks_of(name)
     assert (bg.period, bg.num_blocks, bg.num_tail_layers) == (period, blocks, tail)
@@ -74,6 +75,7 @@ TINY_GEMMA = dict(model_type="gemma3_text", vocab_size=64, hidden_size=16, inter
 @settings(max_examples=15, deadline=None)
 @given(base=st.lists(st.sampled_from([FULL, SLIDING]), min_size=1, max_size=4), repeats=st.integers(1, 3),
        extra=st.integers(0, 3))
+@pytest.mark.slow
 def test_blocks_of_traced_models_with_random_layer_patterns(base, repeats, extra):
     from opweave.models.hf_config import config_from_hf
 

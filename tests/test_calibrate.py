@@ -63,6 +63,7 @@ def synthetic(tmp_path_factory, truth):
     return _synthetic(tmp_path_factory.mktemp("cal") / "m.csv", truth)
 
 
+@pytest.mark.slow
 def test_fit_recovers_the_terms_that_made_the_data(synthetic):
     cal = C.calibrate(synthetic, load_catalog("roofline"), graphs=GRAPHS)
     (fit,) = cal.fits
@@ -112,6 +113,7 @@ def test_terms_the_rows_cannot_identify_keep_their_start_value(tmp_path, truth):
     assert "not fitted: every row has batch 1" in text and "left out" in text
 
 
+@pytest.mark.slow
 def test_cli_writes_a_catalog_every_command_accepts(tmp_path, synthetic, truth, capsys):
     out = tmp_path / "fitted.json"
     assert main(["calibrate", synthetic, "-o", str(out), "--catalog", "roofline", "--no-logo"]) == 0
@@ -193,6 +195,7 @@ GOOD_HEADER = "gpu,model,tp,batch,context,tpot_ms\n"
     (GOOD_HEADER + "h100,llama-3.1-8b,1,1,512,7.5\nh100,llama-3.1-8b,1,4,512,7.9\n",
      "h100: 2 measurement row(s), at least 4 are needed"),
 ])
+@pytest.mark.slow
 def test_bad_measurement_files_are_one_line_exit_2(tmp_path, capsys, text, message):
     path = tmp_path / "bad.csv"
     path.write_text(text)
@@ -217,6 +220,7 @@ def test_bad_files_and_outputs(tmp_path, capsys):
 MEASUREMENTS_CSV = os.path.join(os.path.dirname(__file__), "..", "bench", "data", "decode-measurements.csv")
 
 
+@pytest.mark.slow
 def test_builtin_catalog_is_the_fit_of_the_shared_measurements():
     """catalog.json's fitted terms are `calibrate --engine trtllm --catalog roofline` (3 digits)."""
     cal = C.calibrate(MEASUREMENTS_CSV, load_catalog("roofline"), logo=False, engine="trtllm", graphs=GRAPHS)

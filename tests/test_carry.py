@@ -61,6 +61,7 @@ def bytes_by_site(plan, owners) -> dict[str, set[int]]:
 # ---------------------------------------------------------------- hand counts
 
 
+@pytest.mark.slow
 def test_llama_cad_sends_qkv_to_attention_and_gets_its_output_back():
     # Llama-3.1-8B: hidden 4096, 32 q heads, 8 kv heads, head dim 128, bf16
     cfg = config("llama-3.1-8b")
@@ -92,6 +93,7 @@ def test_llama_afd_carries_the_residual_only():
         assert value.endswith("residual") and plan_carry(plan, owners).kept[i] == ()
 
 
+@pytest.mark.slow
 def test_gemma3_cad_and_afd_against_its_config():
     # Gemma-3-27B (opweave/models/configs/gemma-3-27b.json): hidden 5376, 32 q heads, 16 kv heads,
     # head dim 128, bf16; sliding and global layers have the same q/k/v shapes
@@ -192,6 +194,7 @@ def reference_carry(graph, bounds, owners):
 
 
 @pytest.mark.parametrize("model", ["llama-3.1-8b", "gemma-3-27b", "qwen3-next-80b-a3b"])
+@pytest.mark.slow
 def test_rule_matches_plain_reimplementation_on_round_robin_owners(model):
     bg = blocks_of(model)
     templates = enumerate_templates(bg, "all")
@@ -345,6 +348,7 @@ def test_rendered_module_keeps_and_takes_with_provenance(tiny_checkpoint):
     compile(text, "rank_00.py", "exec")
 
 
+@pytest.mark.slow
 def test_interpreter_reads_kept_values_back(tiny_checkpoint, tmp_path):
     """The op-by-op interpreter (the generated modules' second path) keeps and takes back too."""
     from opweave.compiler.compile import write_artifact
@@ -362,6 +366,7 @@ def test_interpreter_reads_kept_values_back(tiny_checkpoint, tmp_path):
     assert [tuple(r.output) for r in outputs] == [t[:3] for t in reference(folder)[:2]]
 
 
+@pytest.mark.slow
 def test_mixed_template_with_kept_values_generates_reference_tokens(tiny_checkpoint, tmp_path):
     """Gemma-3 (8 layers: one block and two tail layers) with core attention off the sliding layers
     and the FFN off the global one, TP 2 on the dense owner and two replicas of the other: the dense

@@ -1,5 +1,6 @@
 """Checkpoint loading: sharded safetensors with an index, and reading only the tensors asked for."""
 
+import pytest
 import json
 import os
 
@@ -14,6 +15,7 @@ from opweave.models.registry import resolve
 PROMPT = list(range(5, 25))
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_loads_like_single_file(tmp_path, tiny_checkpoint):
     single = tiny_checkpoint("qwen3_moe", num_hidden_layers=3)
     sharded = make_tiny_checkpoint("qwen3_moe", str(tmp_path / "sharded"), num_hidden_layers=3, max_shard_size="40KB")

@@ -16,6 +16,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "opweave", *args], capture_output=True, text=True, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_dump_blocks_json_for_qwen3_next():
     out = run_cli("dump", "qwen3-next-80b-a3b", "--what", "blocks", "--format", "json")
     assert out.returncode == 0, out.stderr
@@ -23,6 +24,7 @@ def test_dump_blocks_json_for_qwen3_next():
     assert (data["period"], data["num_blocks"], data["num_tail_layers"]) == (4, 12, 0)
 
 
+@pytest.mark.slow
 def test_dump_ir_text_and_json(capsys):
     assert main(["dump", "gemma-3-27b", "--what", "blocks"]) == 0
     assert "period 6 layer(s), 10 block(s) + 2 tail layer(s)" in capsys.readouterr().out
@@ -99,6 +101,7 @@ def build_model():
                                   "missing field", "invalid json", "model.py without build_model",
                                   "model.py building something else", "model.py not traceable",
                                   "model.py that raises", "missing model.py", "bad flag"])
+@pytest.mark.slow
 def test_bad_input_is_one_line_exit_2(tmp_path, case):
     args, message = _bad_inputs(tmp_path)[case]
     out = run_cli("dump", *args)
@@ -109,6 +112,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, case):
     assert out.stdout == ""
 
 
+@pytest.mark.slow
 def test_analyze_json_carries_the_named_quantities(capsys, tmp_path):
     plot = tmp_path / "g.png"
     assert main(["analyze", "qwen3-next-80b-a3b", "--gpus", "h100,a100", "--context", "4k..128k",
@@ -123,6 +127,7 @@ def test_analyze_json_carries_the_named_quantities(capsys, tmp_path):
     assert list(tmp_path.iterdir()) == [plot]  # no temporary file left behind
 
 
+@pytest.mark.slow
 def test_analyze_text(capsys):
     assert main(["analyze", "gemma-3-27b", "--gpus", "h100", "--context", "1k..128k"]) == 0
     out = capsys.readouterr().out
@@ -143,6 +148,7 @@ def test_analyze_bad_input(capsys, args, message):
     assert len(err) == 1 and message in err[0], err
 
 
+@pytest.mark.slow
 def test_analyze_catalog_override_changes_prices(capsys, tmp_path):
     override = tmp_path / "prices.yaml"
     override.write_text("h100:\n  price_per_hour: 2.0\n")

@@ -83,6 +83,7 @@ def test_oddly_named_checkpoints_run_and_generate_reference_tokens(artifacts, ke
 
 @settings(max_examples=200, deadline=None)
 @given(st.text())
+@pytest.mark.slow
 def test_any_text_becomes_a_literal_and_a_one_line_comment(text):
     source = f"value = {literal(text)}  {comment(text, text)}\n"
     assert source.count("\n") == 1

@@ -69,6 +69,7 @@ def test_dump_plan_of_an_artifact(artifact, capsys, tmp_path):
     assert "no plan.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_baseline_templates_never_beat_opweave():
     """The search `opweave compile` runs (its artifact writing is tested above), per template family."""
     from opweave.compiler.frontend import run_front_end
@@ -89,6 +90,7 @@ def test_baseline_templates_never_beat_opweave():
     assert all(costs["all"] <= c * (1 + 1e-9) for c in costs.values())
 
 
+@pytest.mark.slow
 def test_recompile_replaces_the_artifact(tmp_path, capsys):
     out = tmp_path / "a"
     assert main(["compile", *ARGS, "-o", str(out), "--templates", "colocated"]) == 0
@@ -105,6 +107,7 @@ def test_recompile_replaces_the_artifact(tmp_path, capsys):
     (["--cluster", "l4x1", "--context", "128k"], "l4x1 is too small"),
     (["--cluster", "l4x1", "--context", "1m"], "beyond llama-3.1-8b's max_position_embeddings 131072"),
 ])
+@pytest.mark.slow
 def test_bad_input(tmp_path, capsys, args, message):
     base = {"--cluster": "h100x4", "--tpot-slo": "30ms", "--context": "8k"}
     for i in range(0, len(args), 2):
@@ -167,6 +170,7 @@ def test_pinned_plans_are_checked_like_searched_ones(llama, cluster, owners, bat
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_pinned_plan_that_fits_matches_the_search(llama):
     """The search's best plan, pinned by hand, is the same plan (same owners' memory and figures)."""
     from opweave.compiler.compile import compile_model

@@ -165,6 +165,7 @@ def test_mla_facts_state_the_latent_traffic():
     assert tp_table.weight_bytes_per_rank(o_proj, 8) * 8 == o_proj.weight_bytes
 
 
+@pytest.mark.slow
 def test_dense_head_layers_join_the_first_stage():
     bg = find_blocks(graph_of("deepseek-v3"))
     assert (bg.num_head_layers, bg.period, bg.num_blocks, bg.num_tail_layers) == (3, 1, 58, 0)
@@ -226,11 +227,13 @@ def _run(folder, tmp_path, template, owners, tokens=RUN_TOKENS, prompts=PROMPTS)
 
 
 @pytest.mark.parametrize("template,owners", PLANS, ids=[p[0] for p in PLANS])
+@pytest.mark.slow
 def test_plan_generates_reference_tokens(ckpt, tmp_path, monkeypatch, template, owners):
     monkeypatch.setenv("OPWEAVE_CHECK_SYNC", "1")
     assert _run(ckpt, tmp_path, template, owners) == list(reference(ckpt))
 
 
+@pytest.mark.slow
 def test_triton_mla_kernel_path_generates_reference_tokens(ckpt, tmp_path, monkeypatch):
     """The CUDA path (Triton's `mla_decode_attention`, here under TRITON_INTERPRET=1) on a TP 2 owner."""
     pytest.importorskip("triton")

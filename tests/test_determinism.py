@@ -23,6 +23,7 @@ def _compile(out, seed: int, extra=()) -> None:
 
 
 @pytest.mark.parametrize("templates", ["all", "afd"])
+@pytest.mark.slow
 def test_two_compiles_are_byte_identical(tmp_path, templates):
     a, b = tmp_path / "a", tmp_path / "b"
     _compile(a, 1, ["--templates", templates])

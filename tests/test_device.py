@@ -212,6 +212,7 @@ def test_too_few_cuda_devices_is_one_line(artifact, monkeypatch):
         launch.run(cfg)
 
 
+@pytest.mark.slow
 def test_spawned_ranks_run_a_plan(artifact, monkeypatch):
     """What a CUDA run does to start its ranks (spawn: arguments pickled, a fresh interpreter),
     exercised on the CPU: the tokens are those of a forked run."""

@@ -88,6 +88,7 @@ def test_cli_text_lists_each_problem_point(capsys):
     assert "a100 tp3 batch 64 context 1536: TP 3 does not divide" in out
 
 
+@pytest.mark.slow
 def test_cli_catalog_override_changes_the_estimate(tmp_path, capsys):
     override = tmp_path / "slow.json"
     override.write_text(json.dumps({"h100": {"mem_bandwidth": 1.0e12}}))

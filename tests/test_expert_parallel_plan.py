@@ -71,6 +71,7 @@ def test_expected_max_normal_is_close_to_the_exact_values():
     assert expected_max_normal(8) == pytest.approx(1.4236, rel=0.05)
 
 
+@pytest.mark.slow
 def test_quantization_blocks_decide_which_layout_is_legal():
     """gpt-oss's expert down projection is stored in mxfp4 blocks of 32 along its 2880 channels:
     TP 2 slices whole blocks (1440 = 45 x 32), TP 4 and 8 would cut them; expert parallelism holds
@@ -187,6 +188,7 @@ def test_placement_gives_a_wide_group_whole_nodes():
     assert not fits_group(12, cluster.pools[0].gpu, 44, "ep")   # not a whole number of nodes
 
 
+@pytest.mark.slow
 def test_deepseek_v3_fits_h100s_with_experts_spread_over_two_nodes():
     """673 GB of fp8 weights do not fit one node of 8 H100s (80 GB each); an expert-parallel
     FFN owner over two nodes holds them, beside data-parallel attention (TP 1 replicas, each
@@ -203,6 +205,7 @@ def test_deepseek_v3_fits_h100s_with_experts_spread_over_two_nodes():
 
 
 @pytest.mark.parametrize("family", ("qwen3_moe",))
+@pytest.mark.slow
 def test_wide_expert_group_generates_reference_tokens(tiny_checkpoint, tmp_path, family):
     """An expert-parallel FFN owner of 4 ranks on nodes of 2 (two whole nodes) on gloo CPU ranks
     generates transformers' tokens."""

@@ -56,11 +56,13 @@ def _digits(value: float) -> float:
 
 
 @pytest.mark.parametrize("name", sorted(EXACT))
+@pytest.mark.slow
 def test_parameter_count_is_the_published_one(name):
     assert graph_of(name).num_parameters == EXACT[name]
 
 
 @pytest.mark.parametrize("name", sorted(CARD))
+@pytest.mark.slow
 def test_parameter_count_matches_the_model_card(name):
     g, cfg = graph_of(name), resolve(name).cfg
     total, non_embedding = CARD[name]
@@ -87,6 +89,7 @@ def test_partition_blocks_are_one_layer(name, layers):
 
 @pytest.mark.parametrize("tp", [1, 2, 8])  # 8: beyond Qwen2.5-7B's 4 KV heads (replicated)
 @pytest.mark.parametrize("name", sorted({*EXACT, *CARD}))
+@pytest.mark.slow
 def test_state_allocated_is_the_statespec(name, tp):
     """As for the other families (tests/test_state_alloc.py): every op allocates its StateSpec's
     bytes per slot below, at and above the window (Mistral's ring buffer of 4096 positions)."""
@@ -166,6 +169,7 @@ def test_family_config_errors_are_one_line():
     pytest.param("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
                  id="qwen2-sliding"),
 ])
+@pytest.mark.slow
 def test_decode_step_matches_transformers(tiny_checkpoint, family, overrides):
     folder = tiny_checkpoint(family, **overrides)
     model = resolve(folder).load()
@@ -221,6 +225,7 @@ def reference(folder: str) -> tuple[tuple[int, ...], ...]:
 
 @pytest.mark.parametrize("plan", ["colocated", "disaggregated"])
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_plan_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch, family, plan):
     folder = tiny_checkpoint(family)
     template, owners = COLOCATED if plan == "colocated" else DISAGGREGATED[family]
@@ -239,6 +244,7 @@ def test_plan_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("family", ["mistral"])
+@pytest.mark.slow
 def test_triton_kernel_path_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch, family):
     """The CUDA path's kernels (Triton, here under TRITON_INTERPRET=1 on CPU): decode attention
     within Mistral's window on every layer (the other families' ops have the kernels the four

@@ -106,6 +106,7 @@ def test_run_cli_json_and_bad_input(setup, capsys, tmp_path):
     assert "not a checkpoint folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_per_node_commands_run_the_artifact(setup, tmp_path):
     """`opweave run --torchrun` prints per-node commands; started by hand on this machine they
     run the same program (the entry point torchrun would start)."""

@@ -113,6 +113,7 @@ def tri(monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.slow
 def test_triton_decode_attention_with_sinks(tri, dtype, window):
     gen = torch.Generator().manual_seed(3)
     b, hkv, group, d, slots = 5, 2, 4, 32, 64

@@ -131,6 +131,7 @@ def _run(folder, tmp_path, template, owners, requests):
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.slow
 def test_plan_generates_reference_tokens(ckpt, tmp_path, plan):
     template, owners = PLANS[plan]
     requests = tuple(Request(index=i, prompt=p, max_new_tokens=RUN_TOKENS) for i, p in enumerate(PROMPTS))
@@ -139,6 +140,7 @@ def test_plan_generates_reference_tokens(ckpt, tmp_path, plan):
     assert [tuple(r.output) for r in outputs] == [tuple(_hf(ckpt, tuple(p), RUN_TOKENS)[1]) for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_triton_kernel_path_generates_reference_tokens(ckpt, tmp_path, monkeypatch):
     """The CUDA path's kernels under TRITON_INTERPRET=1: sink-aware decode attention (sliding and
     full), the biased router and the clamped-SwiGLU experts, on a TP 2 colocated plan whose
@@ -161,6 +163,7 @@ CARD = {"gpt-oss-120b": (116.8e9, 5.1e9), "gpt-oss-20b": (20.9e9, 3.6e9)}
 
 
 @pytest.mark.parametrize("name", sorted(CARD))
+@pytest.mark.slow
 def test_builtin_config_reproduces_the_published_parameter_counts(name):
     from opweave.passes.trace import build_graph
 

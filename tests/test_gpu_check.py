@@ -24,6 +24,7 @@ def _smoke(tmp_path, *extra):
     return proc, out
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_every_part(tmp_path):
     proc, out = _smoke(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -64,6 +64,7 @@ def test_cpu_runs_and_the_flag_stay_eager(monkeypatch):
 
 
 @pytest.mark.parametrize("family,plan", [("llama", "afd"), ("qwen3_next", "cad")])
+@pytest.mark.slow
 def test_replayed_rounds_keep_token_parity(tiny_checkpoint, tmp_path, monkeypatch, family, plan):
     """Every rank of a real multi-rank run takes the graph path (a stand-in capture whose replay
     runs the round): tokens unchanged, every rank replays its decode rounds."""

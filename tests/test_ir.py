@@ -16,12 +16,14 @@ def graph_of(name: str) -> OpGraph:
     return build_graph(resolve(name).build("meta"))
 
 
+@pytest.mark.slow
 def test_llama_parameter_counts_are_exact():
     # published counts (refdata.json: Llama-3.1-8B 8,030,261,248; Llama-3.1-70B 70,553,706,496)
     assert graph_of("llama-3.1-8b").num_parameters == 8_030_261_248
     assert graph_of("llama-3.1-70b").num_parameters == 70_553_706_496
 
 
+@pytest.mark.slow
 def test_gemma3_27b_totals():
     g = graph_of("gemma-3-27b")
     assert g.num_parameters == pytest.approx(27.0e9, rel=0.03)

@@ -268,6 +268,7 @@ def test_rope_triton_leading_dims_and_strided_input(tri):
 @pytest.mark.parametrize("dtype", DTYPES + [torch.bfloat16])
 @pytest.mark.parametrize("hkv,group,d", [(2, 3, 24), (1, 8, 64), (3, 1, 16)])
 @pytest.mark.parametrize("window", [None, 5, 16])
+@pytest.mark.slow
 def test_decode_attention_triton(tri, dtype, hkv, group, d, window):
     b, length = 7, 40
     q = torch.randn(b, hkv * group, d).to(dtype)
@@ -320,6 +321,7 @@ def _attention_inputs(b, hkv, group, d, slots, dtype, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (8, 256)])
 @pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.slow
 def test_split_kv_decode_attention_triton(tri_split, dtype, group, d, window):
     b, hkv, slots = 5, 2, 64
     q, k_cache, v_cache = _attention_inputs(b, hkv, group, d, slots, dtype)

@@ -54,6 +54,7 @@ def compiled(tmp_path_factory) -> list[aot.Result]:
     return results
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_every_target(compiled):
     kernels = set(aot.kernel_names())
     assert {"_decode_attention_kernel", "_decode_attention_merge_kernel", "_gdn_step_kernel", "_rms_norm_kernel",

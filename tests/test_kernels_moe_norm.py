@@ -63,6 +63,7 @@ MOE_CASES = [  # (routing, tokens, experts, top k, intermediate, hidden)
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", MOE_CASES, ids=lambda c: f"{c[0]}-N{c[1]}-E{c[2]}-k{c[3]}")
+@pytest.mark.slow
 def test_grouped_moe_matches_reference(dtype, case):
     kind, n, e, k, i, h = case
     gen = torch.Generator().manual_seed(n * 100 + k)

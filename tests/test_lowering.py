@@ -133,6 +133,7 @@ def test_dump_ranks(artifacts, capsys):
     assert out.count("rank ") >= 3 and "recv after op" in out and "return token ids" in out
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path, capsys):
     """The README's main job: plan a real model, then compile and run a tiny one on CPU ranks."""
     from opweave.cli import main

@@ -54,6 +54,7 @@ def _pinned(fe, tp: int, context: int, activations: bool, ranks=None):
 @pytest.mark.parametrize("family", sorted(MODELS))
 @pytest.mark.parametrize("tp", (1, 2, 4, 8))
 @pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.slow
 def test_allocated_equals_planned(front_ends, family, tp, context):
     ranks = _pinned(front_ends[family], tp, context, activations=False)
     assert len(ranks) == 3 * tp
@@ -76,6 +77,7 @@ def test_sliding_window_state_is_capped(front_ends):
 
 
 @pytest.mark.parametrize("family", ("llama", "gemma3", "qwen3_moe", "qwen3_next"))
+@pytest.mark.slow
 def test_activation_peak_is_bounded_by_the_plan(tiny_checkpoint, family):
     fe = run_front_end(tiny_checkpoint(family))
     for tp in (1, 2):
@@ -136,6 +138,7 @@ def _expert_owners(fe, template: str, tp: int) -> list[tuple]:
 
 
 @pytest.mark.parametrize("tp", (8,))   # TP 2 expert-parallel ranks: the parity tests and the activation test below
+@pytest.mark.slow
 def test_expert_parallel_allocated_equals_planned(front_ends, tp):
     """Whole experts per GPU (E / tp of them): the planner counts what the ranks allocate, and
     they hold the sliced layout's share."""
@@ -153,6 +156,7 @@ def test_expert_parallel_allocated_equals_planned(front_ends, tp):
 
 
 @pytest.mark.parametrize("family", ("qwen3_moe", "gpt_oss"))
+@pytest.mark.slow
 def test_expert_parallel_activation_peak_is_bounded_by_the_plan(tiny_checkpoint, family):
     fe = run_front_end(tiny_checkpoint(family))
     template = _two_owner_template(fe)

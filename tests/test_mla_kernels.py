@@ -95,6 +95,7 @@ def tri(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,rank,rope", [(4, 32, 8), (20, 64, 16)])
+@pytest.mark.slow
 def test_mla_decode_triton(tri, dtype, heads, rank, rope):
     g = torch.Generator().manual_seed(3)
     b, slots = 3, 45

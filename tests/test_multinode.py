@@ -88,6 +88,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_generate_reference_tokens(two_node, tmp_path):
     """Each printed command, run by a shell with the first node's address filled in (and
     `torchrun` spelled `python -m torch.distributed.run`, the same program), as two nodes."""

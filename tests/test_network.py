@@ -136,6 +136,7 @@ def assert_placement_agrees(compiled, cluster):
     ("h100x16+a100x16", [("a100", 2, 4), ("h100", 1, 1)], "afd"),        # two types: always between nodes
     ("h100x24", [("h100", 2, 1), ("h100", 1, 4), ("h100", 2, 1)], "F:pre_attn+post_attn+mid"),
 ])
+@pytest.mark.slow
 def test_place_and_cost_agree_on_hand_plans(spec, owners, template):
     from opweave.compiler.frontend import run_front_end
     from opweave.compiler.pinned import pinned_plan
@@ -150,6 +151,7 @@ PAPER_PLANS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
                            "bench", "results", "paper_eval_plans.json")
 
 
+@pytest.mark.slow
 def test_place_and_cost_agree_on_every_plan_of_the_paper_grid():
     """Every plan bench/paper_eval.py found (OpWeave and the baselines, every setting of the §7 grid):
     replayed on its cluster, lowered, and each boundary's transfers compared with what the plan

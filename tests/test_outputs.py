@@ -214,6 +214,7 @@ def _kill_self_after(monkeypatch, target, name, signum):
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)])
 @pytest.mark.parametrize("previous", [False, True])
+@pytest.mark.slow
 def test_signal_while_writing_leaves_nothing(tmp_path, monkeypatch, capsys, signum, code, previous):
     out = tmp_path / "art"
     if previous:
@@ -245,6 +246,7 @@ def test_a_signal_during_the_swap_waits_until_it_is_done(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.slow
 def test_a_compile_killed_during_the_search(tmp_path, signum, code):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "compile", *SLOW_SEARCH, "-o", str(out)],

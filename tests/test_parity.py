@@ -18,6 +18,7 @@ ATOL = 1e-4
 
 
 @pytest.mark.parametrize("family,layers", [("llama", 3), ("gemma3", 8), ("gemma3", 7), ("qwen3_moe", 3)])
+@pytest.mark.slow
 def test_logits_and_tokens_match_transformers(tiny_checkpoint, family, layers):
     folder = tiny_checkpoint(family, num_hidden_layers=layers)
     model = resolve(folder).load()

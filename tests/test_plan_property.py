@@ -75,6 +75,7 @@ def plans(draw, fe):
 
 
 @pytest.mark.parametrize("family", list(LAYERS))
+@pytest.mark.slow
 def test_random_plans_generate_reference_tokens(tiny_checkpoint, tmp_path_factory, family):
     folder = tiny_checkpoint(family, num_hidden_layers=LAYERS[family], **OVERRIDES.get(family, {}))
     fe = run_front_end(folder)

@@ -104,6 +104,7 @@ def _wait_for(condition, timeout_s: float, what: str):
 
 # ---------------------------------------------------------------- signals to the launcher
 @pytest.mark.parametrize("name", list(SIGNALS))
+@pytest.mark.slow
 def test_signal_to_launcher_leaves_no_rank(setup, name, tmp_path):
     """The launcher of a run that cannot finish (rank 1 sleeps at round 2) gets a signal once
     every rank has joined the process group (each listens on its gloo socket, on loopback only):
@@ -143,6 +144,7 @@ def test_signal_to_launcher_leaves_no_rank(setup, name, tmp_path):
 
 
 # ---------------------------------------------------------------- stalls
+@pytest.mark.slow
 def test_stalled_rank_is_named_and_the_run_ends(setup, monkeypatch):
     folder, art = setup
     monkeypatch.setenv("OPWEAVE_FAULT_STALL", "1:2")  # rank 1 sleeps after round 2, before reporting it
@@ -251,6 +253,7 @@ def long_context_plan(tiny_checkpoint, tmp_path_factory):
     return folder, art
 
 
+@pytest.mark.slow
 def test_a_round_longer_than_the_stall_timeout_is_progress(long_context_plan, monkeypatch):
     """Context-filling prompts (127 tokens of a 128 context) on a batch-8 plan whose rank 0 takes
     SLOW_OP_S per operator call in a prefill step: its prefill round lasts longer than the stall

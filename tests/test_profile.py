@@ -53,6 +53,7 @@ def saved(measured, tmp_path_factory):
 # ---------------------------------------------------------------- measuring
 
 
+@pytest.mark.slow
 def test_profile_covers_every_op(table, graph, measured):
     assert table.model == "tiny-gemma3" and table.gpu == "cpu" and table.dtype == "float32"
     assert table.graph_hash == graph_hash(graph)

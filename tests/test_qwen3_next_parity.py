@@ -58,6 +58,7 @@ def test_config_exercises_every_qwen3_next_feature(model):
     assert cfg.linear_attn.num_value_heads > cfg.linear_attn.num_key_heads  # grouped value heads
 
 
+@pytest.mark.slow
 def test_prompt_and_decode_logits_match_transformers(model, hf_ref):
     hf_prompt, _, hf_steps = hf_ref
     logits, _ = generate(model, PROMPT, NEW_TOKENS)

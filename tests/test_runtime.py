@@ -58,6 +58,7 @@ def requests():
 
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("family", list(LAYERS))
+@pytest.mark.slow
 def test_plan_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch, family, plan):
     """Token parity; and every rank runs its decode rounds under `NoHostSync` (OPWEAVE_CHECK_SYNC):
     no round that decodes reads a tensor on the host, so it could be captured in a CUDA graph."""
@@ -81,6 +82,7 @@ def test_interpreter_agrees_with_generated_modules(tiny_checkpoint, tmp_path):
     assert [tuple(r.output) for r in interpreted] == list(reference(folder))
 
 
+@pytest.mark.slow
 def test_generated_module_benchmarks_alone(tiny_checkpoint, tmp_path):
     import subprocess
     import sys
@@ -93,6 +95,7 @@ def test_generated_module_benchmarks_alone(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.slow
 def test_triton_kernel_path_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch, family):
     """The CUDA path's kernels (Triton, here under TRITON_INTERPRET=1 on CPU) give the same tokens."""
     pytest.importorskip("triton")
@@ -124,6 +127,7 @@ def test_several_replica_sets_share_the_requests(tiny_checkpoint, tmp_path, caps
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
+@pytest.mark.slow
 def test_chunked_prefill_across_ranks_generates_reference_tokens(tiny_checkpoint, tmp_path, family):
     """The plan's prefill chunk reaches every rank: prompts longer than the chunk (and than Gemma's
     sliding window) are fed over several steps through a CAD split with TP 2 and still give

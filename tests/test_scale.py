@@ -188,6 +188,7 @@ def test_absurd_counts_in_a_cluster_file_and_the_cli(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_million_gpu_plan_compiles_in_the_time_of_an_eight_gpu_one():
     from opweave.compiler.compile import compile_model
     from opweave.ir.plan import plan_from_json, plan_to_json

@@ -272,6 +272,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("what,body,status,param", BAD, ids=[b[0] for b in BAD])
+@pytest.mark.slow
 def test_bad_completion_requests(server, what, body, status, param):
     engine, url = server
     got, _, err = http(url, "POST", "/v1/completions", json.dumps(body).encode())
@@ -462,6 +463,7 @@ def test_text_stream_bytes_and_stop_across_tokens():
     assert stream.stopped and "".join(pieces) + stream.flush() == "héllo wörld ✓ done, "
 
 
+@pytest.mark.slow
 def test_sigterm_stops_gracefully_exit_0(tmp_path):
     import signal
     import subprocess
@@ -500,6 +502,7 @@ def test_sigterm_stops_gracefully_exit_0(tmp_path):
     assert "engine healthy after exit: False" in out  # run_server stopped the engine
 
 
+@pytest.mark.slow
 def test_real_engine_greedy_text_equals_reference(tiny_checkpoint, tmp_path):
     """Through the server over the real engine (CPU ranks of an AFD plan): the greedy tokens of `opweave
     run` (the Hugging Face reference), as text, streamed or not, for prompts given as token ids."""

@@ -52,6 +52,7 @@ def served(tiny_checkpoint, tmp_path_factory):
     engine.stop()
 
 
+@pytest.mark.slow
 def test_requests_arriving_while_running_get_run_s_greedy_tokens(served):
     engine, folder = served
     got = Collect()
@@ -102,6 +103,7 @@ def test_bad_requests_and_a_full_queue(served):
     got.wait(keys)
 
 
+@pytest.mark.slow
 def test_a_dying_rank_fails_requests_in_flight_and_stop_leaves_no_process(tiny_checkpoint, tmp_path, monkeypatch):
     folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
     art = str(tmp_path / "art")
@@ -138,6 +140,7 @@ def sampled_reference(folder: str, prompt: list[int], n: int, temperature: float
     return ids[len(prompt):]
 
 
+@pytest.mark.slow
 def test_sampled_requests_follow_their_seed_on_the_device(served):
     """The LM head is split over the FFN owner's TP 2: each rank samples its half of the vocabulary
     and the group agrees; the tokens equal the sampler's on the whole vocabulary, a seed repeats

@@ -145,6 +145,7 @@ def _no_rank_left(server: Server) -> None:
 
 # ---------------------------------------------------------------- signals: drain, exit 0
 @pytest.mark.parametrize("how", ["SIGTERM-server", "SIGTERM-group", "SIGINT-group"])
+@pytest.mark.slow
 def test_signal_drains_running_requests_and_exits_0(plan, tmp_path, how):
     """A request is streaming when the signal comes; it finishes (`length`, all its tokens), the
     server exits 0 without an error line, and every rank is gone. To the group, the ranks get the
@@ -174,6 +175,7 @@ def test_signal_drains_running_requests_and_exits_0(plan, tmp_path, how):
 
 
 # ---------------------------------------------------------------- a rank ends: exit 1, one line
+@pytest.mark.slow
 def test_killed_rank_ends_the_server_with_one_line(plan, tmp_path):
     """SIGKILL to a rank while a request streams: the request ends with an error event, the server
     exits 1 and says which rank died and how."""
@@ -199,6 +201,7 @@ def test_killed_rank_ends_the_server_with_one_line(plan, tmp_path):
     ("OPWEAVE_FAULT_RAISE", None, r"rank 1 failed: RuntimeError: fault injected after round 100 \(OPWEAVE_FAULT_RAISE\)"),
     ("OPWEAVE_FAULT_STALL", 5, r"rank 1 made no progress for 5 s \(last: round 99\)"),
 ])
+@pytest.mark.slow
 def test_failing_or_stalled_rank_ends_the_server_with_one_line(plan, tmp_path, fault, stall_timeout, message):
     """Rank 1 raises (or sleeps forever) after round 100, while the idle server runs rounds: exit 1,
     one line naming it."""

@@ -62,6 +62,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 def test_fields_reach_the_device_sampler_and_the_scheduler(eos_served):
     engine, folder, eos = eos_served
     got = Collect()

@@ -56,6 +56,7 @@ def _allocated_per_slot(module: ops.OpModule, slots: int) -> int:
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])  # 8: more ranks than Qwen3's KV heads (replicated)
 @pytest.mark.parametrize("name", FAMILY_MODELS)
+@pytest.mark.slow
 def test_state_allocated_is_the_statespec(name, tp):
     cfg = resolve(name).cfg
     full = build_model(cfg, "meta").op_modules()
@@ -112,6 +113,7 @@ def _steps():
 
 @pytest.mark.parametrize("block", [3, ATTN_KEY_BLOCK])
 @pytest.mark.parametrize("window,context", [(4, 40), (4, 3), (None, 40)])
+@pytest.mark.slow
 def test_ring_buffer_matches_a_full_history(monkeypatch, window, context, block):
     from opweave.kernels import reference
 
@@ -163,6 +165,7 @@ def test_ring_buffer_matches_a_full_history(monkeypatch, window, context, block)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.slow
 def test_decode_kernel_path_matches_the_module_on_a_wrapped_ring(monkeypatch, backend):
     """The runtime's one-token path (`KernelOp`: cache_write + the backend's decode_attention) on
     a ring that has wrapped several times equals the module (Triton: under the interpreter)."""
@@ -204,6 +207,7 @@ def _hf_tokens(folder: str, prompt: tuple[int, ...], new_tokens: int) -> list[in
 
 
 @pytest.mark.parametrize("family,layers", [("gemma3", 8), ("qwen3_next", 5), ("llama", 3)])
+@pytest.mark.slow
 def test_chunked_prefill_matches_transformers(tiny_checkpoint, family, layers):
     from hf_fixtures import hf_generate
 
@@ -220,6 +224,7 @@ SCHEDULED = [PROMPT, [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12, 13], [42], P
 
 
 @pytest.mark.parametrize("family,layers", [("gemma3", 8), ("qwen3_next", 5)])
+@pytest.mark.slow
 def test_scheduler_prefills_in_chunks(tiny_checkpoint, family, layers):
     """One process drives the runtime's scheduler: 2 rows, 5 requests (slots refilled), chunk 4,
     so long prompts prefill over several steps while the other row decodes."""
@@ -245,6 +250,7 @@ def test_scheduler_prefills_in_chunks(tiny_checkpoint, family, layers):
     assert [r.output for r in done] == [_hf_tokens(folder, tuple(p), 5) for p in SCHEDULED]
 
 
+@pytest.mark.slow
 def test_scheduler_below_the_window(tiny_checkpoint):
     """Context 7 < Gemma's window of 8: the sliding caches hold the context (a ring of 7 slots);
     sequences stop at the context, their tokens a prefix of transformers'."""
@@ -323,6 +329,7 @@ def _step_allocations(cfg, rows: int, tokens: int, context: int) -> _Allocations
 
 @pytest.mark.parametrize("name,layers", [("gemma-3-27b", slice(4, 6)), ("qwen3-next-80b-a3b", slice(2, 4))])
 @pytest.mark.parametrize("tokens", [1, PREFILL_CHUNK])
+@pytest.mark.slow
 def test_step_scratch_does_not_grow_with_context(name, layers, tokens):
     """Two real layers (a sliding or linear one and a full one) with the LM head, at 1K and 64K."""
     cfg = resolve(name).cfg

@@ -70,6 +70,7 @@ def check_slots(plan):
     ("qwen3-next-80b-a3b", 256, ("L", "F")),
     ("llama-3.1-8b", 16, ("F",)),
 ])
+@pytest.mark.slow
 def test_family_sizes(name, size, groups):
     bg = blocks_of(name)
     family = enumerate_templates(bg)

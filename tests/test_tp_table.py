@@ -172,6 +172,7 @@ NEW_TOKENS = 4
     ("llama", ("cad", [("h100", 4, 1), ("l40s", 1, 1)])),        # k, v cross a cut split over replicated heads
     ("qwen3_next", ("colocated", [("h100", 4, 1)])),             # full attention: 2 KV heads over TP 4
 ])
+@pytest.mark.slow
 def test_replicated_kv_heads_give_reference_tokens(tiny_checkpoint, tmp_path, family, plan):
     from hf_fixtures import hf_generate
     from opweave.compiler.compile import write_artifact
