@@ -190,6 +190,7 @@ def test_gemma3_closed_form_under_the_cost_model_and_within_theorem_3_1(gemma_h1
         assert gains == sorted(gains)
 
 
+@pytest.mark.slow
 def test_hom_ods_is_the_cost_models_marginal_cost():
     h100 = get_gpu("h100", load_catalog())
     g = graph("llama-3.1-8b")

@@ -279,6 +279,7 @@ def lowered(folder: str, template: str, owners):
     return fe, compiled, plan, lower(plan, fe.graph, fe.blocks.period, fe.blocks.num_blocks, "h")
 
 
+@pytest.mark.slow
 def test_lowered_cad_keeps_the_residual_and_receives_only_what_is_sent(tiny_checkpoint):
     """The CAD plan the runtime's parity tests run (TP 2 on the dense owner, 2 attention replicas):
     the dense owner keeps the residual between its stages; receive buffers hold only what is sent."""

@@ -71,6 +71,7 @@ CATALOGS = {
     ("itself.yaml", "holds itself"), ("laughs.yaml", "more than 1,000,000 values"),
     ("set.yaml", "holds a set"), ("list.json", "must hold a mapping, not list"),
 ])
+@pytest.mark.slow
 def test_hostile_catalog_files_are_one_line(tmp_path, capsys, name, message):
     path = tmp_path / name
     path.write_text(CATALOGS[name])
@@ -184,6 +185,7 @@ TRUE = {"mem_efficiency": 0.7, "kv_efficiency": 0.45, "step_overhead": 600e-6, "
         "collective_latency": 12e-6, "serial_fraction": 0.3, "launch_overhead": 3e-6}
 
 
+@pytest.mark.slow
 def test_two_hundred_thousand_rows_fit(tmp_path):
     """200,000 rows at distinct points (the fit's per-point and per-op arrays stay small);
     the measured times are the cost model's at known terms, which the fit recovers."""
@@ -293,6 +295,7 @@ def _key(path, mode: int) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_artifact_modes_do_not_follow_the_umask(tmp_path, capsys):
     key = _key(tmp_path / "key", 0o600)
     with umask(0o000):

@@ -53,6 +53,7 @@ def _modules(art):
 
 
 @pytest.mark.parametrize("key", list(NAMES))
+@pytest.mark.slow
 def test_every_module_compiles_and_holds_the_name_as_a_literal(artifacts, key, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _, art = artifacts[key]
@@ -71,6 +72,7 @@ def test_every_module_compiles_and_holds_the_name_as_a_literal(artifacts, key, t
 
 
 @pytest.mark.parametrize("key", RUN)
+@pytest.mark.slow
 def test_oddly_named_checkpoints_run_and_generate_reference_tokens(artifacts, key, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     folder, art = artifacts[key]

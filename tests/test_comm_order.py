@@ -81,6 +81,7 @@ def one_round(program, t, r) -> None:
 
 
 @pytest.mark.parametrize("plan", ["cad", "opweave", "afd"])
+@pytest.mark.slow
 def test_grouped_calls_match_on_both_ends(tiny_checkpoint, tmp_path, plan):
     folder = tiny_checkpoint("llama", num_hidden_layers=3)
     art = str(tmp_path / "art")

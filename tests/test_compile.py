@@ -18,6 +18,7 @@ def artifact(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_artifact_files(artifact):
     names = sorted(os.listdir(artifact))
     ranks = [n for n in names if n.startswith("rank_")]
@@ -157,6 +158,7 @@ def llama():
     ("h100x4+l40sx4", [("h100", 4, 1), ("h100", 2, 1)], 8, 8192, "the owners need 6 h100 GPUs"),
     ("h100x4", [("a100", 1, 1)], 8, 8192, "has no a100"),
 ])
+@pytest.mark.slow
 def test_pinned_plans_are_checked_like_searched_ones(llama, cluster, owners, batch, context, message):
     from opweave.compiler.pinned import pinned_plan
     from opweave.errors import OpWeaveError

@@ -29,6 +29,7 @@ def first(g, kind):
 HIDDEN_BYTES = 4096 * 2
 
 
+@pytest.mark.slow
 def test_gemm_is_weight_bound_at_small_batch_and_compute_bound_at_large():
     g, h100 = graph("llama-3.1-8b"), gpu("h100")
     up = first(g, OpKind.MLP_GATE_UP)
@@ -71,6 +72,7 @@ def test_kv_state_replicates_beyond_kv_heads():
     assert state16 == pytest.approx(state8)
 
 
+@pytest.mark.slow
 def test_moe_weights_read_as_the_grouped_kernel_reads_them():
     experts = first(graph("qwen3-30b-a3b"), OpKind.MOE_EXPERTS)  # 128 experts, top-8
     reads = [C.weight_bytes_read(experts, b) for b in (1, 4, 16, 64, 1024)]
@@ -105,6 +107,7 @@ def test_transfers_and_boundaries():
     assert C.transfer_s(0, h100, h100, True) == 0
 
 
+@pytest.mark.slow
 def test_memory_per_gpu_counts_weights_state_and_buffers():
     g = graph("gemma-3-27b")
     one = memory_per_gpu(g.ops, 1, 1, 8192)

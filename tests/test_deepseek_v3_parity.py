@@ -145,6 +145,7 @@ def test_latent_cache_and_padding(ckpt):
 # ---------------------------------------------------------------- IR facts, TP semantics, blocks
 
 
+@pytest.mark.slow
 def test_mla_facts_state_the_latent_traffic():
     """Per token of context a layer reads (kv_lora_rank + rope dim) x 2 bytes, once for all heads;
     FLOPs per context token are the absorbed form's 2H(2R + Dr)."""

@@ -29,6 +29,7 @@ def _sum_terms(terms: dict[str, float]) -> float:
 
 @pytest.mark.parametrize("gpu,tp,batch,context", [("h100", 1, 1, 1536), ("a100", 2, 64, 3072),
                                                    ("l40s", 4, 16, 32768), ("h100", 8, 128, 1024)])
+@pytest.mark.slow
 def test_terms_add_up_to_the_planners_step_time(graph, catalog, gpu, tp, batch, context):
     spec = catalog[gpu]
     point = estimate_point(graph, spec, tp, batch, context)
@@ -66,6 +67,7 @@ def test_points_that_cannot_run_are_reported_not_raised(graph, catalog):
     assert small.fits and small.error is None
 
 
+@pytest.mark.slow
 def test_cli_json_has_the_documented_shape(capsys):
     assert main(["estimate", "llama-3.1-8b", "--gpu", "H100_SXM_80GB", "--tp", "1,3", "--batch", "1,16",
                  "--context", "1536,32k", "--format", "json"]) == 0
@@ -126,6 +128,7 @@ def test_unknown_model_is_one_line_exit_2(capsys):
     assert err.startswith("opweave: error:") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_moe_weights_term_follows_the_grouped_kernel(catalog):
     """Routed experts: few distinct experts at batch 1, each expert read once per 16 pairs beyond."""
     moe = run_front_end("qwen3-30b-a3b").graph

@@ -151,6 +151,7 @@ def test_block_table_leaves_sentinel_pairs_out():
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.slow
 def test_expert_parallel_partial_sums_are_the_unsharded_output(backend, layout, tp):
     k_ = _backend(backend)
     e, h, i, n, k = 8, 32, 16, 13, 2

@@ -87,6 +87,7 @@ def test_quantization_blocks_decide_which_layout_is_legal():
     assert of_op(experts).experts == 32 and not legal_tp([experts], 64, "ep")   # 32 experts
 
 
+@pytest.mark.slow
 def test_expert_parallel_costs_no_less_than_slicing():
     """Qwen3-30B-A3B (128 experts, top 8) on 4 H100s: at batch 1 the busiest of 4 expert-parallel
     GPUs reads 1.7x the sliced share of weights; by batch 64 the excess is a few percent."""
@@ -147,6 +148,7 @@ def test_pareto_drops_the_dominated_layout():
     assert all(o.experts == "tp" for o in on.best.owners)
 
 
+@pytest.mark.slow
 def test_planner_holds_experts_whole_where_slicing_cannot_split_them():
     """gpt-oss-20b at TP 4 on H100s: the mxfp4 blocks forbid sliced experts, so the plan is
     expert-parallel, and the error for a pinned sliced owner says why."""

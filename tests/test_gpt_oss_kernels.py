@@ -165,6 +165,7 @@ def test_swiglu_experts_reference_matches_transformers():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("e,k,i,h", [(6, 2, 24, 40), (4, 4, 16, 32), (5, 3, 72, 136)])
+@pytest.mark.slow
 def test_triton_swiglu_experts(tri, dtype, e, k, i, h):
     gate_up, gate_up_bias, down, down_bias = _expert_weights(e, h, i, dtype, seed=e)
     x = torch.randn(7, h, generator=torch.Generator().manual_seed(8)).to(dtype)

@@ -46,6 +46,7 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     assert len(lines) == len(PARTS)
 
 
+@pytest.mark.slow
 def test_a_failing_part_is_one_fail_line_and_the_rest_runs(tmp_path):
     proc, out = _smoke(tmp_path, "--parts", "env,kernels,attention", "--fail-part", "kernels")
     assert proc.returncode == 1
@@ -87,6 +88,7 @@ def _gpu_check_module():
     return gpu_check
 
 
+@pytest.mark.slow
 def test_attention_bench_logic_on_cpu():
     """The attention part's measurement (Triton under the interpreter vs SDPA) at tiny sizes."""
     import torch

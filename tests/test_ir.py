@@ -33,6 +33,7 @@ def test_gemma3_27b_totals():
         assert g.state_bytes(s) / 1e9 == pytest.approx(gb, rel=0.02)
 
 
+@pytest.mark.slow
 def test_qwen3_next_totals():
     g = graph_of("qwen3-next-80b-a3b")
     assert g.num_parameters == pytest.approx(80e9, rel=0.03)       # "80B total"
@@ -42,6 +43,7 @@ def test_qwen3_next_totals():
     assert g.num_active_parameters - 2 * 151936 * 2048 == pytest.approx(3.0e9, rel=0.1)  # "A3B": non-embedding
 
 
+@pytest.mark.slow
 def test_qwen3_moe_active_parameters():
     g = graph_of("qwen3-30b-a3b")
     assert g.num_parameters == pytest.approx(30.5e9, rel=0.03)

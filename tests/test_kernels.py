@@ -283,6 +283,7 @@ def test_decode_attention_triton(tri, dtype, hkv, group, d, window):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 8), (1, 3, 12, 20), (2, 2, 32, 128)])
+@pytest.mark.slow
 def test_gdn_step_triton(tri, dtype, hk, hv, dk, dv):
     b = 3
     q, k = torch.randn(b, hk, dk).to(dtype), torch.randn(b, hk, dk).to(dtype)
@@ -459,6 +460,7 @@ def test_gated_act_triton(tri, dtype, kind):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("experts,top_k", [(6, 2), (10, 3), (64, 8)])
+@pytest.mark.slow
 def test_moe_route_triton(tri, dtype, experts, top_k):
     logits = (torch.randn(2, 3, experts) * 2).to(dtype)
     for renorm in (True, False):
@@ -467,6 +469,7 @@ def test_moe_route_triton(tri, dtype, experts, top_k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("experts,top_k,inter,hidden", [(6, 2, 24, 40), (4, 1, 16, 32), (5, 3, 200, 136)])
+@pytest.mark.slow
 def test_moe_experts_triton(tri, dtype, experts, top_k, inter, hidden):
     x = torch.randn(3, hidden).to(dtype)
     gate_up = (torch.randn(experts, 2 * inter, hidden) * hidden ** -0.5).to(dtype)

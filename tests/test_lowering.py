@@ -36,6 +36,7 @@ def load(folder):
 
 
 @pytest.mark.parametrize("plan_name", ["afd", "cad", "opweave"])
+@pytest.mark.slow
 def test_programs_match_the_plan(artifacts, tiny_checkpoint, plan_name):
     plan, programs = load(artifacts[plan_name])
     assert len(programs) == sum(o.tp * o.replicas for o in plan.owners)

@@ -95,6 +95,7 @@ def test_slots_follow_the_runtime():
     assert slots_per_rank(64, 1, 1) == 64
 
 
+@pytest.mark.slow
 def test_dump_memory_of_an_artifact(tiny_checkpoint, tmp_path, capsys):
     out = str(tmp_path / "art")
     assert main(["compile", tiny_checkpoint("llama"), "--cluster", "h100x2", "--context", "64", "--tpot-slo", "1s",

@@ -93,6 +93,7 @@ def test_force_replaces_a_user_folder(tmp_path):
     assert hidden(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_previous_artifact_is_replaced_without_a_word(tmp_path, capsys):
     out = tmp_path / "art"
     assert main(compile_argv(out, "tiny-gemma3", "64")) == 0
@@ -233,6 +234,7 @@ def test_signal_while_writing_leaves_nothing(tmp_path, monkeypatch, capsys, sign
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # restored for the caller
 
 
+@pytest.mark.slow
 def test_a_signal_during_the_swap_waits_until_it_is_done(tmp_path, monkeypatch, capsys):
     """The renames that swap the new artifact in run with signals held back: the signal ends the
     command right after, with the new artifact whole in place and nothing hidden."""

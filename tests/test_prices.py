@@ -116,6 +116,7 @@ def test_unknown_preset_is_one_line_naming_the_presets(name, fragment):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_cli_prices_flag(capsys):
     assert main(["estimate", "llama-3.1-8b", "--gpu", "a100", "--prices", "lambda", "--format", "json"]) == 0
     out, err = capsys.readouterr()

@@ -153,6 +153,7 @@ def test_stalled_rank_is_named_and_the_run_ends(setup, monkeypatch):
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_stopped_rank_is_named_and_killed(setup):
     """A rank stopped by SIGSTOP as soon as it exists: every rank then waits at the rendezvous,
     and the stopped one is named."""

@@ -148,6 +148,7 @@ def test_other_device_is_refused(saved):
         load_profile(saved, device_name="NVIDIA H100 80GB HBM3")
 
 
+@pytest.mark.slow
 def test_other_model_is_refused_naming_both(saved):
     other = run_front_end("llama-3.1-8b").graph
     with pytest.raises(OpWeaveError, match="profile of tiny-gemma3.*not of llama-3.1-8b"):
@@ -170,6 +171,7 @@ def test_partly_matching_model_keeps_matching_ops_and_warns(saved, graph):
     assert table.counts["hit"] == 1 and table.counts["miss_signature"] == 1
 
 
+@pytest.mark.slow
 def test_unprofiled_gpu_tp_and_signature_give_none(table, graph):
     qkv = next(op for op in graph.ops if op.kind == OpKind.QKV_PROJ)
     assert table.op_latency(qkv, "h100", 1, 1, 16) is None
@@ -348,6 +350,7 @@ def test_compile_with_a_profile_traces_once(saved, tmp_path, monkeypatch, capsys
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a second core")
+@pytest.mark.slow
 def test_busy_cores_profile_under_load():
     lines = []
     table = profile("tiny-gemma3", batches=(2,), contexts=(16,), measure_links=False, busy_cores=1,

@@ -74,6 +74,7 @@ def test_plan_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch,
     assert [tuple(r.output) for r in outputs] == list(reference(folder))
 
 
+@pytest.mark.slow
 def test_interpreter_agrees_with_generated_modules(tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("qwen3_next", num_hidden_layers=LAYERS["qwen3_next"])
     out = str(tmp_path / "art")
@@ -108,6 +109,7 @@ def test_triton_kernel_path_generates_reference_tokens(tiny_checkpoint, tmp_path
     assert [tuple(r.output) for r in outputs] == [t[:3] for t in reference(folder)[:2]]
 
 
+@pytest.mark.slow
 def test_several_replica_sets_share_the_requests(tiny_checkpoint, tmp_path, capsys):
     from opweave.cli import main
     from opweave.runtime.launch import planned_replica_sets, run_detailed

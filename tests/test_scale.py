@@ -94,6 +94,7 @@ def instances(draw):
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(instances())
+@pytest.mark.slow
 def test_placement_matches_the_per_gpu_first_fit(instance):
     cluster, groups = instance
     assert_same_as_reference(groups, cluster)

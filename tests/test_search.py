@@ -72,6 +72,7 @@ def chosen_templates(draw_indices):
 @settings(max_examples=12, deadline=None)
 @given(cluster=hardware(), slo_ms=st.floats(0.05, 2.0), context=st.sampled_from([256, 2048, 16384]),
        picks=st.lists(st.integers(0, 15), min_size=1, max_size=2))
+@pytest.mark.slow
 def test_pruned_search_matches_exhaustive(cluster, slo_ms, context, picks):
     templates = chosen_templates(picks)
     exhaustive = run(cluster, slo_ms / 1e3, context, templates, pareto=False, bnb=False)

@@ -297,6 +297,7 @@ def test_malformed_json(server, raw):
     ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, "messages[0]"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x " * 80}]}, "messages"),
 ])
+@pytest.mark.slow
 def test_bad_chat_requests(server, body, param):
     engine, url = server
     got, _, err = http(url, "POST", "/v1/chat/completions", json.dumps(body).encode())

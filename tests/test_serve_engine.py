@@ -68,6 +68,7 @@ def test_requests_arriving_while_running_get_run_s_greedy_tokens(served):
     assert stats["running"] == stats["waiting"] == 0 and stats["round_s"]
 
 
+@pytest.mark.slow
 def test_stop_ids_and_cancel(served):
     engine, folder = served
     want = reference(folder)[0]
@@ -85,6 +86,7 @@ def test_stop_ids_and_cancel(served):
     assert got.tokens("after") == list(reference(folder)[3][:3])
 
 
+@pytest.mark.slow
 def test_bad_requests_and_a_full_queue(served):
     engine, _ = served
     with pytest.raises(ValueError, match="context of 64 allows at most 63"):

@@ -207,6 +207,7 @@ def test_a_surrogate_pair_is_fine(server):
     ("stream_options", {"include_usage": 1}, "stream_options.include_usage"),
     ("stream_options", {"include_usage": True, "continuous": True}, "stream_options.continuous"),
 ])
+@pytest.mark.slow
 def test_n_and_stream_options_types(server, field, value, param):
     _, _, addr = server
     status, _, body = request(addr, "POST", "/v1/completions", json.dumps({**BODY, field: value}).encode())
@@ -410,6 +411,7 @@ def test_malformed_http_is_a_json_400(server):
     ("evil.example", False), ("evil.example:8000", False), ("localhost.evil.example", False),
     ("127.0.0.1:80:80", False), ("[::1]x", False), ("", False),
 ])
+@pytest.mark.slow
 def test_host_header_checked_when_bound_to_loopback(tokenizer, host, ok, caplog):
     with serving(tokenizer, allowed_hosts=guard.allowed_hosts("127.0.0.1")) as (_, _, addr):
         s = connect(addr)

@@ -156,6 +156,7 @@ def bump(p: SimProblem, which: int, delta: float) -> SimProblem:
 
 @settings(max_examples=300, deadline=None)
 @given(problems(), st.data())
+@pytest.mark.slow
 def test_tpot_is_monotone_in_every_duration(p, data):
     which = data.draw(st.integers(0, 2 * len(p.stages)))
     delta = data.draw(st.integers(1, 8).map(lambda k: k * 0.25))

@@ -216,6 +216,7 @@ def test_template_must_match_period():
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(base=st.lists(st.sampled_from([FULL, SLIDING]), min_size=1, max_size=4), repeats=st.integers(1, 3),
        extra=st.integers(0, 3), data=st.data())
+@pytest.mark.slow
 def test_random_patterns_and_templates(base, repeats, extra, data):
     types = base * repeats + base[:extra]          # several blocks, sometimes tail layers
     bg = tiny_gemma(tuple(types))

@@ -37,6 +37,7 @@ def test_per_round_medians():
     assert per_round(spans, range(2, 3))["compute"] == pytest.approx(0.012)
 
 
+@pytest.mark.slow
 def test_traced_run_accounts_for_every_stage_and_keeps_tokens(tiny_checkpoint, tmp_path):
     folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
     out = str(tmp_path / "art")
@@ -63,6 +64,7 @@ def test_traced_run_accounts_for_every_stage_and_keeps_tokens(tiny_checkpoint, t
     assert {e["pid"] for e in trace["traceEvents"]} == set(range(world))
 
 
+@pytest.mark.slow
 def test_run_trace_flag_writes_a_chrome_trace(tiny_checkpoint, tmp_path, capsys):
     folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
     out = str(tmp_path / "art")

@@ -53,6 +53,7 @@ def _rank_modules(fe, tp: int, rank: int):
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_planned_weights_are_the_runtime_modules(front_ends, family, tp):
     fe = front_ends[family]
     ops = fe.graph.ops

@@ -44,6 +44,7 @@ def test_unsupported_formats_are_one_line_errors(quant, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_published_formats_set_the_planned_bytes():
     """gpt-oss-120b as published: MXFP4 experts (4.25 bits with their scales), the rest bf16 --
     about 65 GB, the size of the published checkpoint; DeepSeek-V3 in fp8 (checked to the byte in
