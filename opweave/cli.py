@@ -28,6 +28,14 @@ class _Parser(argparse.ArgumentParser):
 _NEGATIVE = re.compile(r"-[0-9.]")
 
 
+def _catalog_args(p: argparse.ArgumentParser) -> None:
+    """--catalog and --prices, as every command that reads the GPU catalog takes them."""
+    p.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
+    p.add_argument("--prices", metavar="NAME",
+                   help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
+                        "GPUs it does not list keep the catalog price (a warning names them)")
+
+
 def _warn(message: str) -> None:
     """A warning for the user: one line on stderr."""
     print(f"opweave: warning: {message}", file=sys.stderr)
@@ -151,10 +159,7 @@ def _args_analyze(p: argparse.ArgumentParser) -> None:
                    help="context lengths: 32k, 4k,32k,128k, or a doubling range 1k..128k (default)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--plot", metavar="FILE.png", help="write cost and gain against context length")
-    p.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
-    p.add_argument("--prices", metavar="NAME",
-                   help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
-                        "GPUs it does not list keep the catalog price (a warning names them)")
+    _catalog_args(p)
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
@@ -267,10 +272,7 @@ def _args_compile(p: argparse.ArgumentParser) -> None:
                    help="largest resident batch per replica set the search tries (default 4096, "
                         "opweave.passes.search.DEFAULT_MAX_BATCH; the grid also stops where the cluster's memory does)")
     p.add_argument("--format", choices=("text", "json"), default="text")
-    p.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
-    p.add_argument("--prices", metavar="NAME",
-                   help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
-                        "GPUs it does not list keep the catalog price (a warning names them)")
+    _catalog_args(p)
     p.add_argument("--profile", metavar="PROFILE.json", help="measured op latencies from opweave profile")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--allow-long-context", action="store_true",
@@ -608,10 +610,7 @@ def _args_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default="1", help="resident batches, e.g. 1,16,64 (default 1)")
     p.add_argument("--context", default="1536",
                    help="context lengths: 1536,32k or a doubling range 1k..32k (default 1536)")
-    p.add_argument("--catalog", metavar="FILE", help="YAML/JSON file overriding hardware catalog fields")
-    p.add_argument("--prices", metavar="NAME",
-                   help="public price table applied over the catalog's prices: aws, lambda (docs/hardware.md); "
-                        "GPUs it does not list keep the catalog price (a warning names them)")
+    _catalog_args(p)
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--eager", action="store_true",
                    help="ops launched one by one instead of a replayed CUDA graph (eager launch overhead)")

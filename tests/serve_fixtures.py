@@ -193,3 +193,15 @@ class FakeEngine:
                 self.finished[rid] = reason
         for _, req in left:
             req["on_event"](self._Event(None, reason, error))
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    """Polls `cond` until it holds or `timeout` seconds pass (a guard against a hang, not a budget)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from serve_fixtures import FakeEngine, write_tokenizer
+from serve_fixtures import FakeEngine, wait_until, write_tokenizer
 
 # The `serve` extra and the `openai` client (both in the `test` extra).
 for _module in ("fastapi", "uvicorn", "prometheus_client"):
@@ -92,15 +92,6 @@ def http(url: str, method: str, path: str, body: bytes | None = None, headers=No
         return resp.status, dict(resp.getheaders()), json.loads(raw)
     except ValueError:
         return resp.status, dict(resp.getheaders()), raw
-
-
-def wait_until(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 # ---------------------------------------------------------------- happy paths

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from serve_fixtures import FakeEngine, write_tokenizer
+from serve_fixtures import FakeEngine, wait_until, write_tokenizer
 
 for _module in ("fastapi", "uvicorn", "prometheus_client"):
     pytest.importorskip(_module)
@@ -59,15 +59,6 @@ def serving(tokenizer, engine=None, header_timeout_s=5.0, max_connections=64, **
         thread.join(10)
         engine.stop(timeout_s=5)
         sock.close()
-
-
-def wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def connect(addr, timeout=20.0) -> socket.socket:
