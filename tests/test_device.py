@@ -300,23 +300,27 @@ def test_every_transfer_uses_buffers_on_the_run_device(artifact):
     for name in ranks:
         with open(os.path.join(art, name)) as f:
             program = program_from_json(json.load(f))
-        t = transport.Transport(program, torch.float32, tokens_back=program.scheduler, device=META, comm=comm)
-        widths = (1,) * program.num_microbatches
-        t.start_round(1, widths)
+        b, m = program.microbatch_size, program.num_microbatches
         rows = program.rows[1] - program.rows[0]
-        for st in program.stages:  # a cut's port (a TP rank, in turn) does its transfers
-            if st.recv is not None and st.recv_port == program.rank:
-                positions, _, values = t.recv_values(st, 0)
-                assert positions.device == META and all(v.device == META for v in values)
-            for width in (1, 3):  # a decode step, and a prefill
-                positions = torch.zeros(rows, width, dtype=torch.long, device=META)
+        for width in (1, 3):  # a decode step, and a prefill (3 tokens a row)
+            t = transport.Transport(program, torch.float32, tokens_back=program.scheduler, device=META, comm=comm)
+            counts = ((width,) * b,) * m
+            t.start_round(0, counts)
+            t.start_round(1, counts)
+            for st in program.stages:  # a cut's port (a TP rank, in turn) does its transfers
+                if st.recv is not None and st.recv_port == program.rank:
+                    positions, _, values = t.recv_values(st, 0)
+                    assert positions.device == META and all(v.device == META for v in values)
+                    assert positions.shape == (1, rows * width)
+                positions = torch.zeros(1, rows * width, dtype=torch.long, device=META)
                 if st.send is not None and st.send_port == program.rank:
-                    t.send_values(st, positions, torch.zeros(rows, WORD, dtype=torch.long, device=META), [torch.zeros(rows, width, *s, device=META) for s in st.send.shapes])
-            if st.returns and st.send_port == program.rank:
-                t.send_tokens(st, 0, torch.zeros(rows, dtype=torch.long, device=META))
-        if program.scheduler and program.tp_rank == 0:
-            assert t.recv_tokens(0).device == META
-        t.complete_round(True, widths)
+                    t.send_values(st, 0, positions, torch.zeros(rows, WORD, dtype=torch.long, device=META),
+                                  [torch.zeros(1, rows * width, *s, device=META) for s in st.send.shapes])
+                if st.returns and st.send_port == program.rank:
+                    t.send_tokens(st, 0, torch.zeros(rows, dtype=torch.long, device=META))
+            if program.scheduler and program.tp_rank == 0:
+                assert t.recv_tokens(0).device == META
+            t.complete_round(True, counts)
     kinds = {name for name, _ in seen}
     assert {"isend", "irecv", "all_reduce"} <= kinds
     assert [s for s in seen if s[1] != "meta"] == []

@@ -24,6 +24,7 @@ from opweave.models.ops import OpModule, torch_dtype
 from opweave.runtime.message import message_bytes, pack_message, unpack_message
 from opweave.runtime.state import RankState
 from opweave.runtime.tpgroup import TPGroup
+from opweave.runtime.layout import Layout
 from opweave.runtime.transport import assemble
 
 # ---------------------------------------------------------------- state views
@@ -318,15 +319,15 @@ def test_vocab_split_argmax_matches_the_whole_vocabulary():
 
 
 def test_message_round_trip():
-    rows, width, shapes = 3, 4, ((2, 5), (6,))
-    positions = torch.arange(rows * width).view(rows, width)
-    values = [torch.randn(rows, width, *s, dtype=torch.bfloat16) for s in shapes]
+    rows, tokens, shapes = 3, 7, ((2, 5), (6,))  # packed: 7 tokens of 3 rows
+    positions = torch.arange(tokens).view(1, tokens)
+    values = [torch.randn(1, tokens, *s, dtype=torch.bfloat16) for s in shapes]
     words = torch.tensor([[5, 0, 1_000_000], [6, 800_000, 950_000], [2 ** 63 - 1, 1, 1]])
     words = torch.cat([words, torch.arange(rows * (WORD - 3)).view(rows, WORD - 3)], dim=1)  # a word is WORD int64s
     message = pack_message(positions, words, values)
     per_token = (2 * 5 + 6) * 2
-    assert message.numel() == message_bytes(rows, width, per_token) and message.dtype == torch.uint8
-    pos, word, payload = unpack_message(message, rows, width, torch.bfloat16)
+    assert message.numel() == message_bytes(rows, tokens, per_token) and message.dtype == torch.uint8
+    pos, word, payload = unpack_message(message, rows, tokens, torch.bfloat16)
     assert torch.equal(pos, positions) and torch.equal(word, words)
     assert torch.equal(payload, torch.cat([v.reshape(-1) for v in values]))
 
@@ -334,18 +335,23 @@ def test_message_round_trip():
 def test_assemble_joins_peers_and_views_a_single_peer():
     shapes = ((2,),)
     word = torch.arange(1, 3 * WORD + 1).view(3, WORD)  # each row's sampling word
+    layout = Layout((2, 0, 3))  # row 0: two tokens, row 1 idle, row 2: three
     top = (torch.tensor([[3, 4]]), word[:1], torch.arange(4.0))                   # row 0
-    bottom = (torch.tensor([[-1, 9], [10, 11]]), word[1:], torch.arange(10.0, 18.0))
-    positions, words, (v,) = assemble([(0, 1, *top), (1, 3, *bottom)], rows=3, width=2, shapes=shapes,
+    bottom = (torch.tensor([[9, 10, 11]]), word[1:], torch.arange(10.0, 16.0))    # rows 1-2
+    positions, words, (v,) = assemble([(0, 1, *top), (1, 3, *bottom)], rows=3, layout=layout, shapes=shapes,
                                       dtype=torch.float32)
-    assert positions.tolist() == [[3, 4], [-1, 9], [10, 11]]
+    assert positions.tolist() == [[3, 4, 9, 10, 11]]
     assert words.tolist() == word.tolist()
-    assert v[0].tolist() == [[0.0, 1.0], [2.0, 3.0]] and v[2, 1].tolist() == [16.0, 17.0]
+    assert v[0, :2].tolist() == [[0.0, 1.0], [2.0, 3.0]] and v[0, 4].tolist() == [14.0, 15.0]
+    # a replica none of whose rows has a token: its padding token (position -1, zeros)
+    positions, _, (v,) = assemble([(0, 1, torch.zeros(1, 0, dtype=torch.long), word[:1], torch.zeros(0))], rows=1,
+                                  layout=Layout((0,), pad=True), shapes=shapes, dtype=torch.float32)
+    assert positions.tolist() == [[-1]] and v.tolist() == [[[0.0, 0.0]]]
     # one peer holding every row: views of its message, no copy
-    vals = torch.randn(2, 1, 2)
-    msg = pack_message(torch.tensor([[7], [8]]), word[:2], [vals])
-    pos, word, payload = unpack_message(msg, 2, 1, torch.float32)
-    positions, words, (v,) = assemble([(0, 2, pos, word, payload)], rows=2, width=1, shapes=shapes,
+    vals = torch.randn(1, 2, 2)
+    msg = pack_message(torch.tensor([[7, 8]]), word[:2], [vals])
+    pos, word, payload = unpack_message(msg, 2, 2, torch.float32)
+    positions, words, (v,) = assemble([(0, 2, pos, word, payload)], rows=2, layout=Layout((1, 1)), shapes=shapes,
                                       dtype=torch.float32)
-    assert torch.equal(v, vals) and positions.tolist() == [[7], [8]] and words.tolist() == word[:2].tolist()
+    assert torch.equal(v, vals) and positions.tolist() == [[7, 8]] and words.tolist() == word[:2].tolist()
     assert v.untyped_storage().data_ptr() == msg.untyped_storage().data_ptr()

@@ -3,28 +3,13 @@
 import json
 
 import pytest
-import torch
 
 from opweave.cli import main
 from opweave.ir.program import program_from_json
-from opweave.kernels.sampling import WORD
 from opweave.runtime.launch import RunConfig, run_detailed
-from opweave.runtime.message import message_bytes, pack_message, unpack_message
 from opweave.runtime.scheduler import Request
 from opweave.runtime.timeline import KINDS, Span, chrome_trace, from_rows, per_round
 from test_runtime import LAYERS, compile_pinned, reference
-
-
-def test_message_round_trip():
-    positions = torch.tensor([[3, 4], [7, 8]])
-    a, b = torch.randn(2, 2, 5), torch.randn(2, 2, 3, 2)
-    words = torch.tensor([[11, 0, 1_000_000], [2 ** 62, 700_000, 900_000]])
-    words = torch.cat([words, torch.ones(2, WORD - 3, dtype=torch.long)], dim=1)  # a word is WORD int64s
-    message = pack_message(positions, words, [a, b])
-    assert message.dtype == torch.uint8 and message.numel() == message_bytes(2, 2, (5 + 6) * 4)
-    pos, word, payload = unpack_message(message, 2, 2, torch.float32)
-    assert torch.equal(pos, positions) and torch.equal(word, words)
-    assert torch.equal(payload[:20].view(2, 2, 5), a) and torch.equal(payload[20:].view(2, 2, 3, 2), b)
 
 
 def test_per_round_medians():
@@ -50,14 +35,17 @@ def test_traced_run_accounts_for_every_stage_and_keeps_tokens(tiny_checkpoint, t
     world = len(stats["spans"])
     assert world == 3  # AFD here: one h100 rank, an l40s TP-2 group
     for rank, rows in stats["spans"].items():
-        spans = from_rows(rows)
+        spans, busy = from_rows(rows), 0
         with open(f"{out}/rank_{int(rank):02d}.json") as f:
             program = program_from_json(json.load(f))
         for r in range(rounds):
             mine = [s for s in spans if s.round == r]
             computed = {(s.stage, s.microbatch) for s in mine if s.kind == "compute"}
-            assert computed == {(st.stage, mb) for st in program.stages for mb in range(program.num_microbatches)}
+            ran = {mb for _, mb in computed}  # a microbatch with no token this round is skipped whole
+            assert computed == {(st.stage, mb) for st in program.stages for mb in ran}
+            busy += bool(ran)
             assert sum(s.kind == "sync" for s in mine) == 1
+        assert busy >= 4  # 4 outputs per request: a round each (the prefill samples the first)
         assert all(a.end_s <= b.start_s + 1e-9 for a, b in zip(spans, spans[1:]))  # one stream, in order
         assert all(s.dur_s >= 0 for s in spans)
     trace = chrome_trace({int(r): from_rows(rows) for r, rows in stats["spans"].items()})

@@ -206,7 +206,9 @@ def _stage_lines(program: RankProgram, st: StageProgram, names: _Names, links: t
     elif st.returns:
         tail = _statement(f"rt.finish(mb, {names.var(st.launches[-1].output)})",
                           f"new token ids to {_peers(st.returns)}")
-    return {"title": comment(f"---- stage {st.stage}: {_where(st)}"), "head": head, "lines": takes + lines,
+    skip = _statement(f"if not rt.live({int(st.stage)}, mb):", "no row of this microbatch has a token this round")
+    return {"title": comment(f"---- stage {st.stage}: {_where(st)}"), "skip": skip, "head": head,
+            "lines": takes + lines,
             "tail": tail}
 
 

@@ -61,14 +61,14 @@ def buffer_bytes(plan, owner: int, replica: int, width: int, tp_rank: int = 0) -
             prev = stages[i - 1].owner
             per_token = stages[i - 1].out_bytes_per_token
             for j, n in _overlaps(mine, rows[prev]):
-                static += plan.microbatches * message_bytes(n, 1, per_token)
+                static += plan.microbatches * message_bytes(n, n, per_token)
                 if width > 1:
-                    wide[(prev, j)] = max(wide.get((prev, j), 0), message_bytes(n, width, per_token))
+                    wide[(prev, j)] = max(wide.get((prev, j), 0), message_bytes(n, n * width, per_token))
         if i % tp != tp_rank:
             continue
         if i + 1 < len(stages) and stages[i + 1].owner != owner:
             for _, n in _overlaps(mine, rows[stages[i + 1].owner]):
-                sent += message_bytes(n, width, st.out_bytes_per_token)
+                sent += message_bytes(n, n * width, st.out_bytes_per_token)
         if i + 1 == len(stages):
             sent += sum(n * INDEX_BYTES for j, n in _overlaps(mine, rows[first])
                         if (first, j) != (owner, replica) or tp_rank != 0)

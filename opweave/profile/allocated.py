@@ -116,7 +116,7 @@ def buffer_bytes(program: RankProgram, dtype: torch.dtype, width: int) -> int:
         if st.send is not None:
             per_token = transport.per_token_bytes(st.send)
             for p in st.send.peers:
-                sent += message_bytes(p.hi - p.lo, width, per_token)
+                sent += message_bytes(p.hi - p.lo, (p.hi - p.lo) * width, per_token)
         sent += sum((p.hi - p.lo) * 8 for p in st.returns if p.rank != program.rank)
     return static + sum(wide.values()) + SEND_ROUNDS * program.num_microbatches * sent
 
@@ -185,6 +185,10 @@ class MetaRuntime:
     def state_views(self, op: int):
         """The op's state, one view per microbatch (as the worker passes it)."""
         return self.state.views(op)
+
+    def live(self, stage, mb) -> bool:
+        """Every microbatch runs (rows x width tokens: the planned bound)."""
+        return True
 
     def begin(self, mb: int):
         shape = (self.rows, self.width)

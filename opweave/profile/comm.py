@@ -165,10 +165,10 @@ def _host_times(rank: int, dist, torch) -> tuple[list, list]:
     ack = torch.zeros(1, dtype=torch.long)
     for nbytes in P2P_SIZES:
         per_row = max(1, nbytes // (HOST_ROWS * 4))
-        positions = torch.zeros(HOST_ROWS, 1, dtype=torch.long)
+        positions = torch.zeros(1, HOST_ROWS, dtype=torch.long)
         value = torch.zeros(HOST_ROWS, 1, per_row)
         word = torch.zeros(HOST_ROWS, 3, dtype=torch.long)
-        size = message_bytes(HOST_ROWS, 1, per_row * 4)
+        size = message_bytes(HOST_ROWS, HOST_ROWS, per_row * 4)
         times_send, times_recv = [], []
         for i in range(COMM_WARMUP + COMM_REPS):
             buffer = torch.empty(size, dtype=torch.uint8)
@@ -181,7 +181,7 @@ def _host_times(rank: int, dist, torch) -> tuple[list, list]:
                 time.sleep(HOST_SETTLE_S + size / 1e9)  # the peer's message arrives meanwhile
                 start = time.perf_counter()
                 dist.recv(buffer, 1)
-                _, _, payload = unpack_message(buffer, HOST_ROWS, 1, torch.float32)
+                _, _, payload = unpack_message(buffer, HOST_ROWS, HOST_ROWS, torch.float32)
                 torch.zeros(HOST_ROWS, 1, per_row).view(-1).copy_(payload)
                 times_recv.append(time.perf_counter() - start)
             else:

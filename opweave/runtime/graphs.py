@@ -1,11 +1,11 @@
 """A rank's rounds, eager or replayed from a captured CUDA graph.
 
-A decode round (every microbatch one token per row, none built on the host: `Runtime.decode_round`)
-reads nothing on the host and works on static buffers (`opweave.runtime.inputs`, the inbox's
-decode-sized receive buffers, the state), so on CUDA it is captured once and replayed: one graph
-launch instead of thousands of kernel launches and Python dispatch per round. The batch is the
-planned one (idle rows carry position -1), so one graph serves every decode round: the batch
-bucket is the plan's. Prefill rounds (and any round with a wider width) run eagerly.
+A decode round (every microbatch that runs feeds one token per row or none: `Runtime.decode_round`)
+reads nothing on the host and works on buffers that come back for the same rows (the inputs of
+a layout, the inbox's receive buffers per size, the state), so on CUDA it is captured once per
+layout (`Runtime.round_key`: which rows each microbatch computes) and replayed: one graph launch
+instead of thousands of kernel launches and Python dispatch per round. At most `MAX_GRAPHS`
+layouts are kept (the least recently used goes). Rounds with a prompt chunk run eagerly.
 
 The first decode round runs eagerly (`WARMUP`: Triton compiles its kernels, communicators
 connect, every static buffer is made); the next one is captured, then replayed (a capture only
@@ -30,7 +30,8 @@ import torch
 from opweave import config
 from opweave.runtime.heartbeat import pulse
 
-WARMUP = 1  # eager decode rounds before the capture
+WARMUP = 1  # eager decode rounds of a layout before its capture
+MAX_GRAPHS = 32  # captured layouts kept
 
 
 def cuda_capture(round_fn: Callable[[], None]) -> Callable[[], None]:
@@ -57,8 +58,10 @@ class RoundRunner:
         self.rt, self.prog, self.who = rt, prog, who
         self.capture = capture or cuda_capture
         self.reason = supported(torch.device(rt.device)) or ("tracing (--trace) times each op" if rt.timeline is not None else None)
-        self.replay: Callable[[], None] | None = None
-        self.warm = self.replays = self.eager = 0
+        self.replay: Callable[[], None] | None = None  # the current layout's
+        self._graphs: dict = {}  # round key -> replay, least recently used first
+        self._warm: dict = {}    # round key -> eager decode rounds run
+        self.replays = self.eager = 0
 
     @property
     def stats(self) -> dict:
@@ -67,9 +70,14 @@ class RoundRunner:
     def round(self) -> None:
         """One round."""
         if self.reason is None and self.rt.decode_round:
-            if self.replay is None and self.warm >= WARMUP:
+            key = getattr(self.rt, "round_key", ())
+            self.replay = self._graphs.pop(key, None)
+            if self.replay is None and self._warm.get(key, 0) >= WARMUP:
                 self._capture()
             if self.replay is not None:
+                self._graphs[key] = self.replay
+                while len(self._graphs) > MAX_GRAPHS:
+                    self._graphs.pop(next(iter(self._graphs)))
                 pulse()
                 self.replay()
                 self.replays += 1
@@ -77,7 +85,7 @@ class RoundRunner:
                 if done is not None:
                     done()
                 return
-            self.warm += 1
+            self._warm[key] = self._warm.get(key, 0) + 1
         self.prog.round()
         self.eager += 1
 

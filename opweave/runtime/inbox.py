@@ -1,9 +1,11 @@
 """A rank's point-to-point receives of one round, into buffers reused round after round.
 
-Every receive of a round is known before it starts (its peer, key and size: the round's widths
-are agreed between rounds), so a decode-sized receive has one buffer, allocated once and reused:
-a decode round receives into the same memory every time, as a captured CUDA graph needs. A wider
-receive (a prefill round, run eagerly) gets a buffer for that round only.
+Every receive of a round is known before it starts (its peer, key and size: the round's tokens
+per row are agreed between rounds, `opweave.runtime.layout`), and so is which receives a round has
+at all: a microbatch that does not run this round has no activation message, and one that did not
+run last round sends no token ids back. A receive's buffer is kept per key and size and reused
+whenever the size comes again: a decode round of the same rows receives into the same memory
+every time, as a captured CUDA graph needs.
 
 With gloo (CPU runs), a blocking receive of a message that arrived while the rank was computing
 costs a mean 1.3 ms on a 2-core machine (median 0.35 ms, tail to 6 ms: the transport's thread must
@@ -27,12 +29,13 @@ import torch.distributed as dist
 class Slot:
     key: tuple          # what the runtime asks for: ("act", stage, mb, peer) or ("tok", mb, peer)
     peer: int           # the sending rank
-    numel: int          # elements at width 1 (`per_token` times the width when `scales`), beside `fixed`
+    numel: int          # elements at one token per row (when `scales`: per token times the rows), beside `fixed`
     dtype: torch.dtype
     from_round: int = 0  # first round that has this receive (token ids come back from round 1)
-    mb: int = 0          # the microbatch, whose width scales the message
-    scales: bool = True  # the size grows with the microbatch's width (token ids do not)
-    fixed: int = 0       # elements whatever the width (the rows' sampling words of an activation message)
+    mb: int = 0          # the microbatch, whose tokens scale the message
+    scales: bool = True  # the size grows with the tokens of the message's rows (token ids do not)
+    fixed: int = 0       # elements whatever the tokens (the rows' sampling words of an activation message)
+    rows: tuple[int, int] = (0, 1)  # the message's rows [lo, hi) of the microbatch (global rows)
 
 
 class Inbox:
@@ -49,26 +52,42 @@ class Inbox:
         self._slot = {s.key: s for s in slots}
         self._cursor: dict[int, int] = {}
         self._posted: dict[tuple, tuple] = {}
-        self._buffers: dict[tuple, torch.Tensor] = {}  # key -> its decode-sized buffer, reused
-        self._round, self._widths = -1, ()
+        self._buffers: dict[tuple, torch.Tensor] = {}  # (key, size) -> its buffer, reused
+        self._round = -1
+        self._counts: tuple = ()    # this round's tokens per row, per microbatch (global rows)
+        self._previous: tuple = ()  # the previous round's
 
     def numel(self, s: Slot) -> int:
-        return s.numel * (self._widths[s.mb] if s.scales and self._widths else 1) + s.fixed
+        if not s.scales:
+            return s.numel + s.fixed
+        lo, hi = s.rows
+        tokens = sum(self._counts[s.mb][lo:hi]) if self._counts else hi - lo
+        return s.numel // (hi - lo) * tokens + s.fixed
+
+    def expected(self, s: Slot) -> bool:
+        """Whether receive `s` happens this round: an activation message when its microbatch runs,
+        token ids when it ran last round (and `from_round` has come)."""
+        if s.from_round > self._round:
+            return False
+        counts = self._counts if s.scales else self._previous
+        return not counts or any(counts[s.mb])
+
+    MAX_BUFFERS = 256  # distinct (key, size) buffers kept; beyond, the oldest go
 
     def buffer(self, s: Slot) -> torch.Tensor:
-        """The receive buffer of `s` this round: a decode-sized one is made once and reused every
-        round; a wider one (a prefill) is made for the round and freed after it."""
+        """The receive buffer of `s` this round, reused whenever the same size comes again."""
         n = self.numel(s)
-        if n != s.numel + s.fixed:
-            return torch.empty(n, dtype=s.dtype, device=self.device)
-        buf = self._buffers.get(s.key)
+        buf = self._buffers.get((s.key, n))
         if buf is None:
-            buf = self._buffers[s.key] = torch.empty(n, dtype=s.dtype, device=self.device)
+            if len(self._buffers) >= self.MAX_BUFFERS:
+                self._buffers.pop(next(iter(self._buffers)))
+            buf = self._buffers[(s.key, n)] = torch.empty(n, dtype=s.dtype, device=self.device)
         return buf
 
-    def start_round(self, round_index: int, widths: tuple[int, ...]) -> None:
-        """The round's widths per microbatch; on CPU, posts its first receive from every peer."""
-        self._round, self._widths = round_index, tuple(widths)
+    def start_round(self, round_index: int, counts: tuple, previous: tuple = ()) -> None:
+        """The round's tokens per row per microbatch (and the previous round's); on CPU, posts its
+        first receive from every peer."""
+        self._round, self._counts, self._previous = round_index, tuple(counts), tuple(previous)
         for peer in self._by_peer:
             self._cursor[peer] = 0
             if self.prepost:
@@ -76,7 +95,7 @@ class Inbox:
 
     def _post_next(self, peer: int) -> None:
         slots, i = self._by_peer[peer], self._cursor[peer]
-        while i < len(slots) and slots[i].from_round > self._round:
+        while i < len(slots) and not self.expected(slots[i]):
             i += 1
         if i < len(slots):
             s = slots[i]

@@ -1,12 +1,12 @@
-"""The device side of a scheduler replica's rows: each round's token ids and positions.
+"""The device side of a scheduler replica's rows: each round's packed token ids and positions.
 
-A decode step feeds the token the last stage sampled for the row in the previous round, which
-arrives on the device (`Transport.recv_tokens`), at the next position. So a decode round builds
-its inputs on the device from static buffers with no host synchronisation: the ids are the
-received tokens, the positions advance by one where a row is live (position >= 0). The host only
-writes when the plan changes a row (`opweave.runtime.scheduler`): before a round it stops rows
-that end (position -1), and a round where some row feeds a prompt chunk is built on the host
-(ids, positions, and which rows decode from the device's tokens) and run eagerly.
+A round feeds, per microbatch, the packed tokens its plan lays out (`opweave.runtime.layout`):
+prompt chunks from the host, and for each decoding row the token the last stage sampled for it in
+the previous round, which arrives on the device (`Transport.recv_tokens`) and never goes through
+the host. Everything the host knows about a round (its positions, which row each token comes
+from, the prompt tokens, the rows' sampling words) is written between rounds (`prepare`, outside
+the round); inside it, `ids` only picks the received tokens on the device: no host
+synchronisation in a round.
 
 The host learns the sampled tokens through `TokenCopies`: each round's received tokens are copied
 to host memory without blocking (pinned on CUDA) and read at the end of the next round, when that
@@ -18,67 +18,73 @@ from __future__ import annotations
 import torch
 
 from opweave.kernels.sampling import GREEDY
+from opweave.runtime.layout import Layout
 from opweave.runtime.scheduler import StepPlan
 
 
 class RowInputs:
-    """Static per-microbatch buffers of a scheduler replica's leader: `positions[mb]` holds each
-    row's position in the microbatch's last round (-1: idle), `ids[mb]` its decode ids, `words[mb]`
-    its request's sampling word (`opweave.kernels.sampling`; set with the prefill that admits it)."""
+    """Per-microbatch inputs of a scheduler replica's leader: `words[mb]` holds each row's request's
+    sampling word (`opweave.kernels.sampling`), loaded when a request takes the row; `prepare`
+    writes a round's positions and token sources, `ids` builds its token ids on the device."""
 
     def __init__(self, rows: int, num_microbatches: int, device: torch.device):
         self.rows, self.device = rows, device
-        self.positions = [torch.full((rows, 1), -1, dtype=torch.long, device=device) for _ in range(num_microbatches)]
-        self.ids = [torch.zeros(rows, 1, dtype=torch.long, device=device) for _ in range(num_microbatches)]
         self.words = [torch.tensor([GREEDY] * rows, dtype=torch.long, device=device) for _ in range(num_microbatches)]
-        self._live = [set() for _ in range(num_microbatches)]  # rows with position >= 0 (host's mirror)
+        self._loaded = [[None] * rows for _ in range(num_microbatches)]  # request index whose word a row holds
+        self._round: list = [None] * num_microbatches  # (positions, host ids, source rows, from device) per mb
+        self._static: dict = {}  # (mb, layout) -> its device tensors, least recently used first
 
-    def prepare(self, mb: int, plan: StepPlan) -> None:
-        """Before the round (on the host): rows that end get position -1. Only for a decode
-        round; a host-fed round sets every row."""
-        if plan.host_fed:
-            return
-        busy = {r for r, s in enumerate(plan.rows) if not s.idle}
-        if busy - self._live[mb]:
-            raise RuntimeError(f"microbatch {mb}: rows {sorted(busy - self._live[mb])} decode without a prefill")
-        stop = sorted(self._live[mb] - busy)
-        if stop:
-            self.positions[mb][stop] = -1
-        self._live[mb] = busy
+    MAX_LAYOUTS = 64
 
-    def decode(self, mb: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, positions) [rows, 1] of a decode round, on the device: no host synchronisation."""
-        pos = self.positions[mb]
-        pos.add_(pos.ge(0).to(pos.dtype))
-        torch.clamp(tokens.view(-1, 1), min=0, out=self.ids[mb])  # NON_FINITE_TOKEN (-1): the row ends, dropped
-        return self.ids[mb], pos
-
-    def host_fed(self, mb: int, plan: StepPlan, tokens: torch.Tensor, width: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, positions) [rows, width] of a round where some row feeds a prompt chunk, or
-        where the agreed width (the largest of every scheduler's) exceeds one: built on the host,
-        left-padded with position -1; decoding rows take the device's token."""
-        assert width >= plan.width, f"agreed width {width} < planned {plan.width}"
-        ids = torch.zeros(self.rows, width, dtype=torch.long)
-        positions = torch.full((self.rows, width), -1, dtype=torch.long)
-        from_device = torch.zeros(self.rows, dtype=torch.bool)
-        words = torch.tensor([GREEDY] * self.rows, dtype=torch.long)
+    def prepare(self, mb: int, plan: StepPlan, layout: Layout) -> None:
+        """Between rounds (on the host): microbatch `mb`'s positions [1, T], prompt tokens, and for
+        each decoding row's token the row whose received token it is; the words of new requests."""
+        if plan.counts != layout.counts:
+            raise RuntimeError(f"microbatch {mb}: planned tokens {plan.counts} are not the agreed {layout.counts}")
+        positions, ids, source, device_fed = [], [], [], []
+        changed = []
         for r, step in enumerate(plan.rows):
             if step.idle:
                 continue
-            words[r] = torch.tensor(step.request.sampling)
-            n = len(step.tokens) or 1
-            positions[r, width - n:] = torch.arange(step.first, step.first + n)
+            if self._loaded[mb][r] != step.request.index:
+                self._loaded[mb][r] = step.request.index
+                changed.append((r, step.request.sampling))
             if step.tokens:
-                ids[r, width - n:] = torch.tensor(step.tokens)
+                n = len(step.tokens)
+                positions += range(step.first, step.first + n)
+                ids += step.tokens
+                source += [0] * n
+                device_fed += [False] * n
             else:
-                from_device[r] = True
-        ids, positions = ids.to(self.device), positions.to(self.device)
-        ids[:, -1] = torch.where(from_device.to(self.device), tokens.view(-1).clamp(min=0), ids[:, -1])
-        self.positions[mb].copy_(positions[:, -1:])
-        self.words[mb].copy_(words)
-        self._live[mb] = {r for r, s in enumerate(plan.rows) if not s.idle}
-        return ids, positions
+                positions.append(step.first)
+                ids.append(0)
+                source.append(r)
+                device_fed.append(True)
+        if layout.pad:  # no row has a token: one padding token (writes no state)
+            positions, ids, source, device_fed = [-1], [0], [0], [False]
+        for r, word in changed:
+            self.words[mb][r] = torch.tensor(word, dtype=torch.long, device=self.device)
+        host = (torch.tensor([positions], dtype=torch.long), torch.tensor([ids], dtype=torch.long),
+                torch.tensor(source, dtype=torch.long), torch.tensor([device_fed]))
+        key = (mb, layout.counts, layout.pad)
+        static = self._static.pop(key, None)
+        if static is None:  # a captured round reads these very tensors: one set per layout
+            static = tuple(torch.empty_like(t, device=self.device) for t in host)
+            while len(self._static) >= self.MAX_LAYOUTS:
+                self._static.pop(next(iter(self._static)))
+        self._static[key] = static
+        for dst, src in zip(static, host):
+            dst.copy_(src)
+        self._round[mb] = (*static, all(device_fed))
+
+    def ids(self, mb: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, positions) [1, T] of microbatch `mb` this round, on the device: decoding rows take
+        their received token (NON_FINITE_TOKEN, -1, becomes 0: that row's request has ended)."""
+        positions, host_ids, source, from_device, all_device = self._round[mb]
+        received = tokens.view(-1).clamp(min=0).index_select(0, source).view(1, -1)
+        if all_device:
+            return received, positions
+        return torch.where(from_device, received, host_ids), positions
 
 
 class TokenCopies:

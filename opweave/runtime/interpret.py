@@ -35,6 +35,8 @@ class InterpretedProgram:
         held: list[dict] = [{} for _ in range(self.program.num_microbatches)]  # kept between stage programs
         for st in self.program.stages:
             for mb in range(self.program.num_microbatches):
+                if not rt.live(st.stage, mb):
+                    continue
                 env: dict = {}
                 if st.recv is None:
                     env["ids"], env["positions"] = rt.begin(mb)

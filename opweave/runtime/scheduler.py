@@ -2,16 +2,17 @@
 
 The scheduler plans rounds ahead and learns the sampled tokens late, so that a decode round
 needs nothing from the host:
-  - `plan()` plans the next round: per microbatch, what each row feeds (`RowStep`). A free slot
-    takes the next request of this replica's queue and prefills its prompt through the same
-    compiled stages, at most `prefill_chunk` tokens per step (a planned figure carried by the rank
-    program, `opweave.ir.plan.PREFILL_CHUNK` by default); a longer prompt takes several
-    steps, and the token sampled after a chunk that is not the prompt's last is not an output.
-    Later steps decode: they feed the token the last stage sampled, which stays on the device
+  - `plan()` plans the next round: per microbatch, what each row feeds (`RowStep`) and so how
+    many tokens (`StepPlan.counts`: the round's packed layout, `opweave.runtime.layout`). A free
+    slot (the lowest first) takes the next request of this replica's queue. Decoding rows feed
+    one token each: the token the last stage sampled, which stays on the device
     (`opweave.runtime.inputs`); positions are known ahead (one more per step), so the plan knows
-    them without any token. A round's width per microbatch is its longest chunk (1 when every row
-    decodes or idles); rows are left-padded with position -1 (no state is written for padding),
-    so the last column always holds each row's newest token.
+    them without any token. Prompts are prefilled in chunks under a token budget per round and
+    microbatch (`prefill_chunk`, a planned figure carried by the rank program,
+    `opweave.ir.plan.PREFILL_CHUNK` by default), decode first: the prefilling rows share the
+    budget in the order they were admitted, so a new request costs the decoding rows only its
+    own chunk's compute, and a row admitted while the budget is spent waits (idle) for the next
+    round. The token sampled after a chunk that is not the prompt's last is not an output.
   - `learn(round, mb, tokens)` takes the tokens a round sampled, some rounds later (the runtime
     copies them to the host asynchronously): outputs are appended in order, and a request ends on
     an EOS id, at `max_new_tokens`, when its sequence fills the planned context, or when the
@@ -79,14 +80,13 @@ class StepPlan:
     rows: tuple[RowStep, ...]
 
     @property
-    def width(self) -> int:
-        """Tokens per row this round (1 unless a row feeds a longer prompt chunk)."""
-        return max([len(s.tokens) for s in self.rows] + [1])
+    def counts(self) -> tuple[int, ...]:
+        """Tokens per row this round (0 idle, 1 decoding, a prompt chunk's length)."""
+        return tuple(0 if s.idle else len(s.tokens) or 1 for s in self.rows)
 
     @property
     def host_fed(self) -> bool:
-        """Some row feeds tokens from the host (a prompt chunk): the round's inputs are built
-        on the host, outside any captured graph."""
+        """Some row feeds tokens from the host (a prompt chunk)."""
         return any(s.tokens for s in self.rows)
 
 
@@ -96,6 +96,7 @@ class _Row:
     position: int = 0                # next position to feed
     pending: list[int] = dataclasses.field(default_factory=list)  # prompt tokens not yet planned
     planned: int = 0                 # output steps planned for the request
+    admitted: int = 0                # admission order (prefilling rows share the budget in it)
 
 
 class Scheduler:
@@ -115,6 +116,7 @@ class Scheduler:
         self._outputs: dict[tuple[int, int], StepPlan] = {}  # (round, mb) -> plan, until learned
         self._open: set[int] = set()                   # requests with outputs still to learn
         self._finished: set[int] = set()
+        self._admissions = 0
         self.on_event = on_event  # (request, token or None, finish reason or None), as learned
 
     @property
@@ -132,20 +134,24 @@ class Scheduler:
                 req.error = f"prompt of {len(req.prompt)} tokens does not fit the planned context of {self.context}"
             else:
                 row.request, row.position, row.pending, row.planned = req, 0, list(req.prompt), 0
+                self._admissions += 1
+                row.admitted = self._admissions
                 self._open.add(req.index)
                 return
             req.finish_reason = "error"
             self.done.append(req)
             self._report(req, None, "error")
 
-    def _step(self, row: _Row) -> RowStep:
-        if row.request is None:
-            self._admit(row)
+    def _step(self, row: _Row, budget: int) -> RowStep:
+        """Row `row`'s step this round, feeding at most `budget` prompt tokens (0: a prefilling
+        row waits, idle)."""
         req = row.request
         if req is None:
             return RowStep()
         if row.pending:
-            chunk, row.pending = row.pending[:self.prefill_chunk], row.pending[self.prefill_chunk:]
+            if budget <= 0:
+                return RowStep()
+            chunk, row.pending = row.pending[:budget], row.pending[budget:]
             first, output = row.position, not row.pending
             row.position += len(chunk)
         else:
@@ -159,18 +165,38 @@ class Scheduler:
                 row.request = None  # the slot takes the next request in the next planned round
         return RowStep(req, tuple(chunk), first, output, last)
 
-    def plan(self) -> tuple[int, ...]:
-        """Plans round `planned_rounds` (then advances it); its width per microbatch."""
+    def _plan_rows(self, rows: list[_Row]) -> StepPlan:
+        """One microbatch's round: free rows admit, decoding rows step, then the prefilling rows
+        (in admission order) share the prefill budget."""
+        for row in rows:
+            if row.request is None:
+                self._admit(row)
+        steps: list[RowStep | None] = [None] * len(rows)
+        prefilling = []
+        for i, row in enumerate(rows):
+            if row.request is not None and row.pending:
+                prefilling.append(i)
+            else:
+                steps[i] = self._step(row, 0)
+        budget = self.prefill_chunk
+        for i in sorted(prefilling, key=lambda i: rows[i].admitted):
+            take = min(budget, len(rows[i].pending))
+            steps[i] = self._step(rows[i], take)
+            budget -= take
+        return StepPlan(tuple(steps))
+
+    def plan(self) -> tuple[tuple[int, ...], ...]:
+        """Plans round `planned_rounds` (then advances it); its tokens per row, per microbatch."""
         r = self.planned_rounds
-        widths = []
+        counts = []
         for mb in range(self.num_microbatches):
-            plan = StepPlan(tuple(self._step(row) for row in self._rows[mb]))
+            plan = self._plan_rows(self._rows[mb])
             self._plans[(r, mb)] = plan
             if any(s.output for s in plan.rows):
                 self._outputs[(r, mb)] = plan
-            widths.append(plan.width)
+            counts.append(plan.counts)
         self.planned_rounds += 1
-        return tuple(widths)
+        return tuple(counts)
 
     def take(self, round_index: int, mb: int) -> StepPlan:
         """The plan of microbatch `mb` in round `round_index`, as the round runs (once)."""

@@ -47,6 +47,10 @@ class _LoneRuntime:
     def state_views(self, op):
         return self.state.views(op)
 
+    def live(self, stage, mb) -> bool:
+        """Every microbatch runs (rows x width tokens: the planned bound)."""
+        return True
+
     def begin(self, mb):
         return self.ids, self.positions
 

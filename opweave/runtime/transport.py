@@ -13,10 +13,12 @@ receives land in device buffers, the token ids stay there): NCCL moves only devi
 gloo the CPU ones of a CPU run.
 
 Between rounds (`complete_round`) a rank completes the previous round's sends and all-reduces,
-asynchronously, whether its scheduler still has work and the widths it planned two rounds ahead;
-the answer is read one round later, so ranks never wait for each other between rounds (a round of
-idle steps follows the last real one) and every rank knows a round's widths before it starts:
-nothing in a round is read on the host.
+asynchronously, whether its scheduler still has work and the tokens per row it planned two rounds
+ahead (every row of every microbatch: the round's packed layout, `opweave.runtime.layout`); the
+answer is read one round later, so ranks never wait for each other between rounds (a round of
+idle steps follows the last real one) and every rank knows a round's layout before it starts:
+nothing in a round is read on the host. A microbatch no row feeds in a round is not run by any
+rank: no message of it is sent or received.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 from opweave.ir.program import RankProgram, StageProgram, Transfer
 from opweave.runtime.inbox import Inbox, Slot
+from opweave.runtime.layout import Layout
 from opweave.runtime.message import WORD_BYTES, pack_message, unpack_message
 from opweave.kernels.sampling import WORD
 
@@ -37,31 +40,37 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def assemble(parts, rows: int, width: int, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype
+def assemble(parts, rows: int, layout: Layout, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One stage's inputs from its peers' unpacked messages: `parts` holds (first row, end row,
-    positions [n, width], sampling words [n, WORD], values' elements in packing order) per peer. One
-    peer holding every row gives views of its message (no copy); several are copied into one
-    tensor per value. Returns (positions, words, values), on the parts' device."""
-    if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == rows:
+    positions [1, tokens], sampling words [n, WORD], values' elements in packing order) per peer,
+    the rows replica-local; `layout` places each part's tokens. One peer holding every row gives
+    views of its message (no copy); several are copied into one tensor per value. A layout of
+    padding only gets its padding token (position -1, zero values). Returns (positions [1, T],
+    words [rows, WORD], values [1, T, *shape]), on the parts' device."""
+    total = layout.tokens
+    if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == rows and not layout.pad:
         _, _, positions, word, payload = parts[0]
         values, offset = [], 0
         for shape in shapes:
-            n = rows * width * numel(shape)
-            values.append(payload[offset:offset + n].view(rows, width, *shape))
+            n = total * numel(shape)
+            values.append(payload[offset:offset + n].view(1, total, *shape))
             offset += n
         return positions, word, values
     device = parts[0][2].device
-    positions = torch.full((rows, width), -1, dtype=torch.long, device=device)
+    positions = torch.full((1, total), -1, dtype=torch.long, device=device)
     words = torch.zeros((rows, WORD), dtype=torch.long, device=device)
-    values = [torch.zeros(rows, width, *shape, dtype=dtype, device=device) for shape in shapes]
+    values = [torch.zeros(1, total, *shape, dtype=dtype, device=device) for shape in shapes]
     for a, b, pos, word, payload in parts:
-        positions[a:b] = pos
         words[a:b] = word
+        t0, t1 = layout.tokens_of(a, b)
+        if t1 == t0:
+            continue
+        positions[:, t0:t1] = pos
         offset = 0
         for v, shape in zip(values, shapes):
-            n = (b - a) * width * numel(shape)
-            v[a:b] = payload[offset:offset + n].view(b - a, width, *shape)
+            n = (t1 - t0) * numel(shape)
+            v[:, t0:t1] = payload[offset:offset + n].view(1, t1 - t0, *shape)
             offset += n
     return positions, words, values
 
@@ -88,8 +97,26 @@ class Transport:
         self._local_tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
         self._tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
         self.inbox = Inbox(self.receive_slots(), self.device, comm=comm)
-        self.widths: tuple[int, ...] = (1,) * m  # this round's tokens per row, per microbatch
-        self._second = (1,) * m  # round 1's widths, set by `agree`
+        b = program.microbatch_size
+        self.counts: tuple[tuple[int, ...], ...] = ((0,) * b,) * m  # this round's tokens per row (global rows)
+        self.last_counts = self.counts  # the previous round's
+        self.layouts: tuple[Layout, ...] = tuple(self.layout(c) for c in self.counts)  # this replica's rows
+        self._second = self.counts  # round 1's, set by `agree`
+
+    def layout(self, counts: tuple[int, ...]) -> Layout:
+        """This replica's packed layout of a microbatch whose rows feed `counts` tokens (global
+        rows); padding only when the microbatch runs but none of these rows has a token."""
+        lo, hi = self.program.rows
+        mine = tuple(counts[lo:hi])
+        return Layout(mine, pad=any(counts) and not any(mine))
+
+    def live(self, mb: int) -> bool:
+        """Microbatch `mb` runs this round (some row of it, in any replica, has a token)."""
+        return any(self.counts[mb])
+
+    def was_live(self, mb: int) -> bool:
+        """Microbatch `mb` ran last round (so its token ids come back now)."""
+        return any(self.last_counts[mb])
 
     def per_token_bytes(self, transfer: Transfer) -> int:
         """Bytes of a transfer's values per token (positions not included)."""
@@ -97,7 +124,7 @@ class Transport:
 
     def receive_slots(self) -> list[Slot]:
         """Every point-to-point receive of this rank in one round, in program order (the cuts it
-        is the port of, and its scheduler's token ids); sizes at width 1."""
+        is the port of, and its scheduler's token ids); sizes at one token per row."""
         prog, slots = self.program, []
         for st in prog.stages:
             for mb in range(prog.num_microbatches):
@@ -106,34 +133,38 @@ class Transport:
                 if st.recv is None:
                     if self.tokens_back:
                         slots += [Slot(("tok", mb, p.rank), p.rank, p.hi - p.lo, torch.long, from_round=1, mb=mb,
-                                       scales=False)
+                                       scales=False, rows=(p.lo, p.hi))
                                   for p in prog.token_sources if p.rank != prog.rank]
                     continue
                 per_token = self.per_token_bytes(st.recv)
                 slots += [Slot(("act", st.stage, mb, p.rank), p.rank, (p.hi - p.lo) * (8 + per_token),
-                               torch.uint8, mb=mb, fixed=(p.hi - p.lo) * WORD_BYTES) for p in st.recv.peers]
+                               torch.uint8, mb=mb, fixed=(p.hi - p.lo) * WORD_BYTES, rows=(p.lo, p.hi))
+                          for p in st.recv.peers]
         return slots
 
     # ---------------------------------------------------------------- activations at a cut
     def recv_values(self, st: StageProgram, mb: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """(positions [rows, width], the rows' sampling words [rows, WORD], each whole value
-        [rows, width, *shape]) of stage `st`'s inputs for microbatch `mb`, from every upstream
-        peer (the stage's receiving port only)."""
-        lo, width = self.program.rows[0], self.widths[mb]
+        """(positions [1, T], the rows' sampling words [rows, WORD], each whole value [1, T, *shape])
+        of stage `st`'s inputs for microbatch `mb`, from every upstream peer (the stage's
+        receiving port only)."""
+        lo, counts = self.program.rows[0], self.counts[mb]
         peers = sorted(st.recv.peers, key=lambda p: p.rank)
         parts = []
         for p, body in zip(peers, self.inbox.take([("act", st.stage, mb, p.rank) for p in peers])):
-            pos, word, payload = unpack_message(body, p.hi - p.lo, width, self.dtype)
+            pos, word, payload = unpack_message(body, p.hi - p.lo, sum(counts[p.lo:p.hi]), self.dtype)
             parts.append((p.lo - lo, p.hi - lo, pos, word, payload))
-        return assemble(parts, self.rows, width, st.recv.shapes, self.dtype)
+        return assemble(parts, self.rows, self.layouts[mb], st.recv.shapes, self.dtype)
 
-    def send_values(self, st: StageProgram, positions: torch.Tensor, word: torch.Tensor, values) -> None:
-        """Stage `st`'s whole output values (with the rows' positions and sampling words) to every
-        downstream peer: one message each (its rows)."""
-        lo = self.program.rows[0]
-        self._isend_group([(pack_message(positions[p.lo - lo:p.hi - lo], word[p.lo - lo:p.hi - lo],
-                                         [v[p.lo - lo:p.hi - lo] for v in values]), p.rank)
-                           for p in st.send.peers])
+    def send_values(self, st: StageProgram, mb: int, positions: torch.Tensor, word: torch.Tensor, values) -> None:
+        """Stage `st`'s whole output values (with the tokens' positions and the rows' sampling
+        words) to every downstream peer: one message each (its rows' tokens)."""
+        lo, layout = self.program.rows[0], self.layouts[mb]
+        messages = []
+        for p in st.send.peers:
+            a, b = layout.tokens_of(p.lo - lo, p.hi - lo)
+            messages.append((pack_message(positions[:, a:b], word[p.lo - lo:p.hi - lo], [v[:, a:b] for v in values]),
+                             p.rank))
+        self._isend_group(messages)
 
     # ---------------------------------------------------------------- token ids back to the scheduler
     def send_tokens(self, st: StageProgram, mb: int, tokens: torch.Tensor) -> None:
@@ -154,7 +185,7 @@ class Transport:
 
     def recv_tokens(self, mb: int) -> torch.Tensor:
         """The previous step's new token ids of microbatch `mb`'s rows (from every last stage),
-        in a buffer of the run device that every round reuses."""
+        in a buffer of the run device that every round reuses (only when `mb` ran last round)."""
         out, lo, me = self._tokens[mb], self.program.rows[0], self.program.rank
         remote = sorted((p for p in self.program.token_sources if p.rank != me), key=lambda p: p.rank)
         for p, part in zip(remote, self.inbox.take([("tok", mb, p.rank) for p in remote])):
@@ -176,38 +207,51 @@ class Transport:
         self._pending += [(work, t) for work, (t, _) in zip(works, messages)]
 
     # ---------------------------------------------------------------- between rounds
-    def agree(self, widths: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        """Before the first round: every rank's planned widths of the first rounds, the largest
-        of every scheduler's per microbatch (ranks without a scheduler pass ones); blocking."""
-        m = self.program.num_microbatches
-        word = torch.tensor([w for ws in widths for w in ws], dtype=torch.long, device=self.device)
+    def agree(self, counts: list[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, ...], ...]]:
+        """Before the first round: every rank's planned tokens per row of the first rounds, merged
+        (each scheduler plans its own rows; ranks without a scheduler pass zeros); blocking."""
+        word = torch.tensor([c for rnd in counts for mb in rnd for c in mb], dtype=torch.long, device=self.device)
         self.comm.all_reduce(word, op=dist.ReduceOp.MAX)
-        values = word.tolist()
-        agreed = [tuple(values[i * m:(i + 1) * m]) for i in range(len(widths))]
+        agreed = [self._unflatten(word.tolist()[i * self._flat_size:(i + 1) * self._flat_size])
+                  for i in range(len(counts))]
         self._second = agreed[1]  # what the first `complete_round` answers (no word a round ago yet)
         return agreed
 
-    def complete_round(self, active: bool, widths_ahead: tuple[int, ...]) -> tuple[bool, tuple[int, ...]]:
+    @property
+    def _flat_size(self) -> int:
+        return self.program.num_microbatches * self.program.microbatch_size
+
+    def _unflatten(self, values: list[int]) -> tuple[tuple[int, ...], ...]:
+        b = self.program.microbatch_size
+        return tuple(tuple(values[mb * b:(mb + 1) * b]) for mb in range(self.program.num_microbatches))
+
+    def complete_round(self, active: bool, counts_ahead: tuple[tuple[int, ...], ...]
+                       ) -> tuple[bool, tuple[tuple[int, ...], ...]]:
         """Completes the previous round's sends (this round's token ids are only received at the
         start of the next round) and starts the all-reduce of this rank's control word: whether
-        it still has work, and the widths it planned two rounds ahead. Answers the word of one
-        round ago: whether any rank had work then (always, after the first round), and the
-        widths of the next round."""
+        it still has work, and the tokens per row it planned two rounds ahead. Answers the word of
+        one round ago: whether any rank had work then (always, after the first round), and the
+        tokens per row of the next round."""
         for work, _ in self._previous:
             work.wait()
         self._previous, self._pending = self._pending, []
-        word = torch.tensor([1 if active else 0, *widths_ahead], dtype=torch.long, device=self.device)
+        word = torch.tensor([1 if active else 0, *(c for mb in counts_ahead for c in mb)], dtype=torch.long,
+                            device=self.device)
         previous, self._flag = self._flag, (self.comm.all_reduce(word, op=dist.ReduceOp.MAX, async_op=True), word)
         if previous is None:
             return True, self._second
         previous[0].wait()
         values = previous[1].tolist()
-        return bool(values[0]), tuple(values[1:])
+        return bool(values[0]), self._unflatten(values[1:])
 
-    def start_round(self, round_index: int, widths: tuple[int, ...]) -> None:
-        """The round's widths; posts its first receives (CPU)."""
-        self.widths = tuple(widths)
-        self.inbox.start_round(round_index, self.widths)
+    def start_round(self, round_index: int, counts: tuple[tuple[int, ...], ...]) -> None:
+        """The round's tokens per row (global rows, per microbatch); posts its first receives (CPU)."""
+        self.last_counts, self.counts = self.counts, tuple(tuple(c) for c in counts)
+        self.layouts = tuple(self.layout(c) for c in self.counts)
+        for layout, counts in zip(self.layouts, self.counts):
+            if any(counts):
+                layout.last(self.device)  # made now, between rounds: nothing in a round comes from the host
+        self.inbox.start_round(round_index, self.counts, self.last_counts)
 
     def drain(self) -> None:
         """Completes every send and the last control word (after the last round's token ids are taken)."""

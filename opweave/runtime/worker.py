@@ -40,6 +40,7 @@ from opweave.runtime import heartbeat
 from opweave.runtime.heartbeat import DeviceBeats, Phase, pulse, report
 from opweave.runtime.inputs import RowInputs, TokenCopies
 from opweave.runtime.kernel_ops import add_norm, device_kernels, with_kernels
+from opweave.runtime.layout import Layout, Packed
 from opweave.artifact import VerifiedArtifact, load_artifact, load_program_source, rank_files
 from opweave.kernels.sampling import WORD, bad_word
 from opweave.runtime.scheduler import Request, Scheduler
@@ -55,9 +56,12 @@ class Runtime:
     """What the generated module of one rank calls: a round is, per stage and microbatch,
     `begin` or `recv`, the ops, then `send` or `finish`; `end_round` between rounds.
 
-    Nothing in a round reads a tensor on the host: the round's widths are agreed before it
-    starts, the token ids stay on the device (`opweave.runtime.inputs`), and the host work of the
-    scheduler (learning tokens, planning, stopping rows) happens in `end_round`."""
+    A round carries each microbatch's packed tokens (`opweave.runtime.layout`): the stateful ops
+    and the LM head are wrapped (`Packed`) to see rows, the others see a flat batch of tokens; a
+    microbatch no row feeds is skipped (`live`). Nothing in a round reads a tensor on the host:
+    the round's layout is agreed before it starts, the token ids stay on the device
+    (`opweave.runtime.inputs`), and the host work of the scheduler (learning tokens, planning,
+    writing the next round's inputs) happens between rounds (`end_round`)."""
 
     def __init__(self, artifact: VerifiedArtifact, program: RankProgram, weights: str, device: str,
                  groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False,
@@ -77,7 +81,7 @@ class Runtime:
         self.modules: dict[int, OpModule] = materialize(
             {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device,
             names=op_names, who=f"rank {program.rank}", experts=program.experts)
-        self.ops = with_kernels(self.modules, self.device)  # what the generated code calls
+        self.ops = _packed(with_kernels(self.modules, self.device), self.modules, lambda: self.layouts[self._mb])
         self._progress_setup(program.rank)
         self.kernels = device_kernels(self.device)  # the backend of the fused ops the runtime calls itself
         self.rows = program.rows[1] - program.rows[0]
@@ -106,7 +110,7 @@ class Runtime:
             self.channel = serve.channel(replica_set, program.scheduler_leaders.index(program.rank))
             self.scheduler.on_event = self._send_event  # each token learned and each end, as it happens
         self.stopping = False
-        first = [self.scheduler.plan() if self.scheduler else (1,) * m for _ in range(2)]
+        first = [self._ahead() for _ in range(2)]
         self._start_round(0, self.transport.agree(first)[0])
         if self.channel is not None:
             self.channel.send(Ready())
@@ -151,27 +155,51 @@ class Runtime:
         return self.scheduler.active or (self.channel is not None and not self.stopping)
 
     @property
-    def widths(self) -> tuple[int, ...]:
-        """This round's tokens per row, per microbatch (every rank agrees on them)."""
-        return self.transport.widths
+    def layouts(self) -> tuple[Layout, ...]:
+        """This round's packed layout of this replica's rows, per microbatch (every rank agrees)."""
+        return self.transport.layouts
 
     @property
     def decode_round(self) -> bool:
-        """Every microbatch of this round decodes one token per row, and none is built on the host."""
-        return all(w == 1 for w in self.widths) and not any(s is not None and s.host_fed for s in self.steps)
+        """Every microbatch of this round that runs decodes: one token per row or none."""
+        return any(self.transport.live(mb) for mb in range(self.program.num_microbatches)) and all(
+            layout.decode_only for layout in self.layouts)
+
+    @property
+    def round_key(self) -> tuple:
+        """What a captured decode round depends on: the rows each microbatch computes."""
+        return tuple((layout.counts, layout.pad) for layout in self.layouts)
+
+    def live(self, stage: int, mb: int) -> bool:
+        """Whether microbatch `mb` runs this round (the generated code skips it otherwise). A
+        skipped microbatch that ran last round still takes its token ids back, at stage 0."""
+        if self.transport.live(mb):
+            return True
+        if (self.scheduler is not None and stage == self.program.stages[0].stage and self.round_index
+                and self.transport.was_live(mb)):
+            self.copies.stage(mb, self.transport.recv_tokens(mb))
+        return False
+
+    def _ahead(self) -> tuple[tuple[int, ...], ...]:
+        """The tokens per row of the round the scheduler plans now, on every row of each
+        microbatch (zeros outside this replica's rows; all zeros without a scheduler)."""
+        b, (lo, hi) = self.program.microbatch_size, self.program.rows
+        if self.scheduler is None:
+            return ((0,) * b,) * self.program.num_microbatches
+        return tuple((0,) * lo + counts + (0,) * (b - hi) for counts in self.scheduler.plan())
 
     def _mark(self, kind: str, stage: int = -1, mb: int = -1) -> None:
         if self.timeline is not None:
             self.timeline.mark(kind, self.round_index, stage, mb)
 
     def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A TP peer's buffer for what its leader broadcasts: decode-sized ones (width 1) are
-        made once and reused every round; wider ones (a prefill) for the round only."""
-        if shape[1] != 1:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-        buf = self._buffers.get(key)
+        """A TP peer's buffer for what its leader broadcasts, made once per key and shape and
+        reused whenever the shape comes again (a decode round of the same rows)."""
+        buf = self._buffers.get((key, shape))
         if buf is None:
-            buf = self._buffers[key] = torch.zeros(shape, dtype=dtype, device=self.device)
+            if len(self._buffers) >= 512:
+                self._buffers.pop(next(iter(self._buffers)))
+            buf = self._buffers[(key, shape)] = torch.zeros(shape, dtype=dtype, device=self.device)
         return buf
 
     # ---------------------------------------------------------------- generated-code API
@@ -180,19 +208,18 @@ class Runtime:
         return self.state.views(op)
 
     def begin(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stage 0: this step's token ids and positions; the previous step's sampled ids arrive
-        on the device and feed the decoding rows (`opweave.runtime.inputs`)."""
-        width = self.widths[mb]
+        """Stage 0: this step's packed token ids and positions [1, T]; the previous step's sampled
+        ids arrive on the device and feed the decoding rows (`opweave.runtime.inputs`)."""
+        tokens_n = self.layouts[mb].tokens
         if self.is_leader:
-            tokens = self.transport.recv_tokens(mb) if self.round_index else self.transport.no_tokens(mb)
+            was_live = self.round_index and self.transport.was_live(mb)
+            tokens = self.transport.recv_tokens(mb) if was_live else self.transport.no_tokens(mb)
             self.copies.stage(mb, tokens)  # the host learns them a round later
-            step = self.steps[mb]
-            ids, positions = (self.inputs.decode(mb, tokens) if width == 1 and not step.host_fed
-                              else self.inputs.host_fed(mb, step, tokens, width))
+            ids, positions = self.inputs.ids(mb, tokens)
             word = self.inputs.words[mb]
         else:
-            ids = self._buffer(("ids", mb), (self.rows, width), torch.long)
-            positions = self._buffer(("pos", mb), (self.rows, width), torch.long)
+            ids = self._buffer(("ids", mb), (1, tokens_n), torch.long)
+            positions = self._buffer(("pos", mb), (1, tokens_n), torch.long)
             word = self._buffer(("word", mb), (self.rows, 1, WORD), torch.long)[:, 0]
         ids, positions, word = self.tp.fanout([ids, positions, word])
         self.words[mb] = word
@@ -203,13 +230,13 @@ class Runtime:
     def recv(self, stage: int, mb: int):
         """A stage's inputs: positions and this TP rank's block of each received value."""
         st = self._stage[stage]
-        width = self.widths[mb]
+        tokens_n = self.layouts[mb].tokens
         if st.recv_port == self.program.rank:  # this cut's port receives, then fans out
             positions, word, values = self.transport.recv_values(st, mb)
         else:
-            positions = self._buffer(("pos", stage, mb), (self.rows, width), torch.long)
+            positions = self._buffer(("pos", stage, mb), (1, tokens_n), torch.long)
             word = self._buffer(("word", stage, mb), (self.rows, 1, WORD), torch.long)[:, 0]
-            values = [self._buffer(("val", stage, mb, i), (self.rows, width, *shape), self.dtype)
+            values = [self._buffer(("val", stage, mb, i), (1, tokens_n, *shape), self.dtype)
                       for i, shape in enumerate(st.recv.shapes)]
         self.tp.fanout([positions, word, *values], src=st.recv_port)
         self.words[mb] = word
@@ -224,7 +251,7 @@ class Runtime:
         st = self._stage[stage]
         values = tuple(self.tp.gather(v, layout, dst=st.send_port) for v, layout in zip(values, st.send.layouts))
         if st.send_port == self.program.rank:
-            self.transport.send_values(st, positions, self.words[mb], values)
+            self.transport.send_values(st, mb, positions, self.words[mb], values)
         self._mark("send", stage, mb)
         self._step_done(mb)
 
@@ -283,7 +310,7 @@ class Runtime:
             self._device_beats.mark()
 
     def _slow_op(self) -> None:
-        if self.widths[self._mb] > 1:
+        if not self.layouts[self._mb].decode_only:
             time.sleep(self._slow)
 
     def tp_argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -291,23 +318,27 @@ class Runtime:
         return self.tp.argmax(logits)
 
     def sample(self, mb: int, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The last stage's sampler: each row's new token id from the logits [rows, width, V/tp].
-        A server samples every row by its sampling word (temperature, top_p, seed: greedy at
-        temperature 0; `TPGroup.sample`); a run without sampling words is greedy (`argmax`, split
-        over the group or the kernel backend's)."""
+        """The last stage's sampler: each row's new token id from the logits [rows, 1, V/tp] of its
+        last token (the LM head took it, `Packed`). A server samples every row by its sampling
+        word (temperature, top_p, seed at the row's last position: greedy at temperature 0;
+        `TPGroup.sample`); a run without sampling words is greedy (`argmax`, split over the group
+        or the kernel backend's)."""
         if self.sampling:
-            return self.tp.sample(logits, self.words[mb], positions[:, -1], tuple(self.cfg.eos_token_ids))
+            last = positions[0].index_select(0, self.layouts[mb].last(positions.device))
+            return self.tp.sample(logits, self.words[mb], last, tuple(self.cfg.eos_token_ids))
         if self.program.tp > 1:
             return self.tp.argmax(logits)
         return self.ops[self._sampler](logits)
 
     # ---------------------------------------------------------------- between rounds
-    def _start_round(self, round_index: int, widths: tuple[int, ...]) -> None:
-        self.transport.start_round(round_index, widths)
+    def _start_round(self, round_index: int, counts: tuple[tuple[int, ...], ...]) -> None:
+        """The round's agreed layout; a scheduler leader takes its plan and writes its inputs."""
+        self.transport.start_round(round_index, counts)
         if self.scheduler is not None:
             for mb in range(self.program.num_microbatches):
                 self.steps[mb] = self.scheduler.take(round_index, mb)
-                self.inputs.prepare(mb, self.steps[mb])
+                if self.transport.live(mb):
+                    self.inputs.prepare(mb, self.steps[mb], self.layouts[mb])
 
     def end_round(self) -> bool:
         """Ends a round and answers whether to run another. The scheduler learns the tokens
@@ -315,7 +346,6 @@ class Runtime:
         (`Transport.complete_round`) is one round late, so a round of idle steps follows the
         last real one."""
         r = self.round_index
-        ahead = (1,) * self.program.num_microbatches
         if self.channel is not None:
             self._serve_io()
         if self.scheduler is not None:
@@ -323,20 +353,32 @@ class Runtime:
             if r >= 2:  # the copies of round r - 1 hold the tokens sampled in round r - 2
                 for mb, tokens in enumerate(self.copies.read(r - 1)):
                     self.scheduler.learn(r - 2, mb, tokens)
-            ahead = self.scheduler.plan()
-        more, widths = self.transport.complete_round(self.has_work, ahead)
+        more, counts = self.transport.complete_round(self.has_work, self._ahead())
         self._mark("sync")
         self.round_index += 1
         if more:
-            self._start_round(self.round_index, widths)
+            self._start_round(self.round_index, counts)
         return more
 
     def drain(self) -> None:
         """After the last round: take the last step's token ids so every send is matched."""
         if self.scheduler is not None:
             for mb in range(self.program.num_microbatches):
-                self.transport.recv_tokens(mb)
+                if self.transport.live(mb):  # it ran in the last round: its token ids came back
+                    self.transport.recv_tokens(mb)
         self.transport.drain()
+
+
+def _packed(ops: dict, modules: dict[int, OpModule], layout) -> dict:
+    """The operators as a packed round calls them: stateful ones and the LM head wrapped in
+    `Packed` (`layout()`: the current microbatch's layout), the others as they are."""
+    out = {}
+    for i, op in ops.items():
+        kind = modules[i].kind
+        if getattr(modules[i], "state_attrs", ()) or kind == OpKind.LM_HEAD:
+            op = Packed(op, layout, last=kind == OpKind.LM_HEAD)
+        out[i] = op
+    return out
 
 
 def load_program_module(path: str):
