@@ -56,26 +56,36 @@ class Spy:
 
 def two_rounds(program, spy) -> None:
     """Rounds 0 and 1 of one rank's transfers in program order (what the generated module calls):
-    the token ids a round samples are received at the start of the next."""
+    the token ids a round samples are received at the start of the next. Round 0 is ragged (row i
+    of microbatch 0 feeds i mod 3 tokens; microbatch 1 idles, so no rank runs it), round 1 decodes."""
     t = Transport(program, torch.float32, tokens_back=program.scheduler, device=META, comm=spy.comm())
-    for r in range(2):
+    b, m = program.microbatch_size, program.num_microbatches
+    ragged = tuple(i % 3 for i in range(b))
+    rounds = [(ragged,) + ((0,) * b,) * (m - 1), ((1,) * b,) * m]
+    for r, counts in enumerate(rounds):
         spy.round = r
-        t.start_round(r, (1,) * program.num_microbatches)
+        t.start_round(r, counts)
         one_round(program, t, r)
 
 
 def one_round(program, t, r) -> None:
     rows = program.rows[1] - program.rows[0]
     me = program.rank
-    for st in program.stages:
+    leader = program.scheduler and program.tp_rank == 0
+    for i, st in enumerate(program.stages):
         for mb in range(program.num_microbatches):
-            if st.recv is None and program.scheduler and program.tp_rank == 0 and r > 0:
+            if i == 0 and leader and r > 0 and t.was_live(mb):  # what `Runtime.begin` / `live` take
                 t.recv_tokens(mb)
+            if not t.live(mb):
+                continue
+            tokens = t.layouts[mb].tokens
             if st.recv is not None and st.recv_port == me:
-                t.recv_values(st, mb)
+                positions, _, values = t.recv_values(st, mb)
+                assert positions.shape == (1, tokens) and all(v.shape[:2] == (1, tokens) for v in values)
             if st.send is not None and st.send_port == me:
-                positions = torch.zeros(rows, 1, dtype=torch.long, device=META)
-                t.send_values(st, positions, torch.zeros(rows, WORD, dtype=torch.long, device=META), [torch.zeros(rows, 1, *s, device=META) for s in st.send.shapes])
+                positions = torch.zeros(1, tokens, dtype=torch.long, device=META)
+                t.send_values(st, mb, positions, torch.zeros(rows, WORD, dtype=torch.long, device=META),
+                              [torch.zeros(1, tokens, *s, device=META) for s in st.send.shapes])
             if st.returns and st.send_port == me:
                 t.send_tokens(st, mb, torch.zeros(rows, dtype=torch.long, device=META))
 

@@ -234,16 +234,19 @@ def test_scheduler_prefills_in_chunks(tiny_checkpoint, family, layers):
     model.allocate_state(2, 40)
     requests = [Request(index=i, prompt=p, max_new_tokens=5) for i, p in enumerate(SCHEDULED)]
     sched = Scheduler(requests, num_microbatches=1, rows=2, context=40, eos_ids=(), prefill_chunk=4)
-    widths, mixed = [], 0
+    chunks, tokens, mixed = [], [], 0
 
     def seen(r, mb, plan, ids, positions):
         nonlocal mixed
-        widths.append(ids.shape[1])
+        chunks.append(sum(len(s.tokens) for s in plan.rows))  # prompt tokens this round
+        tokens.append(ids.shape[1])
+        assert ids.shape[1] == sum(plan.counts)  # packed: no padding
         mixed += {"decode" if s.decode else "prefill" for s in plan.rows if not s.idle} == {"decode", "prefill"}
 
     with torch.no_grad():
         drive(sched, step, rows=2, on_round=seen)
-    assert max(widths) == 4 and widths.count(4) >= 4
+    assert max(chunks) == 4 and chunks.count(4) >= 4  # the budget: 4 prompt tokens a round
+    assert max(tokens) <= 4 + 1  # ... beside one decoding row's token
     assert mixed >= 2, "prefilling and decoding rows never shared a step"
     done = sorted(sched.done, key=lambda r: r.index)
     assert [r.error for r in done] == [None] * len(SCHEDULED)
