@@ -94,7 +94,7 @@ def measure(artifact: str, copies: int) -> tuple[float, float, dict[int, dict[st
                  for i in range(BATCH))
     with concurrent.futures.ThreadPoolExecutor(copies) as pool:
         runs = [pool.submit(run_detailed, RunConfig(artifact=artifact, weights="random", device="cpu", requests=reqs,
-                                                    port=29700 + 10 * c, trace=c == 0)) for c in range(copies)]
+                                                    port=29700 + 10 * c, trace=c == 0, threads=1)) for c in range(copies)]
         stats = [r.result()[1] for r in runs][0]
     rounds = len(stats["round_s"])
     steady = range(rounds)[STEADY]

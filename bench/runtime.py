@@ -37,7 +37,7 @@ STEADY_FROM = 2  # rounds 0-1 carry the prefills: excluded from the per-token fi
 
 def measure(folder: str, artifact: str, interpret: bool) -> tuple[float, float, list]:
     outputs, stats = run_detailed(RunConfig(artifact=artifact, weights=folder, device="cpu",
-                                            requests=requests(), interpret=interpret))
+                                            requests=requests(), interpret=interpret, threads=1))
     wall = statistics.median(stats["round_s"][STEADY_FROM:])
     host = statistics.median(stats["host_s"][STEADY_FROM:])
     return wall, host, [r.output for r in outputs]

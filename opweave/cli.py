@@ -373,7 +373,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         check_output_file(args.trace, "--trace", inputs=(args.artifact, args.weights, args.prompts))
     cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests,
                     trace=bool(args.trace), replica_sets=_replica_sets(args.replica_sets, args.artifact),
-                    stall_timeout_s=args.stall_timeout, verify_key=verify_key)
+                    stall_timeout_s=args.stall_timeout, verify_key=verify_key, threads=args.threads)
     outputs, stats = run_detailed(cfg)
     if args.json:
         print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
@@ -410,6 +410,18 @@ def _args_run(p: argparse.ArgumentParser) -> None:
                         "the secret in KEY_FILE (see compile --sign-key)")
     p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="end the run, naming the rank, when a rank makes no progress for this long (default 120)")
+    p.add_argument("--threads", type=_threads, default=None, metavar="N",
+                   help="torch threads per rank (default: the cores this process may use, divided among the ranks)")
+
+
+def _threads(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if not 1 <= n <= 4096:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 4096, got {n}")
+    return n
 
 
 def _run_stats(stats: dict) -> dict:
@@ -443,7 +455,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_folder(tokenizer_dir)
     engine = Engine(args.artifact, args.weights, args.device,
                     replica_sets=_replica_sets(args.replica_sets, args.artifact), max_queue=args.max_queue,
-                    stall_timeout_s=args.stall_timeout)
+                    stall_timeout_s=args.stall_timeout, threads=args.threads)
     print(f"opweave: starting the ranks of {args.artifact} ...", file=sys.stderr)
     try:
         engine.start()
@@ -474,6 +486,8 @@ def _args_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
     p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="a rank without progress for this long stops the server, naming the rank (default 120)")
+    p.add_argument("--threads", type=_threads, default=None, metavar="N",
+                   help="torch threads per rank (default: the cores this process may use, divided among the ranks)")
     from opweave.serve import guard  # the standard library only
 
     p.add_argument("--api-key", type=guard.parse_api_key, default=config.api_key(),

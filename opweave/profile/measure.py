@@ -16,7 +16,7 @@ Steps:
 4. time a no-op module call (the Python dispatch every op pays);
 5. time send/recv and all-reduce between two ranks (`opweave.profile.comm`).
 
-Everything runs with `torch.set_num_threads(1)`, like each rank of `opweave run`.
+Everything runs with `torch.set_num_threads(1)`, like each rank of `opweave run --threads 1`.
 """
 
 from __future__ import annotations

@@ -62,11 +62,15 @@ class Ready:
 
 @dataclasses.dataclass(frozen=True)
 class RoundReport:
-    """Rank `rank` of replica set `replica_set` ran rounds of these wall times (seconds)."""
+    """Rank `rank` of replica set `replica_set` ran rounds of these wall times (seconds); a
+    scheduler leader adds the token positions its rows computed in them and how many of those were
+    real tokens (the rest: padding tokens of microbatches its rows did not feed)."""
 
     replica_set: int
     rank: int
     seconds: tuple[float, ...]
+    computed: int = 0
+    used: int = 0
 
 
 ToLeader = Add | Cancel | Stop

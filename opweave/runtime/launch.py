@@ -73,6 +73,7 @@ class RunConfig:
     stall_timeout_s: float = STALL_TIMEOUT_S  # a rank without progress for this long ends the run
     verify_key: bytes | None = None  # refuse an artifact whose manifest.sig does not match (--verify-key)
     serve: object = None      # `channel.ServeQueues`: requests arrive while the ranks run (opweave serve)
+    threads: int | None = None  # torch threads per rank; None: the cores this process may use, shared by the ranks
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -86,6 +87,9 @@ class RunConfig:
         if not _seconds_ok(self.stall_timeout_s, MAX_STALL_TIMEOUT_S):
             raise OpWeaveError(f"--stall-timeout must be a positive number of seconds up to "
                                f"{MAX_STALL_TIMEOUT_S:.0f} (a week), got {self.stall_timeout_s!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or not 1 <= self.threads <= 4096):
+            raise OpWeaveError(f"--threads must be a whole number from 1 to 4096, got {self.threads!r}")
         if self.timeout_s is not None and not _seconds_ok(self.timeout_s, math.inf):
             raise OpWeaveError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
@@ -93,6 +97,18 @@ class RunConfig:
 def _seconds_ok(value, most: float) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
             and 0 < value <= most)
+
+
+def threads_per_rank(cfg: RunConfig, ranks: int) -> int:
+    """Torch threads of each of `ranks` local ranks: `cfg.threads`, or the cores this process may
+    run on divided among them (at least one)."""
+    if cfg.threads is not None:
+        return cfg.threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, ranks))
 
 
 def world_size(artifact: str, manifest: dict | None = None) -> int:
@@ -175,7 +191,7 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
     from opweave.runtime.worker import run_rank
 
     try:
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads_per_rank(cfg, world * cfg.replica_sets))
         gpu = (replica_set * world + rank) % torch.cuda.device_count() if cfg.device == "cuda" else None
         use_loopback_interface()
         timeout_s = cfg.stall_timeout_s + PG_TIMEOUT_MARGIN_S

@@ -170,6 +170,14 @@ class Runtime:
         """What a captured decode round depends on: the rows each microbatch computes."""
         return tuple((layout.counts, layout.pad) for layout in self.layouts)
 
+    def round_tokens(self) -> tuple[int, int]:
+        """(token positions computed, real tokens) of this round on a scheduler leader's rows; (0, 0)
+        elsewhere (each replica's leader counts its own rows once)."""
+        if self.scheduler is None:
+            return 0, 0
+        live = [layout for mb, layout in enumerate(self.layouts) if self.transport.live(mb)]
+        return sum(layout.tokens for layout in live), sum(layout.real for layout in live)
+
     def live(self, stage: int, mb: int) -> bool:
         """Whether microbatch `mb` runs this round (the generated code skips it otherwise). A
         skipped microbatch that ran last round still takes its token ids back, at stage 0."""
@@ -474,7 +482,7 @@ class _Rounds:
         self.wall.append(wall)
         self.host.append(host)
         if self.reports is not None:
-            self.reports.add(wall)
+            self.reports.add(wall, *self.rt.round_tokens())
             self.wall, self.host = self.wall[-self.KEEP:], self.host[-self.KEEP:]
 
     def after(self) -> None:
@@ -538,14 +546,17 @@ class RoundReports:
     def __init__(self, outbox, replica_set: int, rank: int):
         self.outbox, self.replica_set, self.rank = outbox, replica_set, rank
         self._pending: list[float] = []
+        self._computed = self._used = 0  # token positions computed / real tokens, since the last report
         self._last = time.monotonic()
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, computed: int = 0, used: int = 0) -> None:
         self._pending.append(seconds)
+        self._computed += computed
+        self._used += used
         now = time.monotonic()
         if now - self._last >= ROUND_REPORT_S:
-            self.outbox.put(RoundReport(self.replica_set, self.rank, tuple(self._pending)))
-            self._pending, self._last = [], now
+            self.outbox.put(RoundReport(self.replica_set, self.rank, tuple(self._pending), self._computed, self._used))
+            self._pending, self._last, self._computed, self._used = [], now, 0, 0
 
 
 def _gather_json(value, rank: int, world: int, device: torch.device) -> list | None:

@@ -108,7 +108,7 @@ class _Request:
 
 class Engine:
     def __init__(self, artifact: str, weights: str, device: str = "cpu", replica_sets: int = 1,
-                 max_queue: int = 256, stall_timeout_s: float = STALL_TIMEOUT_S):
+                 max_queue: int = 256, stall_timeout_s: float = STALL_TIMEOUT_S, threads: int | None = None):
         from opweave.runtime.checks import artifact_model_config
 
         if max_queue < 1:
@@ -122,13 +122,14 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self._leaders = [(k, j) for k in range(replica_sets) for j in range(len(program["scheduler_leaders"]))]
         self._args = dict(artifact=artifact, weights=weights, device=device, replica_sets=replica_sets,
-                          stall_timeout_s=stall_timeout_s)
+                          stall_timeout_s=stall_timeout_s, threads=threads)
         self.max_queue = max_queue
         self.healthy, self.error = False, None
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._rounds: dict[tuple[int, int], collections.deque] = {}  # (replica set, rank) -> recent round times
+        self._tokens_computed = self._tokens_used = 0  # token positions the rounds computed / real tokens
         self._rejected = 0
         self._ranks = None
         self._ready = 0
@@ -206,6 +207,8 @@ class Engine:
                 with self._lock:
                     key = (message.replica_set, message.rank)
                     self._rounds.setdefault(key, collections.deque(maxlen=256)).extend(message.seconds)
+                    self._tokens_computed += message.computed
+                    self._tokens_used += message.used
             elif isinstance(message, Ready):
                 self._ready += 1
                 if self._ready == len(self._leaders):
@@ -280,4 +283,6 @@ class Engine:
             running = sum(r.tokens > 0 for r in self._requests.values())
             waiting = len(self._requests) - running
             rounds = {key: list(times) for key, times in sorted(self._rounds.items())}
-        return {"running": running, "waiting": waiting, "rejected": self._rejected, "round_s": rounds}
+            computed, used = self._tokens_computed, self._tokens_used
+        return {"running": running, "waiting": waiting, "rejected": self._rejected, "round_s": rounds,
+                "tokens_computed": computed, "tokens_used": used}

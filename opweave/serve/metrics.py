@@ -84,6 +84,10 @@ class _EngineCollector:
         yield GaugeMetricFamily("opweave_generation_tokens_per_second",
                                 f"Generated tokens per second over the last {RATE_WINDOW_S:g} s",
                                 value=self._metrics.tokens_per_second())
+        yield CounterMetricFamily("opweave_round_tokens_computed", "Token positions the rounds computed (packed "
+                                  "tokens and padding tokens)", value=stats.get("tokens_computed", 0))
+        yield CounterMetricFamily("opweave_round_tokens_used", "Real tokens the rounds computed (prompt chunks and "
+                                  "decode steps)", value=stats.get("tokens_used", 0))
         family = GaugeMetricFamily("opweave_round_seconds", "Recent round times of each rank (replica set, rank)",
                                    labels=["replica_set", "rank", "quantile"])
         for (replica_set, rank), rounds in sorted((stats.get("round_s") or {}).items()):
