@@ -139,7 +139,7 @@ def _drive_packed(sched, model, rows: int, arrivals: dict, cancels: dict, curren
     inputs = RowInputs(rows, 1, torch.device("cpu"))
     tokens = torch.zeros(rows, dtype=torch.long)
     sampled = {}
-    sched.plan(), sched.plan()
+    agreed = [sched.plan()[0], sched.plan()[0]]  # the layouts every rank agrees two rounds ahead
     r = 0
     while sched.active or any(k >= r for k in arrivals):
         for req in arrivals.pop(r, []):
@@ -147,7 +147,7 @@ def _drive_packed(sched, model, rows: int, arrivals: dict, cancels: dict, curren
         for index in cancels.pop(r, []):
             sched.cancel(index)
         plan = sched.take(r, 0)
-        layout = Layout(plan.counts)
+        layout = Layout(agreed[r])  # a request cancelled since: its agreed tokens are padding
         if layout.tokens:
             inputs.prepare(0, plan, layout)
             ids, positions = inputs.ids(0, tokens)
@@ -156,7 +156,7 @@ def _drive_packed(sched, model, rows: int, arrivals: dict, cancels: dict, curren
         sampled[r] = tokens.tolist()
         if r >= 2:
             sched.learn(r - 2, 0, sampled.pop(r - 2))
-        sched.plan()
+        agreed.append(sched.plan()[0])
         r += 1
         assert r < 500, "the scheduler never finished"
 

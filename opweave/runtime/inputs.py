@@ -44,7 +44,11 @@ class RowInputs:
         positions, ids, source, device_fed = [], [], [], []
         changed = []
         for r, step in enumerate(plan.rows):
-            if step.idle:
+            if step.idle:  # padding where a request ended after the round was agreed: writes nothing
+                positions += [-1] * step.pad
+                ids += [0] * step.pad
+                source += [0] * step.pad
+                device_fed += [False] * step.pad
                 continue
             if self._loaded[mb][r] != step.request.index:
                 self._loaded[mb][r] = step.request.index

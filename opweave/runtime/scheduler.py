@@ -63,6 +63,8 @@ class RowStep:
     first: int = -1        # position of the first token fed
     output: bool = False   # the step samples an output token of `request`
     last: bool = False     # ... its last one, known ahead (max_new_tokens or the context)
+    pad: int = 0           # idle, but the round was agreed with this many tokens here (a request
+                           # that ended after its step was planned): padding tokens, position -1
 
     @property
     def idle(self) -> bool:
@@ -82,7 +84,7 @@ class StepPlan:
     @property
     def counts(self) -> tuple[int, ...]:
         """Tokens per row this round (0 idle, 1 decoding, a prompt chunk's length)."""
-        return tuple(0 if s.idle else len(s.tokens) or 1 for s in self.rows)
+        return tuple(s.pad if s.idle else len(s.tokens) or 1 for s in self.rows)
 
     @property
     def host_fed(self) -> bool:
@@ -276,6 +278,7 @@ class Scheduler:
             for row in rows:
                 if row.request is req:
                     row.request, row.pending = None, []
-        for key, plan in list(self._plans.items()):  # planned steps not yet run: the row idles
-            if any(s.request is req for s in plan.rows):
-                self._plans[key] = StepPlan(tuple(RowStep() if s.request is req else s for s in plan.rows))
+        for key, plan in list(self._plans.items()):  # planned steps not yet run: the row idles, its
+            if any(s.request is req for s in plan.rows):  # agreed tokens become padding
+                self._plans[key] = StepPlan(tuple(RowStep(pad=len(s.tokens) or 1) if s.request is req else s
+                                                  for s in plan.rows))
