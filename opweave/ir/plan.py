@@ -23,10 +23,13 @@ import dataclasses
 from typing import Any
 
 PREFILL_CHUNK = 128
-"""Default tokens per row per step (a planned figure carried by each rank program): a prompt longer
-than that is prefilled over several steps (`opweave.runtime.scheduler`). 128 tokens of a row keep
-a prefill step's GEMMs efficient (rows x 128 tokens are well past the memory-bound regime of a
-decode step) while a step mixing prefill and decode rows stays a few decode steps long."""
+"""Default prefill budget (a planned figure carried by each rank program): at most this many prompt
+tokens per round and microbatch, beside the decoding rows' one token each; a longer prompt is
+prefilled over several rounds, and several short ones share a round (`opweave.runtime.scheduler`).
+128 tokens keep a prefill step's GEMMs efficient (well past the memory-bound regime of a decode
+step) while a round mixing prefill and decode stays a few decode steps long, so a new request
+delays the decoding rows by at most its own chunk's compute. The planner's memory bound is wider:
+rows x 128 tokens per microbatch (`passes/plan_memory.py`)."""
 
 PLAN_FORMAT = "opweave-plan/3"
 _OLD_FORMAT = "opweave-plan/1"  # every replica set's GPUs, idle GPUs one by one

@@ -101,7 +101,7 @@ class RankProgram:
     model: str
     plan_hash: str
     context: int
-    prefill_chunk: int = PREFILL_CHUNK  # at most this many tokens per row per step (chunked prefill)
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per round and microbatch at most (chunked prefill)
     experts: str = "tp"             # routed experts' layout in this TP group (`opweave.ir.tp.EXPERT_LAYOUTS`)
 
     @property
