@@ -373,7 +373,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         check_output_file(args.trace, "--trace", inputs=(args.artifact, args.weights, args.prompts))
     cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests,
                     trace=bool(args.trace), replica_sets=_replica_sets(args.replica_sets, args.artifact),
-                    stall_timeout_s=args.stall_timeout, verify_key=verify_key, threads=args.threads)
+                    stall_timeout_s=args.stall_timeout, verify_key=verify_key, threads=args.threads,
+                    prefill_budget=args.prefill_budget)
     outputs, stats = run_detailed(cfg)
     if args.json:
         print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
@@ -412,6 +413,9 @@ def _args_run(p: argparse.ArgumentParser) -> None:
                    help="end the run, naming the rank, when a rank makes no progress for this long (default 120)")
     p.add_argument("--threads", type=_threads, default=None, metavar="N",
                    help="torch threads per rank (default: the cores this process may use, divided among the ranks)")
+    p.add_argument("--prefill-budget", type=_budget, default=None, metavar="TOKENS",
+                   help="prompt tokens per round and microbatch, after the decoding rows' one each (default: the "
+                        "plan's prefill chunk; at most its rows x chunk, what the plan's memory holds)")
 
 
 def _threads(text: str) -> int:
@@ -422,6 +426,15 @@ def _threads(text: str) -> int:
     if not 1 <= n <= 4096:
         raise argparse.ArgumentTypeError(f"must be from 1 to 4096, got {n}")
     return n
+
+
+def _budget(text: str) -> int:
+    from opweave.units import parse_tokens
+
+    try:
+        return parse_tokens(text, "--prefill-budget")
+    except OpWeaveError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _run_stats(stats: dict) -> dict:
@@ -455,7 +468,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_folder(tokenizer_dir)
     engine = Engine(args.artifact, args.weights, args.device,
                     replica_sets=_replica_sets(args.replica_sets, args.artifact), max_queue=args.max_queue,
-                    stall_timeout_s=args.stall_timeout, threads=args.threads)
+                    stall_timeout_s=args.stall_timeout, threads=args.threads, prefill_budget=args.prefill_budget)
     print(f"opweave: starting the ranks of {args.artifact} ...", file=sys.stderr)
     try:
         engine.start()
@@ -488,6 +501,9 @@ def _args_serve(p: argparse.ArgumentParser) -> None:
                    help="a rank without progress for this long stops the server, naming the rank (default 120)")
     p.add_argument("--threads", type=_threads, default=None, metavar="N",
                    help="torch threads per rank (default: the cores this process may use, divided among the ranks)")
+    p.add_argument("--prefill-budget", type=_budget, default=None, metavar="TOKENS",
+                   help="prompt tokens per round and microbatch, after the decoding rows' one each (default: the "
+                        "plan's prefill chunk; at most its rows x chunk, what the plan's memory holds)")
     from opweave.serve import guard  # the standard library only
 
     p.add_argument("--api-key", type=guard.parse_api_key, default=config.api_key(),

@@ -207,3 +207,29 @@ def test_arrivals_and_cancellations_keep_every_requests_tokens(packed_llama):
                 assert req.output == want[:len(req.output)], (req.index, req.prompt)
 
     check()
+
+
+def test_prefill_budget_flag(tiny_checkpoint, tmp_path, capsys):
+    """`--prefill-budget` sets the scheduler's budget; beyond the plan's memory (rows x chunk) it
+    is refused before any rank starts, in one line."""
+    import json
+
+    from opweave.cli import main
+    from hf_fixtures import hf_generate
+    from test_runtime import compile_pinned
+
+    folder = tiny_checkpoint("llama", num_hidden_layers=3)
+    art = str(tmp_path / "art")
+    compile_pinned(folder, "colocated", art)  # batch 4 in 2 microbatches: 2 rows x 128 tokens
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    assert main(["run", art, "--weights", folder, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens",
+                 "3", "--prefill-budget", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["outputs"][0]["token_ids"] == hf_generate(folder, prompt, 3)[1]  # a 7-token prompt over 4 rounds
+    capsys.readouterr()
+    assert main(["run", art, "--weights", folder, "--prompt-ids", "5,6", "--prefill-budget", "257"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["opweave: error: --prefill-budget 257 exceeds what the plan's memory holds: 2 rows x its "
+                   "prefill chunk of 128 = 256 prompt tokens per microbatch (compile with a larger --prefill-chunk)"]
+    assert main(["run", art, "--weights", folder, "--prompt-ids", "5,6", "--prefill-budget", "0"]) == 2
+    assert "--prefill-budget" in capsys.readouterr().err

@@ -100,7 +100,7 @@ class Plan:
     return_s: float | None = None    # new token ids, last stage's owner -> stage 0's owner (0: same)
     return_bytes: float | None = None
     return_inter_node: bool | None = None
-    prefill_chunk: int = PREFILL_CHUNK  # at most this many prompt tokens per row per step (planned activations)
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per round and microbatch (the planned activations: rows x this)
 
     @property
     def gpus_per_set(self) -> int:

@@ -157,7 +157,10 @@ def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: 
                 m = torch.maximum(m, sink)
                 l = l + 1.0
             acc = torch.zeros(b, hkv, g * t, d, dtype=torch.float32, device=q.device)
-        s = torch.matmul(qh, keys.permute(0, 2, 3, 1)).float() * scale               # B,Hkv,G*T,L
+        # one matmul per kv head on the cache's own strides ([B, L, D] rows Hkv*D apart): a permuted
+        # [B, Hkv, D, L] operand would be copied whole first, the cache read twice
+        s = torch.stack([torch.matmul(qh[:, h], keys[:, :, h].transpose(1, 2)) for h in range(hkv)],
+                        dim=1).float() * scale                                         # B,Hkv,G*T,L
         kp = k_pos[:, None, None, :]
         allowed = (kp >= 0) & (kp <= qp)
         if window:
@@ -167,7 +170,8 @@ def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: 
         p = torch.exp(s - m_new)
         alpha = torch.exp(m - m_new)
         l = l * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p.to(vals.dtype), vals.permute(0, 2, 1, 3)).float()
+        pv = p.to(vals.dtype)
+        acc = acc * alpha + torch.stack([torch.matmul(pv[:, h], vals[:, :, h]) for h in range(hkv)], dim=1).float()
         m = m_new
     out = acc / torch.where(l > 0, l, 1.0)                                            # B,Hkv,G*T,D
     return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, hq, d).to(q.dtype)

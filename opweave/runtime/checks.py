@@ -64,8 +64,25 @@ def check_inputs(cfg, artifact: VerifiedArtifact | None = None) -> None:
     """
     model = artifact_model_config(artifact if artifact is not None else cfg.artifact)
     check_vocabulary(cfg.requests, model.vocab_size)
+    if getattr(cfg, "prefill_budget", None) is not None:
+        check_prefill_budget(cfg.prefill_budget, artifact if artifact is not None else cfg.artifact)
     if cfg.weights != "random":
         check_checkpoint(cfg.weights, model)
+
+
+def check_prefill_budget(budget: int, artifact: str | VerifiedArtifact) -> None:
+    """`--prefill-budget`: at most the prompt tokens per microbatch the plan sized its activations
+    for (a microbatch's rows times the plan's prefill chunk, `passes/plan_memory.py`)."""
+    from opweave.ir.program import program_from_json
+
+    if not isinstance(artifact, VerifiedArtifact) or "rank_00.json" not in artifact.files:
+        artifact = load_artifact(artifact if isinstance(artifact, str) else artifact.folder, ["rank_00.json"])
+    program = program_from_json(artifact.json("rank_00.json"))
+    bound = program.microbatch_size * program.prefill_chunk
+    if budget > bound:
+        raise OpWeaveError(f"--prefill-budget {budget} exceeds what the plan's memory holds: {program.microbatch_size} "
+                           f"rows x its prefill chunk of {program.prefill_chunk} = {bound} prompt tokens per "
+                           f"microbatch (compile with a larger --prefill-chunk)")
 
 
 def _read_json(path: str, what: str):

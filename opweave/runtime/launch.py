@@ -74,6 +74,7 @@ class RunConfig:
     verify_key: bytes | None = None  # refuse an artifact whose manifest.sig does not match (--verify-key)
     serve: object = None      # `channel.ServeQueues`: requests arrive while the ranks run (opweave serve)
     threads: int | None = None  # torch threads per rank; None: the cores this process may use, shared by the ranks
+    prefill_budget: int | None = None  # prompt tokens per round and microbatch; None: the plan's prefill chunk
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -90,6 +91,9 @@ class RunConfig:
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or not 1 <= self.threads <= 4096):
             raise OpWeaveError(f"--threads must be a whole number from 1 to 4096, got {self.threads!r}")
+        if self.prefill_budget is not None and (isinstance(self.prefill_budget, bool)
+                                                or not isinstance(self.prefill_budget, int) or self.prefill_budget < 1):
+            raise OpWeaveError(f"--prefill-budget must be a whole number of tokens, at least 1, got {self.prefill_budget!r}")
         if self.timeout_s is not None and not _seconds_ok(self.timeout_s, math.inf):
             raise OpWeaveError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
@@ -199,7 +203,7 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
                            rank=rank, world=world)
         heartbeat.report(Phase.JOINED)
         out = run_rank(artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret,
-                       cfg.trace, serve=cfg.serve, replica_set=replica_set)
+                       cfg.trace, serve=cfg.serve, replica_set=replica_set, prefill_budget=cfg.prefill_budget)
         if rank == 0:
             folder.put_result(replica_set, *out)
         dist.destroy_process_group()

@@ -65,10 +65,13 @@ class Runtime:
 
     def __init__(self, artifact: VerifiedArtifact, program: RankProgram, weights: str, device: str,
                  groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False,
-                 comm=dist, serve: ServeQueues | None = None, replica_set: int = 0):
+                 comm=dist, serve: ServeQueues | None = None, replica_set: int = 0,
+                 prefill_budget: int | None = None):
         """With `serve` (a server's queues), the rank serves: it samples each row by its sampling
         word, and a scheduler leader takes its requests from its inbox in `replica_set` between
-        rounds and reports every token learned and every end to the outbox (`Ready` once loaded)."""
+        rounds and reports every token learned and every end to the outbox (`Ready` once loaded).
+        `prefill_budget`: prompt tokens per round and microbatch (default: the program's
+        `prefill_chunk`; the launcher checks it against the plan's memory)."""
         self.program = program
         self.timeline = Timeline() if trace else None  # measured spans (see opweave.runtime.timeline)
         self.device = torch.device(device)
@@ -89,7 +92,7 @@ class Runtime:
         self.state = RankState.allocate(self.modules, self.rows, m, program.context, self.device)
         check_placement(self.modules, self.device, op_names, f"rank {program.rank}")  # weights and state
         self.scheduler = (Scheduler(requests, m, self.rows, program.context, cfg.eos_token_ids,
-                                    program.prefill_chunk)
+                                    prefill_budget or program.prefill_chunk)
                           if program.scheduler and program.tp_rank == 0 else None)
         self.tp = TPGroup(program.tp_group, program.tp_rank, groups[program.tp_group] if program.tp > 1 else None,
                           comm=comm, device=self.device)
@@ -399,8 +402,8 @@ def load_program_module(path: str):
 
 
 def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: str, requests: list[Request],
-             interpret: bool = False, trace: bool = False, serve: ServeQueues | None = None, replica_set: int = 0
-             ) -> tuple[list[Request], dict] | None:
+             interpret: bool = False, trace: bool = False, serve: ServeQueues | None = None, replica_set: int = 0,
+             prefill_budget: int | None = None) -> tuple[list[Request], dict] | None:
     """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the
     outputs and its per-round wall and host (CPU) times, and with `trace` every rank's spans
     (`{"spans": {rank: rows}}`, see opweave.runtime.timeline).
@@ -414,7 +417,7 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
     program = program_from_json(artifact.json(f"rank_{rank:02d}.json"))
     groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
     rt = Runtime(artifact, program, weights, device, groups, _my_requests(program, requests), trace=trace,
-                 serve=serve, replica_set=replica_set)
+                 serve=serve, replica_set=replica_set, prefill_budget=prefill_budget)
     reports = RoundReports(serve.outbox, replica_set, rank) if serve is not None else None
     runner = RoundRunner(rt, _round_program(rt, artifact, rank, interpret), who=f"rank {rank}")
     rounds = _Rounds(rt, runner, rank, reports)

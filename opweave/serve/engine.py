@@ -108,7 +108,8 @@ class _Request:
 
 class Engine:
     def __init__(self, artifact: str, weights: str, device: str = "cpu", replica_sets: int = 1,
-                 max_queue: int = 256, stall_timeout_s: float = STALL_TIMEOUT_S, threads: int | None = None):
+                 max_queue: int = 256, stall_timeout_s: float = STALL_TIMEOUT_S, threads: int | None = None,
+                 prefill_budget: int | None = None):
         from opweave.runtime.checks import artifact_model_config
 
         if max_queue < 1:
@@ -122,7 +123,7 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self._leaders = [(k, j) for k in range(replica_sets) for j in range(len(program["scheduler_leaders"]))]
         self._args = dict(artifact=artifact, weights=weights, device=device, replica_sets=replica_sets,
-                          stall_timeout_s=stall_timeout_s, threads=threads)
+                          stall_timeout_s=stall_timeout_s, threads=threads, prefill_budget=prefill_budget)
         self.max_queue = max_queue
         self.healthy, self.error = False, None
         self._requests: dict[int, _Request] = {}
