@@ -483,12 +483,13 @@ def run_load(peer: Peer, server: Server, ckpt: str, rate: float, args, result_di
     return row
 
 
-def opweave_argv(art: str, ckpt: str, port: int, threads: int) -> tuple[list[str], bool]:
+def opweave_argv(art: str, ckpt: str, port: int, threads: int, budget: int | None = None) -> tuple[list[str], bool]:
     help_text = subprocess.run([sys.executable, "-m", "opweave", "serve", "--help"], capture_output=True, text=True,
                                cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT)).stdout
     has_threads = bool(re.search(r"(^|\s)--threads\b", help_text))
     argv = [sys.executable, "-m", "opweave", "serve", art, "--weights", ckpt, "--port", str(port),
             "--served-model-name", MODEL_NAME, "--max-queue", "4096"]
+    argv += ["--prefill-budget", str(budget)] if budget else []
     return argv + (["--threads", str(threads)] if has_threads else []), has_threads
 
 
@@ -510,6 +511,19 @@ def vllm_thread_env(args) -> dict:
         key, _, value = item.partition("=")
         env[key] = value
     return env
+
+
+def vllm_batched_tokens(log_path: str) -> str | None:
+    """vLLM's per-step token budget (`max_num_batched_tokens`) as its log states it, if it does."""
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                m = re.search(r"max_num_batched_tokens[=:\s'\"]+(\d+)", line)
+                if m:
+                    return m.group(1)
+    except OSError:
+        pass
+    return None
 
 
 def vllm_thread_lines(log_path: str) -> list[str]:
@@ -580,6 +594,8 @@ def main() -> int:
     ap.add_argument("--startup-timeout", type=float, default=900, help="seconds for a server's /health")
     ap.add_argument("--bench-timeout", type=float, default=1800, help="seconds for one `vllm bench serve`")
     ap.add_argument("--skip-vllm", action="store_true", help="run OpWeave only")
+    ap.add_argument("--opweave-prefill-budget", type=int, default=None, metavar="TOKENS",
+                    help="opweave serve --prefill-budget (default: the plan's prefill chunk, 128)")
     ap.add_argument("--skip-opweave", action="store_true", help="run vLLM only")
     ap.add_argument("--keep", metavar="DIR", help="build and log into DIR and keep it (default: a temporary folder)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_peer.md"))
@@ -645,7 +661,7 @@ def _run(args, rates: list[float], peer: Peer, work: str, clock: RunClock) -> in
     servers: list[tuple[Server, dict]] = []  # (server, facts)
     if not args.skip_opweave:
         port = _free_port()
-        argv, has_threads = opweave_argv(art, ckpt, port, args.threads)
+        argv, has_threads = opweave_argv(art, ckpt, port, args.threads, args.opweave_prefill_budget)
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    OMP_NUM_THREADS=str(args.threads))
         servers.append((Server("OpWeave", argv, env, ROOT, port, os.path.join(log_dir, "opweave.log")),
@@ -697,6 +713,7 @@ def _run(args, rates: list[float], peer: Peer, work: str, clock: RunClock) -> in
             print(f"  stopped: exit status {status}", file=sys.stderr)
         if server.name == "vLLM":
             facts["thread_lines"] = vllm_thread_lines(server.log_path)
+            facts["batched_tokens"] = vllm_batched_tokens(server.log_path)
         facts["bench_cmd"] = _shell(bench_argv(peer, server.port, ckpt, rates[0], args, result_dir,
                                                server.name.lower()), peer.env(OMP_NUM_THREADS="1"),
                                     ("PYTHONPATH", "VLLM_TARGET_DEVICE", "OMP_NUM_THREADS"))
@@ -751,7 +768,8 @@ def _report(args, rates, peer: Peer, work: str, clock: RunClock, model: dict, pl
     if plan is not None:
         lines += [f"OpWeave plan: template `colocated` on `cpux1` (one rank), batch {args.max_num_seqs}, "
                   f"1 microbatch, context {context}; predicted TPOT {_fmt(plan.get('tpot_ms'), '.2f')} ms "
-                  "(the catalog's nominal `cpu` entry, not this machine).", ""]
+                  "(the catalog's nominal `cpu` entry, not this machine); prefill budget "
+                  f"{args.opweave_prefill_budget or 128} prompt tokens per round (128: the plan's prefill chunk).", ""]
     lines += ["Commands (`$WORK/shim/vllm_cli.py` is the `vllm` console script, run by the venv's python with the "
               "shim's sitecustomize on PYTHONPATH; see the docstring):", "", "```"]
     for server, facts in servers:
@@ -837,6 +855,9 @@ def _report(args, rates, peer: Peer, work: str, clock: RunClock, model: dict, pl
             "opweave/runtime/launch.py)"))
     lines += ["Threads: " + "; ".join(threads) + ".", ""]
     for server, facts in servers:
+        if facts.get("batched_tokens"):
+            lines += [f"vLLM's token budget per step, from its log: max_num_batched_tokens = {facts['batched_tokens']}.",
+                      ""]
         if facts.get("thread_lines"):
             lines += ["vLLM's log on its threads:", "", "```", *facts["thread_lines"], "```"]
     return lines
