@@ -174,6 +174,20 @@ def artifact(tiny_checkpoint, tmp_path_factory):
 def test_cpu_runs_fork_and_cuda_runs_spawn():
     assert launch.start_method("cpu") == "fork"
     assert launch.start_method("cuda") == "spawn"
+    assert launch.start_method("cpu", threads=2) == "spawn"  # OpenMP is not fork-safe past one thread
+    assert launch.rank_start_method("cpu", 1, 4) == "fork" and launch.rank_start_method("cpu", 3, 1) == "spawn"
+
+
+def test_a_rank_of_several_threads_runs_after_the_launcher_used_its_thread_pool(artifact):
+    """A rank forked from a process whose OpenMP pool was active would hang at its first parallel
+    region; ranks of more than one thread are spawned, and the run ends with its tokens."""
+    torch.set_num_threads(2)
+    a = torch.randn(512, 512)
+    (a @ a).sum()  # the pool is started here
+    folder, art = artifact
+    requests = (Request(index=0, prompt=[5, 6, 7], max_new_tokens=2),)
+    out = launch.run(launch.RunConfig(art, folder, "cpu", requests, threads=2, stall_timeout_s=60))
+    assert len(out[0].output) == 2 and out[0].error is None
 
 
 class _Started(Exception):
@@ -219,7 +233,7 @@ def test_spawned_ranks_run_a_plan(artifact, monkeypatch):
     folder, art = artifact
     requests = (Request(index=0, prompt=[5, 6, 7], max_new_tokens=3),)
     forked = launch.run(launch.RunConfig(art, folder, "cpu", requests))
-    monkeypatch.setattr(launch, "start_method", lambda device: "spawn")
+    monkeypatch.setattr(launch, "start_method", lambda device, threads=1: "spawn")
     spawned = launch.run(launch.RunConfig(art, folder, "cpu", requests))
     assert [r.output for r in spawned] == [r.output for r in forked]
     assert len(forked[0].output) == 3

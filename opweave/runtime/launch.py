@@ -1,7 +1,8 @@
 """`opweave run`: starts one process per rank of the artifact and collects the generated tokens.
 
 Processes are started on this machine and joined with torch.distributed (gloo on CPU, NCCL on
-CUDA) over loopback. CPU runs fork them (fast); CUDA runs spawn them (`start_method`), and the
+CUDA) over loopback. CPU runs of one thread per rank fork them (fast); CUDA runs, and CPU runs of
+several threads per rank, spawn them (`start_method`), and the
 launcher counts CUDA devices without initialising CUDA (NVML, `cuda_device_count`): a process
 forked after CUDA was initialised cannot use CUDA at all. The launcher watches the ranks: if a
 rank fails, dies or makes no progress for the stall timeout, the others are killed at once and
@@ -103,11 +104,11 @@ def _seconds_ok(value, most: float) -> bool:
             and 0 < value <= most)
 
 
-def threads_per_rank(cfg: RunConfig, ranks: int) -> int:
-    """Torch threads of each of `ranks` local ranks: `cfg.threads`, or the cores this process may
-    run on divided among them (at least one)."""
-    if cfg.threads is not None:
-        return cfg.threads
+def threads_per_rank(threads: int | None, ranks: int) -> int:
+    """Torch threads of each of `ranks` local ranks: `threads` (`--threads`), or the cores this
+    process may run on divided among them (at least one)."""
+    if threads is not None:
+        return threads
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -195,7 +196,7 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
     from opweave.runtime.worker import run_rank
 
     try:
-        torch.set_num_threads(threads_per_rank(cfg, world * cfg.replica_sets))
+        torch.set_num_threads(threads_per_rank(cfg.threads, world * cfg.replica_sets))
         gpu = (replica_set * world + rank) % torch.cuda.device_count() if cfg.device == "cuda" else None
         use_loopback_interface()
         timeout_s = cfg.stall_timeout_s + PG_TIMEOUT_MARGIN_S
@@ -355,8 +356,9 @@ class Ranks:
         import multiprocessing as mp
 
         cfg = self.cfg
-        ctx = mp.get_context(start_method(cfg.device))
-        if start_method(cfg.device) == "fork":
+        method = rank_start_method(cfg.device, cfg.threads, self.world * len(self.sets))
+        ctx = mp.get_context(method)
+        if method == "fork":
             _import_for_ranks()
         self.beats = Heartbeat(len(self.sets) * self.world, ctx)
         with deferred():  # a signal meanwhile raises once every started rank is in `procs` (to be stopped)
@@ -410,11 +412,18 @@ def _check_devices(cfg: RunConfig, artifact: VerifiedArtifact, world: int) -> No
                                "model, or run the torchrun commands per node")
 
 
-def start_method(device: str) -> str:
-    """How the launcher starts rank processes: `fork` for CPU runs (a rank is ready in a fraction
-    of a second), `spawn` for CUDA runs (a fresh interpreter: CUDA cannot be used in a process
-    forked from one that initialised it, and nothing guarantees the launcher's imports did not)."""
-    return "spawn" if device == "cuda" else "fork"
+def start_method(device: str, threads: int = 1) -> str:
+    """How the launcher starts rank processes: `fork` for CPU runs whose ranks run one thread each
+    (a rank is ready in a fraction of a second), `spawn` otherwise (a fresh interpreter): CUDA
+    cannot be used in a process forked from one that initialised it, and a forked rank that runs
+    several OpenMP threads hangs at its first parallel region when the launcher had used its own
+    thread pool (the OpenMP runtime is not fork-safe; `tests/test_processes.py`)."""
+    return "spawn" if device == "cuda" or threads > 1 else "fork"
+
+
+def rank_start_method(device: str, threads: int | None, ranks: int) -> str:
+    """`start_method` of `ranks` local ranks at `--threads` `threads` (None: the default)."""
+    return start_method(device, threads_per_rank(threads, ranks))
 
 
 def cuda_device_count() -> int:

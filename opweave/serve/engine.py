@@ -30,7 +30,7 @@ from collections.abc import Callable
 from opweave.artifact import load_artifact
 from opweave.errors import OpWeaveError
 from opweave.runtime.channel import Add, Cancel, Ready, RoundReport, ServeQueues, Stop, TokenEvent
-from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, Ranks, start_method
+from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, Ranks, rank_start_method, world_size
 from opweave.kernels.sampling import MAX_TOP_K, encode
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range [0, 2]
@@ -143,8 +143,9 @@ class Engine:
         """Starts every rank and waits until each has loaded (OpWeaveError if one fails)."""
         import multiprocessing as mp
 
-        ctx = mp.get_context(start_method(self._args["device"]))
         sets = self._args["replica_sets"]
+        ctx = mp.get_context(rank_start_method(self._args["device"], self._args["threads"],
+                                               world_size(self._args["artifact"]) * sets))
         per_set = len(self._leaders) // sets
         self._queues = ServeQueues(tuple(tuple(ctx.Queue() for _ in range(per_set)) for _ in range(sets)),
                                    ctx.Queue())
