@@ -259,27 +259,14 @@ def _synthetic_corpus(seed: int = 0) -> list[str]:
 
 
 def write_tokenizer(folder: str, vocab_size: int) -> int:
-    """A SentencePiece-style BPE tokenizer (as tests/serve_fixtures.write_tokenizer: "▁" word marks,
-    BOS in front, the same special tokens) of exactly `vocab_size` entries; returns its size."""
-    import string
+    """tests/serve_fixtures.write_tokenizer ("▁" word marks, BOS in front, the same special tokens)
+    trained on the synthetic corpus, so it reaches exactly `vocab_size` entries; returns its size."""
+    from serve_fixtures import write_tokenizer as write
+    from tokenizers import Tokenizer
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    alphabet = [c for c in string.printable if c not in string.whitespace] + ["▁"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False)
-    tok.train_from_iterator(_synthetic_corpus(), trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "unk_token": "<unk>", "model_max_length": MODEL_CONFIG["max_position_embeddings"],
-                   "clean_up_tokenization_spaces": False}, f, indent=1)
-    return tok.get_vocab_size()
+    write(folder, vocab_size, chat_template=None, corpus=_synthetic_corpus(),
+          max_length=MODEL_CONFIG["max_position_embeddings"])
+    return Tokenizer.from_file(os.path.join(folder, "tokenizer.json")).get_vocab_size()
 
 
 def build_checkpoint(folder: str) -> dict:

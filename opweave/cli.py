@@ -409,8 +409,12 @@ def _args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-key", metavar="KEY_FILE",
                    help="refuse the artifact unless its manifest.sig is the HMAC-SHA256 of manifest.json under "
                         "the secret in KEY_FILE (see compile --sign-key)")
-    p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
-                   help="end the run, naming the rank, when a rank makes no progress for this long (default 120)")
+    _rank_flags(p, "end the run, naming the rank, when a rank makes no progress for this long (default 120)")
+
+
+def _rank_flags(p: argparse.ArgumentParser, stall_help: str) -> None:
+    """The flags of how the ranks run, shared by `run` and `serve`."""
+    p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS", help=stall_help)
     p.add_argument("--threads", type=_threads, default=None, metavar="N",
                    help="torch threads per rank (default: the cores this process may use, divided among the ranks)")
     p.add_argument("--prefill-budget", type=_budget, default=None, metavar="TOKENS",
@@ -497,13 +501,7 @@ def _args_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot before 429 (default 256)")
     p.add_argument("--replica-sets", default="1", metavar="N|all", help="run N of the plan's replica sets (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
-    p.add_argument("--stall-timeout", type=float, default=120.0, metavar="SECONDS",
-                   help="a rank without progress for this long stops the server, naming the rank (default 120)")
-    p.add_argument("--threads", type=_threads, default=None, metavar="N",
-                   help="torch threads per rank (default: the cores this process may use, divided among the ranks)")
-    p.add_argument("--prefill-budget", type=_budget, default=None, metavar="TOKENS",
-                   help="prompt tokens per round and microbatch, after the decoding rows' one each (default: the "
-                        "plan's prefill chunk; at most its rows x chunk, what the plan's memory holds)")
+    _rank_flags(p, "a rank without progress for this long stops the server, naming the rank (default 120)")
     from opweave.serve import guard  # the standard library only
 
     p.add_argument("--api-key", type=guard.parse_api_key, default=config.api_key(),

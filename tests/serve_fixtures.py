@@ -28,8 +28,10 @@ are you today? One two three four five six seven eight nine ten. Serving large l
 mixed clusters of graphics processors is a question of placing operators where they run best."""
 
 
-def write_tokenizer(folder: str, vocab_size: int = 320, chat_template: str | None = CHAT_TEMPLATE) -> str:
-    """Writes tokenizer.json + tokenizer_config.json into `folder` (created if needed); returns it."""
+def write_tokenizer(folder: str, vocab_size: int = 320, chat_template: str | None = CHAT_TEMPLATE,
+                    corpus=None, max_length: int = 4096) -> str:
+    """Writes tokenizer.json + tokenizer_config.json into `folder` (created if needed); returns it.
+    `corpus`: the lines to train on (default: a fixed English text; a larger vocabulary needs more)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -38,14 +40,14 @@ def write_tokenizer(folder: str, vocab_size: int = 320, chat_template: str | Non
     alphabet = [c for c in string.printable if c not in string.whitespace] + ["▁"]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False)
-    tok.train_from_iterator([line for line in _CORPUS.splitlines()] * 4, trainer=trainer)
+    tok.train_from_iterator(corpus if corpus is not None else _CORPUS.splitlines() * 4, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
                                                        special_tokens=[(BOS, bos_id)])
     os.makedirs(folder, exist_ok=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-              "unk_token": "<unk>", "model_max_length": 4096, "clean_up_tokenization_spaces": False}
+              "unk_token": "<unk>", "model_max_length": max_length, "clean_up_tokenization_spaces": False}
     if chat_template is not None:
         config["chat_template"] = chat_template
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
