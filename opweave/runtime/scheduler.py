@@ -86,11 +86,6 @@ class StepPlan:
         """Tokens per row this round (0 idle, 1 decoding, a prompt chunk's length)."""
         return tuple(s.pad if s.idle else len(s.tokens) or 1 for s in self.rows)
 
-    @property
-    def host_fed(self) -> bool:
-        """Some row feeds tokens from the host (a prompt chunk)."""
-        return any(s.tokens for s in self.rows)
-
 
 @dataclasses.dataclass
 class _Row:

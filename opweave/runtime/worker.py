@@ -103,7 +103,6 @@ class Runtime:
         if self.scheduler is not None:
             self.inputs = RowInputs(self.rows, m, self.device)
             self.copies = TokenCopies(self.rows, m, self.device)
-        self.steps: list = [None] * m  # this round's plan per microbatch (scheduler leaders)
         self.words: list = [None] * m  # this round's rows' sampling words per microbatch (`opweave.kernels.sampling`)
         self.sampling = serve is not None  # a server samples by each row's word; `opweave run` is greedy
         self._sampler = next((i for i, op in self.modules.items() if op.kind == OpKind.SAMPLE), None)
@@ -347,9 +346,9 @@ class Runtime:
         self.transport.start_round(round_index, counts)
         if self.scheduler is not None:
             for mb in range(self.program.num_microbatches):
-                self.steps[mb] = self.scheduler.take(round_index, mb)
+                plan = self.scheduler.take(round_index, mb)
                 if self.transport.live(mb):
-                    self.inputs.prepare(mb, self.steps[mb], self.layouts[mb])
+                    self.inputs.prepare(mb, plan, self.layouts[mb])
 
     def end_round(self) -> bool:
         """Ends a round and answers whether to run another. The scheduler learns the tokens
