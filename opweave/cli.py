@@ -374,7 +374,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests,
                     trace=bool(args.trace), replica_sets=_replica_sets(args.replica_sets, args.artifact),
                     stall_timeout_s=args.stall_timeout, verify_key=verify_key, threads=args.threads,
-                    prefill_budget=args.prefill_budget)
+                    prefill_budget=args.prefill_budget, prefix_cache=not args.no_prefix_cache)
     outputs, stats = run_detailed(cfg)
     if args.json:
         print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
@@ -420,6 +420,9 @@ def _rank_flags(p: argparse.ArgumentParser, stall_help: str) -> None:
     p.add_argument("--prefill-budget", type=_budget, default=None, metavar="TOKENS",
                    help="prompt tokens per round and microbatch, after the decoding rows' one each (default: the "
                         "plan's prefill chunk; at most its rows x chunk, what the plan's memory holds)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole: do not start prompts on the KV pages of earlier prompts with "
+                        "the same first tokens (on by default where the model keeps all its state in pages)")
 
 
 def _threads(text: str) -> int:
@@ -443,14 +446,15 @@ def _budget(text: str) -> int:
 
 def _run_stats(stats: dict) -> dict:
     """Rank 0's rounds (median wall ms over all rounds and over the decode rounds after the first
-    two) and every rank's CUDA-graph use, for `run --json`."""
+    two), every rank's CUDA-graph use and the prompt tokens the prefix caches were asked for and
+    held (`prefix_cache`: queried, hit), for `run --json`."""
     import statistics
 
     rounds = stats.get("round_s", [])
     steady = rounds[2:-3] or rounds  # past start-up, before the idle rounds at the end
     return {"rounds": len(rounds), "round_ms_median": 1e3 * statistics.median(rounds) if rounds else None,
             "steady_round_ms_median": 1e3 * statistics.median(steady) if steady else None,
-            "graphs": stats.get("graphs")}
+            "graphs": stats.get("graphs"), "prefix_cache": stats.get("prefix_cache")}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -472,7 +476,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_folder(tokenizer_dir)
     engine = Engine(args.artifact, args.weights, args.device,
                     replica_sets=_replica_sets(args.replica_sets, args.artifact), max_queue=args.max_queue,
-                    stall_timeout_s=args.stall_timeout, threads=args.threads, prefill_budget=args.prefill_budget)
+                    stall_timeout_s=args.stall_timeout, threads=args.threads, prefill_budget=args.prefill_budget,
+                    prefix_cache=not args.no_prefix_cache)
     print(f"opweave: starting the ranks of {args.artifact} ...", file=sys.stderr)
     try:
         engine.start()

@@ -63,7 +63,9 @@ def test_allocated_equals_planned(front_ends, family, tp, context):
             planned, allocated = getattr(r.planned, what), getattr(r.allocated, what)
             assert allocated == pytest.approx(planned, rel=0.01, abs=1), (family, tp, context, r.rank, what)
         assert r.planned.weights > 0
+        assert r.kv_pages[0] == r.kv_pages[1]  # the page pools the planner counts, as allocated
     assert any(r.planned.state > 0 for r in ranks)
+    assert any(r.kv_pages[0] > 0 for r in ranks)  # every family here has full-attention layers
     leaders = [r for r in ranks if r.rank % tp == 0]
     assert all(r.allocated.buffers > 0 for r in leaders)  # every leader takes cut 0 or the token ids
     if tp > 1:  # the TP ranks take the cuts in turn: some other rank of a group holds buffers too
@@ -103,7 +105,7 @@ def test_dump_memory_of_an_artifact(tiny_checkpoint, tmp_path, capsys):
     capsys.readouterr()
     assert main(["dump", out, "--what", "memory"]) == 0
     text = capsys.readouterr().out
-    assert "rank 0:" in text and "weights" in text and "alloc/plan" in text
+    assert "rank 0:" in text and "weights" in text and "alloc/plan" in text and "KV pages" in text
     assert main(["dump", out, "--what", "memory", "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ranks"] and {"rank", "owner", "gpu", "tp", "planned", "allocated"} <= set(data["ranks"][0])
@@ -111,6 +113,9 @@ def test_dump_memory_of_an_artifact(tiny_checkpoint, tmp_path, capsys):
         for what in ("weights", "state", "buffers"):
             assert r["allocated"][what] == pytest.approx(r["planned"][what], rel=0.01, abs=1)
         assert r["allocated"]["activations"] <= r["planned"]["activations"]
+    pages = [r["kv_pages"] for r in data["ranks"]]
+    assert all(p["planned"] == p["allocated"] and p["page_tokens"] == 16 for p in pages)
+    assert any(p["planned"] > 0 for p in pages)  # context 64: 4 pages per slot
 
 
 def test_dump_memory_refuses_a_bad_artifact(tmp_path, capsys):

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from opweave.kernels.reference import NON_FINITE_TOKEN
+from opweave.kernels.paged import PagedKV
+from opweave.runtime.pages import PAGE_TOKENS
 from opweave.kernels.sampling import WORD
 from opweave.compiler.compile import write_artifact
 from opweave.compiler.frontend import run_front_end
@@ -47,7 +49,20 @@ def test_state_views_are_disjoint_rows_of_one_allocation(tiny_checkpoint):
     rows, mbs = 3, 4
     state = RankState.allocate(modules, rows, mbs, context=16, device="cpu")
     assert set(state.ops) == set(modules)
+    paged = {i for i, m in modules.items() if m.paged}
+    assert paged and paged != set(modules)  # full attention in pages, Gated-DeltaNet per slot
+    for i in paged:  # one pool per layer: slots x ceil(context / page) pages and the null page;
+        m, views = modules[i], state.views(i)  # every microbatch sees it with its rows of one table
+        assert m.k_cache.shape[:2] == (rows * mbs * 1 + 1, PAGE_TOKENS)
+        for mb, view in enumerate(views):
+            assert isinstance(view, PagedKV) and view.k_pages is m.k_cache and view.v_pages is m.v_cache
+            assert view.table.untyped_storage().data_ptr() == state.table.untyped_storage().data_ptr()
+            assert view.table.shape == (rows, 1) and view.base == mb * rows
+            assert view.rows(1, 3).table.shape == (2, 1) and view.rows(1, 3).base == mb * rows + 1
+        assert bool((state.table == state.pool.null).all())  # no slot holds a page yet
     for i, m in modules.items():
+        if i in paged:
+            continue
         views = state.views(i)
         assert len(views) == mbs
         for a, full in zip(m.state_attrs, (getattr(m, a) for a in m.state_attrs)):
@@ -171,7 +186,10 @@ def test_a_round_sets_no_module_attribute(tiny_checkpoint, tmp_path, monkeypatch
     for i in rt.state.ops:  # position 0 of every row, in both microbatches, was written
         m = rt.ops[i]
         first = getattr(m, m.state_attrs[0])
-        written = first[:, 0] if m.kind.value in ("attn_full", "attn_sliding") else first
+        if m.paged:  # each slot's first page, at slot 0
+            written = first[rt.state.table[:, 0].long(), 0]
+        else:
+            written = first[:, 0] if m.kind.value in ("attn_full", "attn_sliding") else first
         assert bool(written.flatten(1).ne(0).any(dim=1).all()), m.kind
 
 

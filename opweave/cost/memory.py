@@ -33,7 +33,7 @@ import math
 from opweave.cost.model import shards, state_shards
 from opweave.ir.graph import Op
 from opweave.ir.kinds import OpKind
-from opweave.ir.plan import PREFILL_CHUNK
+from opweave.ir.plan import PAGE_TOKENS, PREFILL_CHUNK
 from opweave.kernels.blocks import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK
 from opweave.kernels.sampling import workspace_bytes as sampler_workspace_bytes
 
@@ -106,8 +106,26 @@ def weight_bytes(ops, tp: int, layout: str = "tp") -> float:
     return sum(per_weight.values())
 
 
+def op_state_per_slot(op: Op, tp: int, context: int) -> float:
+    """One slot's state of `op` on one GPU: a full-attention layer's whole pages for `context`
+    (`opweave.runtime.pages`), any other state as the op holds it."""
+    if op.kind == OpKind.ATTN_FULL:
+        return op.state.bytes_per_token * -(-context // PAGE_TOKENS) * PAGE_TOKENS / state_shards(op, tp)
+    return op.state_bytes(context) / state_shards(op, tp)
+
+
+def null_page_bytes(op: Op, tp: int) -> float:
+    """A full-attention layer's null page (padding writes there) on one GPU; 0 for other ops."""
+    return op.state.bytes_per_token * PAGE_TOKENS / state_shards(op, tp) if op.kind == OpKind.ATTN_FULL else 0.0
+
+
 def state_bytes_per_slot(ops, tp: int, context: int) -> float:
-    return sum(op.state_bytes(context) / state_shards(op, tp) for op in ops)
+    return sum(op_state_per_slot(op, tp, context) for op in ops)
+
+
+def state_bytes(ops, tp: int, slots: int, context: int) -> float:
+    """One GPU's state for `slots` slots: per slot, and each full-attention layer's null page."""
+    return slots * state_bytes_per_slot(ops, tp, context) + sum(null_page_bytes(op, tp) for op in ops)
 
 
 def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int, layout: str = "tp",
@@ -183,8 +201,8 @@ def _op_terms(op: Op, tp: int, context: int, width: int, layout: str) -> tuple:
     weights = tuple((w.name, w.nbytes / shards(op, tp, layout)) for w in op.weights)
     stream = 0.0 if op.kind in (OpKind.LM_HEAD, OpKind.SAMPLE) else op.act_bytes_per_token / n
     peak = width * op.act_bytes_per_token / n + op_scratch_bytes(op, tp, 1, width, context, layout, gather=False)
-    terms = (weights, op.state_bytes(context) / state_shards(op, tp), stream, peak,
-             expert_gather_bytes(op, tp, MOE_TOKEN_BLOCK, layout))
+    terms = (weights, op_state_per_slot(op, tp, context), stream, peak,
+             expert_gather_bytes(op, tp, MOE_TOKEN_BLOCK, layout), null_page_bytes(op, tp))
     if len(_TERMS) > 1 << 20:
         _TERMS.clear()
     _TERMS[key] = (op, terms)
@@ -209,6 +227,7 @@ class Footprint:
     per_slot: float   # state
     per_row: float    # activations of one row of a step, without the experts' gathered weights
     fixed: float = 0.0  # the largest block of gathered expert weights (`expert_gather_bytes`)
+    null_pages: float = 0.0  # each full-attention layer's null page (`null_page_bytes`)
 
     @classmethod
     def of(cls, ops, tp: int, context: int, width: int = PREFILL_CHUNK, layout: str = "tp") -> Footprint:
@@ -216,21 +235,23 @@ class Footprint:
         expert weights, and those as `fixed`: combined from each op's terms (`_op_terms`, memoized:
         the planner asks for many op lists that share ops)."""
         per_weight: dict[str, float] = {}
-        state = stream = peak = fixed = 0.0
+        state = stream = peak = fixed = null = 0.0
         for op in ops:
-            weights, op_state, op_stream, op_peak, gather = _op_terms(op, tp, context, width, layout)
+            weights, op_state, op_stream, op_peak, gather, op_null = _op_terms(op, tp, context, width, layout)
             for name, nbytes in weights:
                 if nbytes > per_weight.get(name, -1.0):
                     per_weight[name] = nbytes
             state += op_state
+            null += op_null
             stream, peak, fixed = max(stream, op_stream), max(peak, op_peak), max(fixed, gather)
         if not per_weight and not peak:
-            return cls(weights=0.0, per_slot=state, per_row=0.0, fixed=0.0)
+            return cls(weights=0.0, per_slot=state, per_row=0.0, fixed=0.0, null_pages=null)
         return cls(weights=sum(per_weight.values()), per_slot=state, per_row=width * STREAM_COPIES * stream + peak,
-                   fixed=fixed)
+                   fixed=fixed, null_pages=null)
 
     def bytes_at(self, slots: int, rows: int) -> float:
-        return self.weights + slots * self.per_slot + (self.fixed + rows * self.per_row if rows > 0 else 0.0)
+        return (self.weights + self.null_pages + slots * self.per_slot
+                + (self.fixed + rows * self.per_row if rows > 0 else 0.0))
 
     def bytes(self, batch: int, microbatches: int, replicas: int) -> float:
         """A rank of the largest replica of an owner with `replicas` replicas, resident batch

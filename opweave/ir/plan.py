@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 PREFILL_CHUNK = 128
+PAGE_TOKENS = 16  # positions per KV page of a full-attention layer (`opweave.runtime.pages`)
 """Default prefill budget (a planned figure carried by each rank program): at most this many prompt
 tokens per round and microbatch, beside the decoding rows' one token each; a longer prompt is
 prefilled over several rounds, and several short ones share a round (`opweave.runtime.scheduler`).

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opweave.kernels import paged as PK
 from opweave.kernels import reference as K
+from opweave.kernels.paged import PagedKV
 from opweave.kernels.reference import NON_FINITE_TOKEN  # noqa: F401  (re-exported)
 from opweave.ir.facts import OpFacts, StateSpec
 from opweave.ir.kinds import OpKind, TPRule
@@ -55,6 +57,7 @@ class OpModule(nn.Module):
 
     kind: OpKind
     state_attrs: tuple[str, ...] = ()  # per-sequence state tensors, batch-major (set by allocate_state)
+    paged = False  # keeps its state in KV pages (`allocate_pages`, `opweave.runtime.pages`), not per slot
 
     def __init__(self, cfg: ModelConfig, layer: int | None):
         super().__init__()
@@ -303,10 +306,26 @@ class Attention(OpModule):
         self.k_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
         self.v_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
 
+    @property
+    def paged(self) -> bool:
+        """Full attention keeps its cache in pages (`allocate_pages`); a sliding window keeps its
+        ring buffer per slot, bounded by the window."""
+        return not self.window
+
+    def allocate_pages(self, pages: int, page_tokens: int, device) -> None:
+        """The layer's page pools, `[pages + 1, page_tokens, Hkv, D]`: the last is the null page
+        (`opweave.kernels.paged`)."""
+        c = self.cfg
+        shape = (pages + 1, page_tokens, c.num_kv_heads, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
+        self.v_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                state: tuple[torch.Tensor, torch.Tensor] | None = None):
+                state: tuple[torch.Tensor, torch.Tensor] | PagedKV | None = None):
         """`state`: the (k cache, v cache) of these rows (the runtime passes a microbatch's
-        view); by default the module's own caches."""
+        view), or their pages (`PagedKV`); by default the module's own caches."""
+        if isinstance(state, PagedKV):
+            return paged_attention(self, q, k, v, positions, state)
         c = self.cfg
         b, t = positions.shape
         k_cache, v_cache = (self.k_cache, self.v_cache) if state is None else state
@@ -327,6 +346,25 @@ class Attention(OpModule):
             state=StateSpec(bytes_per_token=kv_bytes, max_tokens=self.window, max_shards=c.num_kv_heads),
             tp_rule=TPRule.HEADS, tp_units=c.num_heads, kv_heads=c.num_kv_heads,
         )
+
+
+def paged_attention(op: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    kv: PagedKV, kernels=PK) -> torch.Tensor:
+    """Full attention `op` over its paged cache `kv` (`opweave.kernels.paged`; `kernels`: the module
+    of the paged kernels, the Triton ones on CUDA): a one-token step writes, then attends; a chunk
+    attends the cache and itself, then writes. `op.sinks`, where the layer has them (GPT-OSS)."""
+    c = op.cfg
+    b, t = positions.shape
+    sinks = getattr(op, "sinks", None)
+    if t == 1:
+        kernels.paged_cache_write(kv.k_pages, kv.v_pages, kv.table, k, v, positions)
+        out = kernels.paged_decode_attention(q[:, 0], kv.k_pages, kv.v_pages, kv.table, positions[:, 0],
+                                             c.attn_scale, kv.span, sinks)
+    else:
+        out = kernels.paged_chunk_attention(q, k, v, kv.k_pages, kv.v_pages, kv.table, positions, c.attn_scale,
+                                            kv.span, sinks)
+        kernels.paged_cache_write(kv.k_pages, kv.v_pages, kv.table, k, v, positions)
+    return out.reshape(b, t, c.num_heads * c.head_dim)
 
 
 class OProj(OpModule):

@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from opweave.kernels import reference as K
+from opweave.kernels.paged import PagedKV
 from opweave.errors import OpWeaveError
 from opweave.ir.facts import OpFacts
 from opweave.ir.kinds import OpKind, TPRule
 from opweave.models.config import SLIDING, ModelConfig
-from opweave.models.ops import Attention, MoERouter, OpModule, OProj, RoutedExperts, layer_prefix
+from opweave.models.ops import Attention, MoERouter, OpModule, OProj, RoutedExperts, layer_prefix, paged_attention
 
 
 class SinkAttention(Attention):
@@ -39,7 +40,9 @@ class SinkAttention(Attention):
         self._param("sinks", layer_prefix(layer) + "self_attn.sinks", cfg.num_heads)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                state: tuple[torch.Tensor, torch.Tensor] | None = None):
+                state: tuple[torch.Tensor, torch.Tensor] | PagedKV | None = None):
+        if isinstance(state, PagedKV):
+            return paged_attention(self, q, k, v, positions, state)
         c = self.cfg
         b, t = positions.shape
         k_cache, v_cache = (self.k_cache, self.v_cache) if state is None else state

@@ -17,7 +17,7 @@ count as sends, the embedding owner's token-id receives as receives.
 
 from __future__ import annotations
 
-from opweave.cost.memory import MemoryBreakdown, activation_bytes, state_bytes_per_slot, weight_bytes
+from opweave.cost.memory import MemoryBreakdown, activation_bytes, state_bytes, weight_bytes
 from opweave.ir.graph import Op, OpGraph
 from opweave.ir.plan import PREFILL_CHUNK
 from opweave.passes.carry import held_peak
@@ -94,7 +94,7 @@ def plan_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: in
         if len(set(owners)) > 1 else 0
     return MemoryBreakdown(
         weights=weight_bytes(ops, o.tp, o.experts),
-        state=plan.microbatches * (hi - lo) * state_bytes_per_slot(ops, o.tp, plan.context),
+        state=state_bytes(ops, o.tp, plan.microbatches * (hi - lo), plan.context),
         activations=activation_bytes(ops, o.tp, hi - lo, width, plan.context, o.experts)
         + plan.microbatches * (hi - lo) * width * held,
         buffers=buffer_bytes(plan, owner, replica, width, tp_rank))

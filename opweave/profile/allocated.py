@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from opweave.cost.memory import CATEGORIES, MemoryBreakdown
-from opweave.ir.plan import PREFILL_CHUNK
+from opweave.ir.kinds import OpKind
+from opweave.ir.plan import PAGE_TOKENS, PREFILL_CHUNK
 from opweave.ir.program import RankProgram
 from opweave.passes.plan_memory import SEND_ROUNDS, plan_rank_memory
 from opweave.runtime.message import message_bytes
@@ -83,13 +84,11 @@ def weight_bytes(modules: dict) -> int:
 
 
 def allocate_state(modules: dict, program: RankProgram) -> int:
-    """Allocates every module's state as the worker does; returns its bytes."""
+    """Allocates every module's state as the worker does (`RankState.allocate`: full attention in
+    pages); returns its bytes (the block table, int32 per slot and page, is a buffer: not counted)."""
     rows = program.rows[1] - program.rows[0]
-    total = 0
-    for m in modules.values():
-        m.allocate_state(program.num_microbatches * rows, program.context, META)
-        total += sum(getattr(m, a).untyped_storage().nbytes() for a in m.state_attrs)
-    return total
+    RankState.allocate(modules, rows, program.num_microbatches, program.context, META)
+    return sum(getattr(m, a).untyped_storage().nbytes() for m in modules.values() for a in m.state_attrs)
 
 
 def buffer_bytes(program: RankProgram, dtype: torch.dtype, width: int) -> int:
@@ -180,7 +179,7 @@ class MetaRuntime:
         self.program, self.ops, self.dtype, self.width = program, ops, dtype, width
         self.rows = program.rows[1] - program.rows[0]
         self._stage = {st.stage: st for st in program.stages}
-        self.state = RankState(ops, self.rows, program.num_microbatches)  # views of the state on meta
+        self.state = RankState(ops, self.rows, program.num_microbatches, program.context, META)  # views on meta
 
     def state_views(self, op: int):
         """The op's state, one view per microbatch (as the worker passes it)."""
@@ -251,29 +250,54 @@ class RankMemory:
     tp: int
     planned: MemoryBreakdown
     allocated: MemoryBreakdown
+    kv_pages: tuple[int, int] = (0, 0)  # KV pages per full-attention layer: planned, allocated (no null page)
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "owner": self.owner, "gpu": self.gpu, "tp": self.tp,
-                "planned": self.planned.to_json(), "allocated": self.allocated.to_json()}
+                "planned": self.planned.to_json(), "allocated": self.allocated.to_json(),
+                "kv_pages": {"planned": self.kv_pages[0], "allocated": self.kv_pages[1], "page_tokens": PAGE_TOKENS}}
+
+
+def planned_pages(plan, graph, owner: int, replica: int) -> int:
+    """The KV pages each full-attention layer of a rank of (owner, replica) holds in the plan:
+    slots x ceil(context / PAGE_TOKENS), or 0 where the owner runs no full attention."""
+    from opweave.passes.lower import replica_rows
+    from opweave.passes.plan_memory import owner_ops
+
+    if not any(op.kind == OpKind.ATTN_FULL for op in owner_ops(plan, graph, owner)):
+        return 0
+    lo, hi = replica_rows(plan.batch // plan.microbatches, plan.owners[owner].replicas)[replica]
+    return plan.microbatches * (hi - lo) * -(-plan.context // PAGE_TOKENS)
+
+
+def allocated_pages(modules: dict) -> int:
+    """The pages of the paged modules' pools as allocated (the null page not counted)."""
+    pools = {getattr(m, m.state_attrs[0]).shape[0] - 1 for m in modules.values() if m.paged and m.state_attrs}
+    if len(pools) > 1:
+        raise RuntimeError(f"full-attention layers of one rank hold different page counts: {sorted(pools)}")
+    return pools.pop() if pools else 0
 
 
 def measure_rank(cfg, op_names: list[str], program: RankProgram, program_class=None,
-                 width: int = PREFILL_CHUNK, same_as: MemoryBreakdown | None = None) -> MemoryBreakdown:
-    """The allocated breakdown of one rank (activations 0 without the generated `Program` class).
+                 width: int = PREFILL_CHUNK, same_as: tuple[MemoryBreakdown, int] | None = None
+                 ) -> tuple[MemoryBreakdown, int]:
+    """The allocated breakdown of one rank (activations 0 without the generated `Program` class)
+    and the KV pages of its full-attention layers' pools (`allocated_pages`).
 
-    `same_as`: the breakdown of a TP peer of this rank (same modules, state and step: only the
+    `same_as`: what a TP peer of this rank measured (same modules, state and step: only the
     buffers, which leaders alone hold, are measured again)."""
     from opweave.models.ops import torch_dtype
 
     dtype = torch_dtype(cfg)
     buffers = buffer_bytes(program, dtype, width)
     if same_as is not None:
-        return dataclasses.replace(same_as, buffers=buffers)
+        return dataclasses.replace(same_as[0], buffers=buffers), same_as[1]
     modules = build_modules(cfg, op_names, program)
     weights = weight_bytes(modules)
     state = allocate_state(modules, program)
     activations = activation_peak(modules, program, program_class, dtype, width) if program_class else 0
-    return MemoryBreakdown(weights=weights, state=state, activations=activations, buffers=buffers)
+    return MemoryBreakdown(weights=weights, state=state, activations=activations, buffers=buffers), \
+        allocated_pages(modules)
 
 
 def artifact_memory(folder: str, activations: bool = True) -> list[RankMemory]:
@@ -299,12 +323,13 @@ def artifact_memory(folder: str, activations: bool = True) -> list[RankMemory]:
         width = min(program.prefill_chunk, program.context)
         cls = load_program_source(art, f"rank_{rank:02d}.py").Program if activations else None
         peer = peers.get((program.owner, program.replica))  # a TP peer measured already
-        allocated = measure_rank(cfg, op_names, program, cls, width, same_as=peer)
-        peers.setdefault((program.owner, program.replica), allocated)
+        allocated, pages = measure_rank(cfg, op_names, program, cls, width, same_as=peer)
+        peers.setdefault((program.owner, program.replica), (allocated, pages))
         out.append(RankMemory(rank=rank, owner=program.owner, gpu=plan.owners[program.owner].gpu, tp=program.tp,
                               planned=plan_rank_memory(plan, graph, program.owner, program.replica,
                                                        program.tp_rank, width),
-                              allocated=allocated))
+                              allocated=allocated,
+                              kv_pages=(planned_pages(plan, graph, program.owner, program.replica), pages)))
     return out
 
 
@@ -319,6 +344,9 @@ def format_memory(ranks: list[RankMemory]) -> str:
             p, a = getattr(r.planned, c), getattr(r.allocated, c)
             ratio = f"{a / p:.3f}" if p else ("-" if not a else "inf")
             lines.append(f"  {c:12} {_gb(p):>12} {_gb(a):>12} {ratio:>10}")
+        if any(r.kv_pages):
+            lines.append(f"  {'KV pages':12} {r.kv_pages[0]:>12} {r.kv_pages[1]:>12}   "
+                         f"per full-attention layer, {PAGE_TOKENS} positions each (+1 null page)")
     return "\n".join(lines)
 
 
@@ -370,9 +398,11 @@ def pinned_memory(fe, template: str, owners: list[tuple], batch: int, microbatch
                  module.__dict__)
             cls = module.Program
         width = min(program.prefill_chunk, program.context)
+        allocated, pages = measure_rank(fe.source.cfg, names, program, cls, width)
         out.append(RankMemory(rank=program.rank, owner=program.owner, gpu=plan.owners[program.owner].gpu,
                               tp=program.tp,
                               planned=plan_rank_memory(plan, fe.graph, program.owner, program.replica,
                                                        program.tp_rank, width),
-                              allocated=measure_rank(fe.source.cfg, names, program, cls, width)))
+                              allocated=allocated,
+                              kv_pages=(planned_pages(plan, fe.graph, program.owner, program.replica), pages)))
     return out

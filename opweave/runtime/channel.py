@@ -64,13 +64,18 @@ class Ready:
 class RoundReport:
     """Rank `rank` of replica set `replica_set` ran rounds of these wall times (seconds); a
     scheduler leader adds the token positions its rows computed in them and how many of those were
-    real tokens (the rest: padding tokens of microbatches its rows did not feed)."""
+    real tokens (the rest: padding tokens of microbatches its rows did not feed), the prompt tokens
+    it looked up in its prefix cache and found there (since its last report), and the share of its
+    KV pages that sequences hold now (`opweave.runtime.pages`)."""
 
     replica_set: int
     rank: int
     seconds: tuple[float, ...]
     computed: int = 0
     used: int = 0
+    prefix_queried: int = 0
+    prefix_hit: int = 0
+    kv_usage: float = 0.0
 
 
 ToLeader = Add | Cancel | Stop

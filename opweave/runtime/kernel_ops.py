@@ -3,9 +3,10 @@
 On CUDA the runtime wraps the operators that have kernels so the generated code calls the Triton
 kernels; on CPU it keeps the torch operator modules. `OPWEAVE_KERNELS=triton|torch` forces a
 backend (with `TRITON_INTERPRET=1`, Triton runs on CPU: that is how the tests check this path).
-Decode attention uses the kernel for one-token steps (prefill chunks stay on the operator module,
-whose math is the torch reference kernels); the Gated-DeltaNet module runs its recurrence with
-the backend's `gdn_step`.
+Paged full attention (`opweave.kernels.paged`) runs the backend's paged kernels, decode and
+prefill chunks; a sliding window's ring buffer uses the decode kernel for one-token steps (its
+chunks stay on the operator module, whose math is the torch reference kernels); the Gated-DeltaNet
+module runs its recurrence with the backend's `gdn_step`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from torch import nn
 
 from opweave import config
 from opweave.kernels import get_backend
+from opweave.kernels import paged as PK
+from opweave.kernels.paged import PagedKV
 from opweave.kernels.reference import cache_write
 from opweave.ir.kinds import OpKind
-from opweave.models.ops import OpModule
+from opweave.models.ops import OpModule, paged_attention
 
 
 def kernel_backend(device: torch.device) -> str:
@@ -68,6 +71,8 @@ class KernelOp(nn.Module):
                                         op.down_bias, m.swiglu_alpha, m.swiglu_limit)
         if kind == OpKind.SAMPLE:
             return k.argmax(args[0][:, -1, :])
+        if kind == OpKind.ATTN_FULL and isinstance(state, PagedKV):  # the backend's paged kernels
+            return paged_attention(op, *args, state, kernels=k if hasattr(k, "paged_decode_attention") else PK)
         if kind in (OpKind.ATTN_FULL, OpKind.ATTN_SLIDING) and args[3].shape[1] == 1:
             return self._decode_attention(*args, state=state)
         if kind == OpKind.ATTN_LINEAR:  # the module's conv and gates around the backend's recurrence

@@ -76,6 +76,7 @@ class RunConfig:
     serve: object = None      # `channel.ServeQueues`: requests arrive while the ranks run (opweave serve)
     threads: int | None = None  # torch threads per rank; None: the cores this process may use, shared by the ranks
     prefill_budget: int | None = None  # prompt tokens per round and microbatch; None: the plan's prefill chunk
+    prefix_cache: bool = True  # prompts start on cached KV pages where the model and plan allow (`runtime.prefix`)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -204,7 +205,8 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
                            rank=rank, world=world)
         heartbeat.report(Phase.JOINED)
         out = run_rank(artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret,
-                       cfg.trace, serve=cfg.serve, replica_set=replica_set, prefill_budget=cfg.prefill_budget)
+                       cfg.trace, serve=cfg.serve, replica_set=replica_set, prefill_budget=cfg.prefill_budget,
+                       prefix_cache=cfg.prefix_cache)
         if rank == 0:
             folder.put_result(replica_set, *out)
         dist.destroy_process_group()

@@ -30,6 +30,8 @@ import functools
 
 import torch
 
+from opweave.kernels.paged import PagedKV
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Segment:
@@ -139,13 +141,15 @@ def _join(parts: list):
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def packed_call(op, layout: Layout, args: tuple, state: tuple[torch.Tensor, ...]):
+def packed_call(op, layout: Layout, args: tuple, state):
     """Stateful operator `op` over a packed batch: one call per segment, each with its rows'
-    state (views of the microbatch's state `state`), the outputs joined in token order."""
+    state (views of the microbatch's state `state`: a tuple of per-row tensors, or its pages), the
+    outputs joined in token order."""
     total = layout.tokens
     parts = []
     for seg in layout.segments:
-        views = tuple(t[seg.row:seg.row + seg.rows] for t in state)
+        views = (state.rows(seg.row, seg.row + seg.rows) if isinstance(state, PagedKV)
+                 else tuple(t[seg.row:seg.row + seg.rows] for t in state))
         parts.append(_flat(op(*(_take(a, seg, total) for a in args), state=views), seg))
     return _join(parts)
 

@@ -36,6 +36,9 @@ from opweave.errors import OpWeaveError
 from opweave.ir.plan import PREFILL_CHUNK
 from opweave.models.ops import NON_FINITE_TOKEN
 from opweave.kernels.sampling import GREEDY
+from opweave.runtime import pages as P
+from opweave.runtime.pages import PagePool
+from opweave.runtime.prefix import PrefixCache, page_keys
 
 
 @dataclasses.dataclass
@@ -65,6 +68,8 @@ class RowStep:
     last: bool = False     # ... its last one, known ahead (max_new_tokens or the context)
     pad: int = 0           # idle, but the round was agreed with this many tokens here (a request
                            # that ended after its step was planned): padding tokens, position -1
+    event: int = P.NONE    # the row's page event this round (`opweave.runtime.pages`)
+    fills: tuple[int, ...] = ()  # prompt pages this step fills that a later prompt may share
 
     @property
     def idle(self) -> bool:
@@ -86,6 +91,11 @@ class StepPlan:
         """Tokens per row this round (0 idle, 1 decoding, a prompt chunk's length)."""
         return tuple(s.pad if s.idle else len(s.tokens) or 1 for s in self.rows)
 
+    @property
+    def values(self) -> tuple[int, ...]:
+        """Per row, its tokens and page event as the control word carries them (`pages.encode`)."""
+        return tuple(P.encode(c, s.event) for c, s in zip(self.counts, self.rows))
+
 
 @dataclasses.dataclass
 class _Row:
@@ -94,13 +104,23 @@ class _Row:
     pending: list[int] = dataclasses.field(default_factory=list)  # prompt tokens not yet planned
     planned: int = 0                 # output steps planned for the request
     admitted: int = 0                # admission order (prefilling rows share the budget in it)
+    event: int = P.NONE              # page event of the row's next planned step
+    release: bool = False            # its last request left: drop its pages in the next round
+    keys: list[int] = dataclasses.field(default_factory=list)  # the prompt's page keys (prefix reuse)
 
 
 class Scheduler:
     def __init__(self, requests: list[Request], num_microbatches: int, rows: int, context: int,
-                 eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK, on_event=None):
+                 eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK, on_event=None,
+                 prefix_cache: bool = False):
+        """`prefix_cache`: start prompts on the cached pages of earlier ones (`opweave.runtime.prefix`;
+        the caller checks the model and plan allow it)."""
         if prefill_chunk < 1:
             raise OpWeaveError(f"prefill chunk must be at least 1 token, got {prefill_chunk}")
+        # the pages of this replica's slots as every rank holding them will (`opweave.runtime.pages`)
+        self.pool = PagePool.for_context(num_microbatches * rows, context)
+        self.prefix = PrefixCache(self.pool) if prefix_cache else None
+        self._started = 0  # rounds whose steps have started (taken): their pages are written
         self.queue = deque(requests)
         self.prefill_chunk = prefill_chunk
         self.num_microbatches, self.rows = num_microbatches, rows
@@ -131,6 +151,14 @@ class Scheduler:
                 req.error = f"prompt of {len(req.prompt)} tokens does not fit the planned context of {self.context}"
             else:
                 row.request, row.position, row.pending, row.planned = req, 0, list(req.prompt), 0
+                row.event, row.release = P.START, False
+                if self.prefix is not None:
+                    row.keys = page_keys(req.prompt, self.pool.page_tokens)
+                    found, last = self.prefix.lookup(row.keys, len(req.prompt), self._started)
+                    if found:
+                        row.event = P.SHARED + last
+                        row.position = found * self.pool.page_tokens
+                        row.pending = list(req.prompt[row.position:])
                 self._admissions += 1
                 row.admitted = self._admissions
                 self._open.add(req.index)
@@ -143,11 +171,12 @@ class Scheduler:
         """Row `row`'s step this round, feeding at most `budget` prompt tokens (0: a prefilling
         row waits, idle)."""
         req = row.request
+        event, row.event = row.event, P.NONE
         if req is None:
-            return RowStep()
+            return RowStep(event=event)
         if row.pending:
-            if budget <= 0:
-                return RowStep()
+            if budget <= 0:  # waits (idle); a new request's page event goes out now all the same
+                return RowStep(event=event)
             chunk, row.pending = row.pending[:budget], row.pending[budget:]
             first, output = row.position, not row.pending
             row.position += len(chunk)
@@ -160,7 +189,8 @@ class Scheduler:
             last = row.planned >= req.max_new_tokens or row.position >= self.context
             if last:
                 row.request = None  # the slot takes the next request in the next planned round
-        return RowStep(req, tuple(chunk), first, output, last)
+                row.release = True
+        return RowStep(req, tuple(chunk), first, output, last, event=event)
 
     def _plan_rows(self, rows: list[_Row]) -> StepPlan:
         """One microbatch's round: free rows admit, decoding rows step, then the prefilling rows
@@ -168,6 +198,8 @@ class Scheduler:
         for row in rows:
             if row.request is None:
                 self._admit(row)
+            if row.request is None and row.release:  # ended, and no request takes the row
+                row.event, row.release = P.RELEASE, False
         steps: list[RowStep | None] = [None] * len(rows)
         prefilling = []
         for i, row in enumerate(rows):
@@ -184,19 +216,44 @@ class Scheduler:
 
     def plan(self) -> tuple[tuple[int, ...], ...]:
         """Plans round `planned_rounds` (then advances it); its tokens per row, per microbatch."""
+        return tuple(tuple(P.decode(v)[0] for v in mb) for mb in self.plan_round())
+
+    def plan_round(self) -> tuple[tuple[int, ...], ...]:
+        """Plans round `planned_rounds` (then advances it); per microbatch, each row's tokens and
+        page event as the control word carries them (`opweave.runtime.pages.encode`)."""
         r = self.planned_rounds
-        counts = []
+        values = []
         for mb in range(self.num_microbatches):
             plan = self._plan_rows(self._rows[mb])
+            plan = self._pages(mb, plan, r)
             self._plans[(r, mb)] = plan
             if any(s.output for s in plan.rows):
                 self._outputs[(r, mb)] = plan
-            counts.append(plan.counts)
+            values.append(plan.values)
         self.planned_rounds += 1
-        return tuple(counts)
+        return tuple(values)
+
+    def _pages(self, mb: int, plan: StepPlan, round_index: int) -> StepPlan:
+        """Applies the round's rows to the scheduler's copy of the pool, as every rank will; with
+        prefix reuse, keys the prompt pages the round fills (the steps carry them, `RowStep.fills`)."""
+        steps = list(plan.rows)
+        for r, (step, value) in enumerate(zip(steps, plan.values)):
+            slot = mb * self.rows + r
+            self.pool.apply(slot, *P.decode(value))
+            if self.prefix is not None and step.tokens:
+                row = self._row_of(mb, r)
+                fills = self.prefix.register(self.pool.tables[slot], row.keys, step.first,
+                                             step.first + len(step.tokens), round_index)
+                if fills:
+                    steps[r] = dataclasses.replace(step, fills=fills)
+        return StepPlan(tuple(steps))
+
+    def _row_of(self, mb: int, r: int) -> _Row:
+        return self._rows[mb][r]
 
     def take(self, round_index: int, mb: int) -> StepPlan:
         """The plan of microbatch `mb` in round `round_index`, as the round runs (once)."""
+        self._started = max(self._started, round_index + 1)  # it runs to the end: its pages are written
         return self._plans.pop((round_index, mb))
 
     # ---------------------------------------------------------------- learning the tokens
@@ -272,8 +329,11 @@ class Scheduler:
         for rows in self._rows:  # stop planning it
             for row in rows:
                 if row.request is req:
-                    row.request, row.pending = None, []
+                    row.request, row.pending, row.release = None, [], True
         for key, plan in list(self._plans.items()):  # planned steps not yet run: the row idles, its
             if any(s.request is req for s in plan.rows):  # agreed tokens become padding
-                self._plans[key] = StepPlan(tuple(RowStep(pad=len(s.tokens) or 1) if s.request is req else s
-                                                  for s in plan.rows))
+                for s in plan.rows:
+                    if s.request is req and self.prefix is not None:
+                        self.prefix.forget(s.fills)  # never written
+                self._plans[key] = StepPlan(tuple(RowStep(pad=len(s.tokens) or 1, event=s.event)
+                                                  if s.request is req else s for s in plan.rows))

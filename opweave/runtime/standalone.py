@@ -24,6 +24,7 @@ from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import torch_dtype
 from opweave.runtime.shard import materialize
+from opweave.runtime.pages import START, encode
 from opweave.runtime.state import RankState
 
 
@@ -36,6 +37,9 @@ class _LoneRuntime:
                                device, experts=program.experts)
         self.rows = program.rows[1] - program.rows[0]
         self.state = RankState.allocate(self.ops, self.rows, program.num_microbatches, program.context, device)
+        if self.state.pool is not None:  # every slot holds the whole context's pages: a round reads what it plans
+            full = ((encode(program.context, START),) * self.rows,) * program.num_microbatches
+            self.state.apply_round(full, 0)
         self.program, self.width, self.dtype, self.device = program, width, torch_dtype(cfg), device
         self._stage = {st.stage: st for st in program.stages}
         self.positions = torch.zeros(self.rows, width, dtype=torch.long, device=device)  # static: graph-safe

@@ -30,6 +30,7 @@ from opweave.ir.program import RankProgram, StageProgram, Transfer
 from opweave.runtime.inbox import Inbox, Slot
 from opweave.runtime.layout import Layout
 from opweave.runtime.message import WORD_BYTES, pack_message, unpack_message
+from opweave.runtime.pages import decode
 from opweave.kernels.sampling import WORD
 
 
@@ -244,9 +245,11 @@ class Transport:
         values = previous[1].tolist()
         return bool(values[0]), self._unflatten(values[1:])
 
-    def start_round(self, round_index: int, counts: tuple[tuple[int, ...], ...]) -> None:
-        """The round's tokens per row (global rows, per microbatch); posts its first receives (CPU)."""
-        self.last_counts, self.counts = self.counts, tuple(tuple(c) for c in counts)
+    def start_round(self, round_index: int, values: tuple[tuple[int, ...], ...]) -> None:
+        """The round's control-word values per row (global rows, per microbatch: tokens and page
+        event, `opweave.runtime.pages.encode`); posts its first receives (CPU)."""
+        self.values = values
+        self.last_counts, self.counts = self.counts, tuple(tuple(decode(v)[0] for v in mb) for mb in values)
         self.layouts = tuple(self.layout(c) for c in self.counts)
         for layout, counts in zip(self.layouts, self.counts):
             if any(counts):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from opweave import config
 from opweave.ir.kinds import OpKind
+from opweave.ir.plan import plan_from_json
 from opweave.ir.program import RankProgram, program_from_json
 from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
@@ -66,12 +67,14 @@ class Runtime:
     def __init__(self, artifact: VerifiedArtifact, program: RankProgram, weights: str, device: str,
                  groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False,
                  comm=dist, serve: ServeQueues | None = None, replica_set: int = 0,
-                 prefill_budget: int | None = None):
+                 prefill_budget: int | None = None, prefix_cache: bool = True):
         """With `serve` (a server's queues), the rank serves: it samples each row by its sampling
         word, and a scheduler leader takes its requests from its inbox in `replica_set` between
         rounds and reports every token learned and every end to the outbox (`Ready` once loaded).
         `prefill_budget`: prompt tokens per round and microbatch (default: the program's
-        `prefill_chunk`; the launcher checks it against the plan's memory)."""
+        `prefill_chunk`; the launcher checks it against the plan's memory). `prefix_cache`: prompts
+        start on the cached KV pages of earlier ones where the model and plan allow it
+        (`prefix_reuse`)."""
         self.program = program
         self.timeline = Timeline() if trace else None  # measured spans (see opweave.runtime.timeline)
         self.device = torch.device(device)
@@ -91,9 +94,11 @@ class Runtime:
         m = program.num_microbatches
         self.state = RankState.allocate(self.modules, self.rows, m, program.context, self.device)
         check_placement(self.modules, self.device, op_names, f"rank {program.rank}")  # weights and state
-        self.scheduler = (Scheduler(requests, m, self.rows, program.context, cfg.eos_token_ids,
-                                    prefill_budget or program.prefill_chunk)
-                          if program.scheduler and program.tp_rank == 0 else None)
+        self.scheduler = None
+        if program.scheduler and program.tp_rank == 0:
+            self.scheduler = Scheduler(requests, m, self.rows, program.context, cfg.eos_token_ids,
+                                       prefill_budget or program.prefill_chunk,
+                                       prefix_cache=prefix_cache and prefix_reuse(artifact, modules) is None)
         self.tp = TPGroup(program.tp_group, program.tp_rank, groups[program.tp_group] if program.tp > 1 else None,
                           comm=comm, device=self.device)
         self.transport = Transport(program, self.dtype, tokens_back=self.scheduler is not None, device=self.device,
@@ -180,6 +185,15 @@ class Runtime:
         live = [layout for mb, layout in enumerate(self.layouts) if self.transport.live(mb)]
         return sum(layout.tokens for layout in live), sum(layout.real for layout in live)
 
+    def cache_stats(self) -> tuple[int, int, float]:
+        """A scheduler leader's prefix lookups so far (prompt tokens looked up, found cached) and
+        the share of its replica's KV pages sequences hold; zeros elsewhere."""
+        if self.scheduler is None:
+            return 0, 0, 0.0
+        pool, prefix = self.scheduler.pool, self.scheduler.prefix
+        held = 1.0 - pool.available / pool.pages if pool.pages else 0.0
+        return (prefix.queried, prefix.hit, held) if prefix is not None else (0, 0, held)
+
     def live(self, stage: int, mb: int) -> bool:
         """Whether microbatch `mb` runs this round (the generated code skips it otherwise). A
         skipped microbatch that ran last round still takes its token ids back, at stage 0."""
@@ -196,7 +210,7 @@ class Runtime:
         b, (lo, hi) = self.program.microbatch_size, self.program.rows
         if self.scheduler is None:
             return ((0,) * b,) * self.program.num_microbatches
-        return tuple((0,) * lo + counts + (0,) * (b - hi) for counts in self.scheduler.plan())
+        return tuple((0,) * lo + values + (0,) * (b - hi) for values in self.scheduler.plan_round())
 
     def _mark(self, kind: str, stage: int = -1, mb: int = -1) -> None:
         if self.timeline is not None:
@@ -344,6 +358,7 @@ class Runtime:
     def _start_round(self, round_index: int, counts: tuple[tuple[int, ...], ...]) -> None:
         """The round's agreed layout; a scheduler leader takes its plan and writes its inputs."""
         self.transport.start_round(round_index, counts)
+        self.state.apply_round(self.transport.values, self.program.rows[0])  # pages, as every rank does
         if self.scheduler is not None:
             for mb in range(self.program.num_microbatches):
                 plan = self.scheduler.take(round_index, mb)
@@ -391,6 +406,25 @@ def _packed(ops: dict, modules: dict[int, OpModule], layout) -> dict:
     return out
 
 
+def prefix_reuse(artifact: VerifiedArtifact, modules: dict) -> str | None:
+    """Why prompts cannot share cached KV pages under this artifact's plan (None: they can):
+    every stateful layer of the model must be paged full attention, and every rank holding state
+    must hold exactly one scheduling replica's rows (`opweave.runtime.prefix`). `modules`: the
+    model's operator modules by name (on meta)."""
+    unpaged = sorted({type(m).__name__ for m in modules.values()
+                      if getattr(m, "state_attrs", ()) and not getattr(m, "paged", False)})
+    if unpaged:
+        return f"the model keeps state outside pages ({', '.join(unpaged)})"
+    plan = plan_from_json(artifact.json("plan.json"))
+    names = artifact.json("ops.json")
+    first = plan.owners[plan.stages[0].owner].replicas
+    split = sorted({st.owner for st in plan.stages if plan.owners[st.owner].replicas != first and any(
+        getattr(modules[names[i]], "state_attrs", ()) for i in range(st.first_op, st.last_op + 1))})
+    if split:
+        return f"owners {split} hold KV for rows that are not one scheduling replica's"
+    return None
+
+
 def load_program_module(path: str):
     """A generated module run by hand (`python rank_00.py`): the user executes that file anyway.
     `run_rank` never uses this: it executes the verified bytes (`load_program_source`)."""
@@ -402,7 +436,7 @@ def load_program_module(path: str):
 
 def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: str, requests: list[Request],
              interpret: bool = False, trace: bool = False, serve: ServeQueues | None = None, replica_set: int = 0,
-             prefill_budget: int | None = None) -> tuple[list[Request], dict] | None:
+             prefill_budget: int | None = None, prefix_cache: bool = True) -> tuple[list[Request], dict] | None:
     """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the
     outputs and its per-round wall and host (CPU) times, and with `trace` every rank's spans
     (`{"spans": {rank: rows}}`, see opweave.runtime.timeline).
@@ -416,7 +450,7 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
     program = program_from_json(artifact.json(f"rank_{rank:02d}.json"))
     groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
     rt = Runtime(artifact, program, weights, device, groups, _my_requests(program, requests), trace=trace,
-                 serve=serve, replica_set=replica_set, prefill_budget=prefill_budget)
+                 serve=serve, replica_set=replica_set, prefill_budget=prefill_budget, prefix_cache=prefix_cache)
     reports = RoundReports(serve.outbox, replica_set, rank) if serve is not None else None
     runner = RoundRunner(rt, _round_program(rt, artifact, rank, interpret), who=f"rank {rank}")
     rounds = _Rounds(rt, runner, rank, reports)
@@ -484,7 +518,7 @@ class _Rounds:
         self.wall.append(wall)
         self.host.append(host)
         if self.reports is not None:
-            self.reports.add(wall, *self.rt.round_tokens())
+            self.reports.add(wall, *self.rt.round_tokens(), cache=self.rt.cache_stats())
             self.wall, self.host = self.wall[-self.KEEP:], self.host[-self.KEEP:]
 
     def after(self) -> None:
@@ -508,13 +542,14 @@ def _outputs(rt: Runtime, runner: RoundRunner, rounds: _Rounds, rank: int, trace
     done = rt.scheduler.done if rt.scheduler is not None else []
     spans = rt.timeline.to_rows() if rt.timeline is not None else None
     gathered = _gather_json({"done": [dataclasses.asdict(r) for r in done], "spans": spans, "checked": rounds.checked,
-                             "graphs": runner.stats},
+                             "graphs": runner.stats, "cache": rt.cache_stats()},
                             rank, rt.program.world_size, rt.device)
     if rank != 0:
         return None
     out = [Request(**r) for part in gathered for r in part["done"]]
     stats = {"round_s": rounds.wall, "host_s": rounds.host, "checked_rounds": [part["checked"] for part in gathered],
-             "graphs": [part["graphs"] for part in gathered]}
+             "graphs": [part["graphs"] for part in gathered],
+             "prefix_cache": {"queried": sum(p["cache"][0] for p in gathered), "hit": sum(p["cache"][1] for p in gathered)}}
     if trace:
         stats["spans"] = {r: part["spans"] for r, part in enumerate(gathered)}
     return sorted(out, key=lambda r: r.index), stats
@@ -549,16 +584,23 @@ class RoundReports:
         self.outbox, self.replica_set, self.rank = outbox, replica_set, rank
         self._pending: list[float] = []
         self._computed = self._used = 0  # token positions computed / real tokens, since the last report
+        self._reported = (0, 0)  # prefix tokens looked up / found, as of the last report
         self._last = time.monotonic()
 
-    def add(self, seconds: float, computed: int = 0, used: int = 0) -> None:
+    def add(self, seconds: float, computed: int = 0, used: int = 0, cache: tuple[int, int, float] = (0, 0, 0.0)
+            ) -> None:
+        """One round: its wall time, tokens computed and used, and `cache`: the leader's prefix
+        lookups so far (tokens looked up, found) and the KV pages' share held now."""
         self._pending.append(seconds)
         self._computed += computed
         self._used += used
         now = time.monotonic()
         if now - self._last >= ROUND_REPORT_S:
-            self.outbox.put(RoundReport(self.replica_set, self.rank, tuple(self._pending), self._computed, self._used))
+            queried, hit, usage = cache
+            self.outbox.put(RoundReport(self.replica_set, self.rank, tuple(self._pending), self._computed, self._used,
+                                        queried - self._reported[0], hit - self._reported[1], usage))
             self._pending, self._last, self._computed, self._used = [], now, 0, 0
+            self._reported = (queried, hit)
 
 
 def _gather_json(value, rank: int, world: int, device: torch.device) -> list | None:

@@ -109,7 +109,7 @@ class _Request:
 class Engine:
     def __init__(self, artifact: str, weights: str, device: str = "cpu", replica_sets: int = 1,
                  max_queue: int = 256, stall_timeout_s: float = STALL_TIMEOUT_S, threads: int | None = None,
-                 prefill_budget: int | None = None):
+                 prefill_budget: int | None = None, prefix_cache: bool = True):
         from opweave.runtime.checks import artifact_model_config
 
         if max_queue < 1:
@@ -123,7 +123,8 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self._leaders = [(k, j) for k in range(replica_sets) for j in range(len(program["scheduler_leaders"]))]
         self._args = dict(artifact=artifact, weights=weights, device=device, replica_sets=replica_sets,
-                          stall_timeout_s=stall_timeout_s, threads=threads, prefill_budget=prefill_budget)
+                          stall_timeout_s=stall_timeout_s, threads=threads, prefill_budget=prefill_budget,
+                          prefix_cache=prefix_cache)
         self.max_queue = max_queue
         self.healthy, self.error = False, None
         self._requests: dict[int, _Request] = {}
@@ -131,6 +132,8 @@ class Engine:
         self._lock = threading.Lock()
         self._rounds: dict[tuple[int, int], collections.deque] = {}  # (replica set, rank) -> recent round times
         self._tokens_computed = self._tokens_used = 0  # token positions the rounds computed / real tokens
+        self._prefix_queried = self._prefix_hit = 0     # prompt tokens looked up in / found in prefix caches
+        self._kv_usage: dict[tuple[int, int], float] = {}  # per leader: share of its KV pages held
         self._rejected = 0
         self._ranks = None
         self._ready = 0
@@ -211,6 +214,10 @@ class Engine:
                     self._rounds.setdefault(key, collections.deque(maxlen=256)).extend(message.seconds)
                     self._tokens_computed += message.computed
                     self._tokens_used += message.used
+                    self._prefix_queried += message.prefix_queried
+                    self._prefix_hit += message.prefix_hit
+                    if message.computed or message.prefix_queried or message.kv_usage:  # a leader's
+                        self._kv_usage[key] = message.kv_usage
             elif isinstance(message, Ready):
                 self._ready += 1
                 if self._ready == len(self._leaders):
@@ -286,5 +293,8 @@ class Engine:
             waiting = len(self._requests) - running
             rounds = {key: list(times) for key, times in sorted(self._rounds.items())}
             computed, used = self._tokens_computed, self._tokens_used
+            queried, hit = self._prefix_queried, self._prefix_hit
+            usage = max(self._kv_usage.values(), default=0.0)
         return {"running": running, "waiting": waiting, "rejected": self._rejected, "round_s": rounds,
-                "tokens_computed": computed, "tokens_used": used}
+                "tokens_computed": computed, "tokens_used": used, "prefix_queried": queried, "prefix_hit": hit,
+                "kv_usage": usage}

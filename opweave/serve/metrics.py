@@ -88,6 +88,15 @@ class _EngineCollector:
                                   "tokens and padding tokens)", value=stats.get("tokens_computed", 0))
         yield CounterMetricFamily("opweave_round_tokens_used", "Real tokens the rounds computed (prompt chunks and "
                                   "decode steps)", value=stats.get("tokens_used", 0))
+        yield CounterMetricFamily("opweave_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=stats.get("prefix_queried", 0))
+        yield CounterMetricFamily("opweave_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                  "prefilled)", value=stats.get("prefix_hit", 0))
+        queried = stats.get("prefix_queried", 0)
+        yield GaugeMetricFamily("opweave_prefix_cache_hit_rate", "Prompt tokens found cached / looked up, since "
+                                "start", value=stats.get("prefix_hit", 0) / queried if queried else 0.0)
+        yield GaugeMetricFamily("opweave_kv_cache_usage_perc", "Share of the KV pages sequences hold (the fullest "
+                                "scheduling replica; 1 = full)", value=stats.get("kv_usage", 0.0))
         family = GaugeMetricFamily("opweave_round_seconds", "Recent round times of each rank (replica set, rank)",
                                    labels=["replica_set", "rank", "quantile"])
         for (replica_set, rank), rounds in sorted((stats.get("round_s") or {}).items()):

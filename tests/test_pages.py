@@ -1,0 +1,220 @@
+"""The paged KV cache: the page pool's bookkeeping, prefix reuse, and paged rounds with the
+scheduler in one process against transformers (the multi-process runtime tests run the same
+pages on real ranks)."""
+
+import pytest
+import torch
+
+from opweave.ir.kinds import OpKind
+from opweave.kernels import paged as PK
+from opweave.kernels import reference as K
+from opweave.models.registry import resolve
+from opweave.runtime import pages as P
+from opweave.runtime.layout import Layout, Packed
+from opweave.runtime.pages import PagePool
+from opweave.runtime.prefix import PrefixCache, page_keys
+from opweave.runtime.scheduler import Request, Scheduler
+from opweave.runtime.state import RankState
+
+
+# ---------------------------------------------------------------- the pool
+
+def test_pages_grow_release_to_free_or_cached_and_evict_least_recent():
+    pool = PagePool(pages=6, slots=3, width=4, page_tokens=4)
+    evicted = []
+    pool.on_evict = evicted.append
+    pool.apply(0, 9, P.START)             # 3 pages: 0, 1, 2 (the last partly filled)
+    pool.apply(1, 4, P.START)             # 1 page: 3 (full)
+    assert pool.tables[0] == [0, 1, 2] and pool.tables[1] == [3] and pool.lengths[:2] == [9, 4]
+    assert pool.parent[:4] == [-1, 0, 1, -1]
+    assert pool.take_changed() == [(0, [0, 1, 2, 6]), (1, [3, 6, 6, 6])]  # padded with the null page (6)
+    pool.apply(0, 0, P.RELEASE)           # full pages 0, 1 cached (tail first), partial page 2 free
+    assert list(pool.free) == [4, 5, 2] and list(pool.cached) == [1, 0]
+    assert pool.available == 5 and pool.take_changed() == [(0, [6, 6, 6, 6])]
+    pool.apply(2, 16, P.START)            # takes 4, 5, 2, then evicts the least recently used cached page: 1
+    assert pool.tables[2] == [4, 5, 2, 1] and evicted == [1] and list(pool.cached) == [0]
+    pool.apply(0, 1, P.SHARED + 3)        # starts on page 3's chain (held by slot 1 too), then grows
+    assert pool.tables[0] == [3, 0] and pool.refs[3] == 2 and pool.lengths[0] == 5 and not pool.cached
+    with pytest.raises(Exception, match="all held"):
+        pool.apply(1, 5, P.NONE)          # slot 1 needs a second page: none is free or cached
+    with pytest.raises(RuntimeError, match="exceed"):
+        pool.apply(2, 1, P.NONE)          # past the slot's 4 pages
+
+
+def test_control_word_values_carry_tokens_and_events():
+    for tokens, event in ((0, 0), (1, P.RELEASE), (128, P.START), (3, P.SHARED + 12345)):
+        assert P.decode(P.encode(tokens, event)) == (tokens, event)
+    with pytest.raises(ValueError):
+        P.encode(1 << 24, 0)
+
+
+def test_prefix_keys_chain_and_lookup_stops_at_a_broken_chain():
+    a = list(range(40))
+    keys = page_keys(a, 16)
+    assert len(keys) == 2 and keys != page_keys(list(range(1, 41)), 16)
+    assert page_keys(a[:16] + [0] * 16, 16)[0] == keys[0] and page_keys(a[:16] + [0] * 16, 16)[1] != keys[1]
+    pool = PagePool(pages=8, slots=2, width=4, page_tokens=16)
+    cache = PrefixCache(pool)
+    pool.apply(0, 40, P.START)
+    assert cache.register(pool.tables[0], keys, 0, 40, round_index=0) == (0, 1)
+    assert cache.lookup(keys, 40, ready=0) == (0, -1)      # its round has not started
+    assert cache.lookup(keys, 40, ready=1) == (2, 1)       # both pages, ending at page 1
+    assert cache.lookup(keys, 32, ready=1) == (1, 0)       # a 32-token prompt computes its last page
+    cache.forget((0,))
+    assert cache.lookup(keys, 40, ready=1) == (0, -1)
+    assert cache.queried == 40 * 3 + 32 and cache.hit == 32 + 16
+
+
+# ---------------------------------------------------------------- the kernels
+
+def test_paged_kernels_equal_the_ring_buffer_kernels():
+    """The same keys in a per-slot cache and in scattered pages: the same attention, decode and chunk."""
+    gen = torch.Generator().manual_seed(0)
+    b, hq, hkv, d, page, width = 3, 4, 2, 8, 4, 5
+    context = page * width
+    lengths = [7, 13, 20]
+    ring_k = torch.randn(b, context, hkv, d, generator=gen)
+    ring_v = torch.randn(b, context, hkv, d, generator=gen)
+    pages = b * width + 1
+    k_pages = torch.randn(pages, page, hkv, d, generator=gen) * 100  # garbage where nothing is written
+    v_pages = torch.randn(pages, page, hkv, d, generator=gen) * 100
+    order = torch.randperm(b * width, generator=gen)
+    table = order.view(b, width).to(torch.int32)
+    for row, n in enumerate(lengths):
+        positions = torch.arange(n).view(1, n)
+        PK.paged_cache_write(k_pages, v_pages, table[row:row + 1], ring_k[row:row + 1, :n], ring_v[row:row + 1, :n],
+                             positions)
+    q = torch.randn(b, hq, d, generator=gen)
+    last = torch.tensor([n - 1 for n in lengths])
+    want = K.decode_attention(q, ring_k, ring_v, last, 0.3, None)  # slot j holds position j; j > last masked
+    for span in (width, 5):
+        torch.testing.assert_close(PK.paged_decode_attention(q, k_pages, v_pages, table, last, 0.3, span), want)
+    # a chunk of 3 tokens after each row's first 4 positions
+    t = 3
+    cq = torch.randn(b, t, hq, d, generator=gen)
+    ck, cv = torch.randn(b, t, hkv, d, generator=gen), torch.randn(b, t, hkv, d, generator=gen)
+    cpos = torch.arange(4, 4 + t).expand(b, -1).clone()
+    cpos[2, 0] = -1  # padding inside a row
+    got = PK.paged_chunk_attention(cq, ck, cv, k_pages, v_pages, table, cpos, 0.3, 2)
+    want = K.chunk_attention(cq, ck, cv, ring_k, ring_v, cpos, 0.3, None)  # each row's positions < its first
+    torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- paged rounds against transformers
+
+def _paged_model(folder: str, rows: int, context: int):
+    """The model with its state in a `RankState` (full attention in pages) and its stateful ops and
+    LM head run as a packed round runs them; returns (model, state, current layout holder)."""
+    model = resolve(folder).load()
+    modules = {i: m for i, m in enumerate(model.op_modules()) if getattr(m, "state_attrs", ())}
+    state = RankState.allocate(modules, rows, 1, context, "cpu")
+    current: list[Layout] = []
+    for i, m in enumerate(model.op_modules()):
+        if getattr(m, "state_attrs", ()) or m.kind == OpKind.LM_HEAD:
+            def packed(*args, state=None, _f=m.forward, _m=m, _i=i, _s=state):
+                wrapped = Packed(_f, lambda: current[0], last=_m.kind == OpKind.LM_HEAD)
+                return wrapped(*args) if _m.kind == OpKind.LM_HEAD else wrapped(*args, state=_s.view(_i, 0))
+            m.forward = packed
+    return model, state, current
+
+
+def _drive(sched, model, state, rows, arrivals, cancels, current) -> None:
+    """The runtime's loop in one process: plans two rounds ahead, replays each round's agreed
+    values into the rank's pool before it runs (as `Runtime._start_round` does), learns late."""
+    from opweave.runtime.inputs import RowInputs
+
+    inputs = RowInputs(rows, 1, torch.device("cpu"))
+    tokens = torch.zeros(rows, dtype=torch.long)
+    sampled = {}
+    agreed = [sched.plan_round()[0], sched.plan_round()[0]]
+    r = 0
+    while sched.active or any(k >= r for k in arrivals):
+        for req in arrivals.pop(r, []):
+            sched.add(req)
+        for index in cancels.pop(r, []):
+            sched.cancel(index)
+        plan = sched.take(r, 0)
+        state.apply_round((agreed[r],), 0)
+        layout = Layout(tuple(P.decode(v)[0] for v in agreed[r]))
+        if layout.tokens:
+            inputs.prepare(0, plan, layout)
+            ids, positions = inputs.ids(0, tokens)
+            current[:] = [layout]
+            tokens = model(ids, positions)[:, 0].argmax(-1)
+        sampled[r] = tokens.tolist()
+        if r >= 2:
+            sched.learn(r - 2, 0, sampled.pop(r - 2))
+        agreed.append(sched.plan_round()[0])
+        r += 1
+        assert r < 800, "the scheduler never finished"
+    for values in agreed[r:]:  # the rounds planned ahead, not run: the scheduler's copy has them
+        state.apply_round((values,), 0)
+    assert state.pool.tables == sched.pool.tables and state.pool.refs == sched.pool.refs  # the same pages
+    assert not any(state.pool.tables) and state.pool.available == state.pool.pages  # every page back
+
+
+@pytest.fixture(scope="module")
+def paged_llama(tmp_path_factory):
+    from hf_fixtures import make_tiny_checkpoint
+
+    return make_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("paged_llama")), num_hidden_layers=2)
+
+
+def test_a_cached_prompt_starts_at_its_last_page(paged_llama):
+    """The same 40-token prompt twice, the second after the first has prefilled: it starts on the
+    first's two full pages (32 tokens cached) and both get transformers' tokens."""
+    from test_state_alloc import _hf_tokens
+
+    prompt = [(7 * i) % 190 + 3 for i in range(40)]
+    model, state, current = _paged_model(paged_llama, rows=2, context=64)
+    first, second = Request(index=0, prompt=prompt, max_new_tokens=4), Request(index=1, prompt=prompt, max_new_tokens=4)
+    sched = Scheduler([], 1, 2, 64, eos_ids=(), prefill_chunk=16, prefix_cache=True)
+    with torch.no_grad():
+        _drive(sched, model, state, 2, {0: [first], 6: [second]}, {}, current)
+    want = _hf_tokens(paged_llama, tuple(prompt), 4)
+    assert first.output == want and second.output == want
+    assert sched.prefix.hit == 32 and sched.prefix.queried == 80
+
+
+def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(paged_llama):
+    """Requests sharing prefixes arrive at random rounds into few rows, with prefix reuse on,
+    prompts prefilled under a small budget, some cancelled: every request that ends by itself has
+    transformers' greedy tokens, a cancelled one a prefix of them; the rank's pool replayed from
+    the agreed values equals the scheduler's copy."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    from test_state_alloc import _hf_tokens
+
+    base = [(11 * i) % 197 + 3 for i in range(48)]
+    request = st.tuples(st.integers(0, 48), st.lists(st.integers(3, 200), min_size=1, max_size=6),
+                        st.integers(1, 4), st.integers(0, 8), st.one_of(st.none(), st.integers(0, 8)))
+    hits = []
+
+    @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(reqs=st.lists(request, min_size=1, max_size=6), rows=st.integers(1, 3), chunk=st.sampled_from([5, 16, 40]),
+           reuse=st.booleans())
+    def check(reqs, rows, chunk, reuse):
+        context = 64
+        model, state, current = _paged_model(paged_llama, rows, context)
+        arrivals, cancels, made = {}, {}, []
+        for i, (shared, tail, n, at, cancel) in enumerate(reqs):
+            req = Request(index=i, prompt=base[:shared] + tail, max_new_tokens=n)
+            made.append(req)
+            arrivals.setdefault(at, []).append(req)
+            if cancel is not None:
+                cancels.setdefault(at + cancel, []).append(i)
+        sched = Scheduler([], 1, rows, context, eos_ids=(), prefill_chunk=chunk, prefix_cache=reuse)
+        with torch.no_grad():
+            _drive(sched, model, state, rows, arrivals, cancels, current)
+        if reuse:
+            hits.append(sched.prefix.hit)
+        for req in made:
+            want = _hf_tokens(paged_llama, tuple(req.prompt), req.max_new_tokens)
+            assert req.finish_reason in ("length", "cancelled"), (req.index, req.finish_reason, req.error)
+            if req.finish_reason == "length":
+                assert req.output == want, (req.index, req.prompt)
+            else:
+                assert req.output == want[:len(req.output)], (req.index, req.prompt)
+
+    check()
+    assert sum(hits) > 0  # some prompts did start on cached pages
