@@ -218,3 +218,41 @@ def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(p
 
     check()
     assert sum(hits) > 0  # some prompts did start on cached pages
+
+
+# ---------------------------------------------------------------- on real ranks
+
+@pytest.mark.parametrize("plan", ["colocated", "afd", "cad"])
+@pytest.mark.slow
+def test_ranks_reuse_prefixes_and_keep_transformers_tokens(tiny_checkpoint, tmp_path, capsys, plan):
+    """`opweave run` of prompts that share their first pages, on real ranks: the later ones start on
+    the earlier ones' cached pages (colocated and AFD: the KV ranks hold the schedulers' rows) or
+    prefill whole (CAD: core attention on two replicas under one scheduler, so no reuse), and every
+    prompt gets transformers' greedy tokens, as with `--no-prefix-cache`."""
+    import json
+
+    from opweave.cli import main
+    from hf_fixtures import hf_generate
+    from test_runtime import compile_pinned
+
+    folder = tiny_checkpoint("llama", num_hidden_layers=3)
+    art = str(tmp_path / "art")
+    compile_pinned(folder, plan, art)  # batch 4 in 2 microbatches, context 64
+    shared = [(5 * i) % 90 + 3 for i in range(36)]
+    prompts = [shared + [7, 8], shared + [9], shared[:20] + [4, 4, 4], shared + [7, 8], shared + [11, 12, 13],
+               shared + [9], shared + [7, 8, 1], shared[:33]]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    want = [hf_generate(folder, p, 4)[1] for p in prompts]
+    got = {}
+    for flags in ([], ["--no-prefix-cache"]):
+        assert main(["run", art, "--weights", folder, "--prompts", str(path), "--max-new-tokens", "4", "--json",
+                     *flags]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert [o["token_ids"] for o in out["outputs"]] == want, (plan, flags)
+        got[bool(flags)] = out["stats"]["prefix_cache"]
+    assert got[True] == {"queried": 0, "hit": 0}
+    if plan == "cad":
+        assert got[False] == {"queried": 0, "hit": 0}
+    else:
+        assert got[False]["queried"] == sum(map(len, prompts)) and got[False]["hit"] >= 32
