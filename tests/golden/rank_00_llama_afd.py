@@ -7,7 +7,7 @@ Every value in this file is a Python literal, and every name in a comment is esc
 
 OPWEAVE_VERSION = '0.1.0'
 MODEL = 'tiny_llama_num_hidden_layers3_0'
-PLAN_HASH = '93d2551f2632d7ee8add6726d58549ac29664bb80d9231424d7039f04dfcf459'  # sha256 of the artifact's plan.json
+PLAN_HASH = 'e504a9424b4d07db32c08718bf1d7dc33032dd621efc5ce0d498ba0da12f0dec'  # sha256 of the artifact's plan.json
 TEMPLATE = 'afd'
 NUM_STAGES = 6  # stages per token in the whole plan
 RANK = 0
