@@ -14,7 +14,8 @@ figure goes to the JSON file. Exit status 0 when no part failed, 1 otherwise.
 Parts:
   env       torch/triton/python versions, device name, capability, memory; device copy bandwidth
             (median of several large `copy_`, GB/s counting read + write).
-  kernels   every kernel of `opweave.kernels` (triton backend vs torch reference): fp32
+  kernels   every kernel of `opweave.kernels` (triton backend vs torch reference; the paged KV
+            cache's kernels vs `kernels.paged`, `paged_cache_write` by the pages it writes): fp32
             with a tight tolerance; bf16 judged against an fp32 oracle (the reference run in fp32
             on the same bf16 inputs): the Triton error may be at most twice the bf16 reference's
             error (plus 0.1% of the output's scale); integer outputs must match.
@@ -168,7 +169,8 @@ def part_env(smoke: bool) -> tuple[str, dict]:
 # ---------------------------------------------------------------------------------------------- kernels
 
 def _kernel_cases(dtype, device, smoke: bool) -> list[tuple[str, str, list]]:
-    """(kernel name, case label, positional args) covering every name in KERNEL_NAMES."""
+    """(kernel name, case label, positional args) covering every name in KERNEL_NAMES and the paged
+    KV cache's kernels."""
     torch = _torch()
     gen = torch.Generator(device="cpu").manual_seed(0)
 
@@ -232,7 +234,59 @@ def _kernel_cases(dtype, device, smoke: bool) -> list[tuple[str, str, list]]:
                   [rnd(mn, mh), weights, local, rnd(half, 2 * mi, mh, scale=mh ** -0.5),
                    rnd(half, mh, mi, scale=mi ** -0.5)]))
     cases.append(("argmax", f"V={vocab}", [rnd(rows, vocab)]))
+    cases += _paged_cases(rnd, gen, device, b, ctx, hq, hkv, d, 8 if smoke else 128)
     return cases
+
+
+def _paged_cases(rnd, gen, device, b, ctx, hq, hkv, d, chunk) -> list[tuple[str, str, list]]:
+    """The paged KV cache's kernels (`opweave.kernels.paged`): 16-slot pages in shuffled order,
+    rows 0 and 1 sharing their first page, entries past a row's position on the null page (the
+    pool's last), the last row padding; a chunk of `chunk` tokens ending at each row's position."""
+    torch = _torch()
+    page = 16
+    width = -(-ctx // page)
+    null = b * width
+    k_pages, v_pages = rnd(null + 1, page, hkv, d), rnd(null + 1, page, hkv, d)
+    k_pages[null], v_pages[null] = rnd(page, hkv, d, scale=30.0), rnd(page, hkv, d, scale=30.0)  # never read
+    pos = torch.randint(0, ctx, (b,), generator=gen)
+    pos[-1] = -1
+    table = torch.randperm(null, generator=gen).view(b, width).to(torch.int32)
+    table[1, 0] = table[0, 0]  # a shared prefix page
+    table = torch.where(torch.arange(width)[None, :] * page <= pos[:, None], table, null).to(torch.int32)
+    t = torch.arange(chunk)
+    cpos = pos[:, None] - chunk + 1 + t[None, :]
+    cpos = torch.where((cpos >= 0) & (pos[:, None] >= 0), cpos, -1)  # the cached prefix: positions before the chunk
+    table, pos, cpos = table.to(device), pos.to(device), cpos.to(device)
+    k, v = rnd(b, chunk, hkv, d), rnd(b, chunk, hkv, d)
+    return [
+        ("paged_decode_attention", f"page {page}, span W={width}", [rnd(b, hq, d), k_pages, v_pages, table, pos,
+                                                                     d ** -0.5, width]),
+        ("paged_decode_attention", "sinks (GPT-OSS)", [rnd(b, hq, d), k_pages, v_pages, table, pos, d ** -0.5,
+                                                       width, rnd(hq)]),
+        ("paged_chunk_attention", f"T={chunk}", [rnd(b, chunk, hq, d), k, v, k_pages, v_pages, table, cpos,
+                                                 d ** -0.5, width]),
+        ("paged_chunk_attention", f"T={chunk}, sinks", [rnd(b, chunk, hq, d), k, v, k_pages, v_pages, table, cpos,
+                                                        d ** -0.5, width, rnd(hq)]),
+        ("paged_cache_write", f"T={chunk}", [k_pages, v_pages, table, k, v, cpos]),
+    ]
+
+
+def _reference_for(name: str, ref):
+    """The torch reference of kernel `name`: `ref` (`kernels.reference`), or `kernels.paged` for the
+    paged KV cache's kernels."""
+    if name.startswith("paged_"):
+        from opweave.kernels import paged
+        return paged
+    return ref
+
+
+def _outputs(name: str, out, args: list):
+    """What a call is judged by: its result, or for an in-place kernel (it returns None) what it
+    wrote: `paged_cache_write`'s pools without the null page (padding's destination, written by
+    the reference and skipped by Triton; nothing reads it)."""
+    if out is None and name == "paged_cache_write":
+        return args[0][:-1], args[1][:-1]
+    return out
 
 
 def _flat(out) -> list:
@@ -277,11 +331,13 @@ def part_kernels(smoke: bool) -> tuple[str, dict]:
             oracle_args = [a.float() if torch.is_tensor(a) and a.dtype == dtype else a for a in args]
 
             def call(backend, values):  # fresh copies: a kernel that updates its state in place changes nothing
-                return getattr(backend, name)(*[a.clone() if torch.is_tensor(a) else a for a in values])
+                values = [a.clone() if torch.is_tensor(a) else a for a in values]
+                return _outputs(name, getattr(backend, name)(*values), values)
 
             try:
                 with torch.no_grad():
-                    res = _judge(name, dtype, call(tri, args), call(ref, args), call(ref, oracle_args))
+                    torch_ref = _reference_for(name, ref)
+                    res = _judge(name, dtype, call(tri, args), call(torch_ref, args), call(torch_ref, oracle_args))
             except Exception as e:  # a kernel that raises is this case's failure, the other cases still run
                 res = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
             res.update(kernel=name, case=label, dtype=str(dtype).replace("torch.", ""))

@@ -205,12 +205,15 @@ def _meta(*shape, dtype) -> torch.Tensor:
 def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callable[[], object]]]:
     """(label, call) per launcher use at model-sized shapes: batch 8, hidden 4096, 32 query and
     8 kv heads, a 4096-slot cache (and batch 1 at 131072 slots), Qwen3-Next's Gated-DeltaNet and MoE (512 experts, top 10),
-    vocabulary 151936."""
+    vocabulary 151936; the paged KV cache's kernels on pools of 16-slot pages, 256 table entries a
+    row (a decode step, a 512-token prefill chunk, a cache write; GPT-OSS's sinks at head dim 64)."""
     from opweave.kernels import triton_kernels as tk
 
     m = lambda *shape, dt=dtype: _meta(*shape, dtype=dt)  # noqa: E731
     pos = m(8, dt=torch.int64)
     f32 = torch.float32
+    pool = lambda d: m(8 * 256 + 1, 16, 8, d)  # noqa: E731  paged KV: 8 rows of 256 pages of 16 slots, + null
+    table = m(8, 256, dt=torch.int32)
     yield "hidden 4096", lambda: tk.rms_norm(m(8, 4096), m(4096), 1e-6, True)
     yield "add + norm hidden 4096", lambda: tk.add_rms_norm(m(8, 4096), m(8, 4096), m(4096), 1e-6, True)
     for d in head_dims:
@@ -222,6 +225,21 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
         # kernel is also compiled for a split count known only at launch
         yield f"D {d}, GQA 4, L 131072, batch 1", lambda d=d: tk.decode_attention(
             m(1, 32, d), m(1, 131072, 8, d), m(1, 131072, 8, d), pos[:1], d ** -0.5, None)
+        # paged KV cache: 16-slot pages, 256 table entries (4096 positions) per row; a decode step,
+        # a prefill chunk of 512 tokens over a cached prefix, and a decode step's cache write
+        yield f"paged D {d}, GQA 4, page 16, W 256", lambda d=d: tk.paged_decode_attention(
+            m(8, 32, d), pool(d), pool(d), table, pos, d ** -0.5, 256)
+        yield f"paged D {d}, GQA 4, page 16, W 256, chunk 512", lambda d=d: tk.paged_chunk_attention(
+            m(2, 512, 32, d), m(2, 512, 8, d), m(2, 512, 8, d), pool(d), pool(d), table[:2],
+            m(2, 512, dt=torch.int64), d ** -0.5, 256)
+        yield f"paged D {d}, Hkv 8, page 16, W 256, write", lambda d=d: tk.paged_cache_write(
+            pool(d), pool(d), table, m(8, 1, 8, d), m(8, 1, 8, d), m(8, 1, dt=torch.int64))
+    # GPT-OSS on the paged cache: sink logits in the decode merge and the chunk's softmax
+    yield "paged D 64, GQA 8, page 16, W 256, sinks", lambda: tk.paged_decode_attention(
+        m(8, 64, 64), pool(64), pool(64), table, pos, 64 ** -0.5, 256, m(64))
+    yield "paged D 64, GQA 8, page 16, W 256, chunk 512, sinks", lambda: tk.paged_chunk_attention(
+        m(2, 512, 64, 64), m(2, 512, 8, 64), m(2, 512, 8, 64), pool(64), pool(64), table[:2],
+        m(2, 512, dt=torch.int64), 64 ** -0.5, 256, m(64))
     yield "partial rotary D 256 / 64", lambda: tk.rope(m(8, 16, 256), m(8, 2, 256), pos, m(32, dt=f32), 64)
     yield "Dk 128, Dv 128", lambda: tk.gdn_step(m(8, 16, 128), m(8, 16, 128), m(8, 32, 128), m(8, 32, dt=f32),
                                                 m(8, 32, dt=f32), m(8, 32, 128, 128, dt=f32), pos)
