@@ -241,3 +241,21 @@ def test_triton_mla_kernel_path_generates_reference_tokens(ckpt, tmp_path, monke
     monkeypatch.setenv("OPWEAVE_KERNELS", "triton")
     got = _run(ckpt, tmp_path, "colocated", [("h100", 2, 1)], tokens=3, prompts=PROMPTS[:2])
     assert got == [t[:3] for t in reference(ckpt)[:2]]
+
+
+@pytest.mark.slow
+def test_paged_latent_cache_reuses_prefixes(ckpt, tmp_path):
+    """MLA's latent rows in pages: prompts sharing their first 36 tokens start on the cached pages
+    of earlier ones (at least two pages found) and keep transformers' greedy tokens."""
+    shared = [(7 * i) % 60 + 3 for i in range(36)]
+    prompts = [shared + [5], shared + [6, 7], shared + [5], shared + [8], shared + [6, 7, 9], shared[:30]]
+    cluster = parse_cluster("h100x8+l40sx8", load_catalog())
+    compiled = pinned_plan(run_front_end(ckpt), cluster, "colocated", [("h100", 2, 1)], batch=4, microbatches=2,
+                           context=64)
+    out = str(tmp_path / "art")
+    write_artifact(out, compiled)
+    requests = tuple(Request(index=i, prompt=p, max_new_tokens=3) for i, p in enumerate(prompts))
+    outputs, stats = run_detailed(RunConfig(artifact=out, weights=ckpt, device="cpu", requests=requests,
+                                            timeout_s=300))
+    assert [r.output for r in outputs] == [hf_generate(ckpt, p, 3)[1] for p in prompts]
+    assert stats["prefix_cache"]["hit"] >= 32

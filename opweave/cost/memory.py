@@ -106,17 +106,21 @@ def weight_bytes(ops, tp: int, layout: str = "tp") -> float:
     return sum(per_weight.values())
 
 
+PAGED_KINDS = (OpKind.ATTN_FULL, OpKind.ATTN_MLA)
+"""Ops whose state the runtime keeps in KV pages (full attention's keys and values, MLA's latent rows)."""
+
+
 def op_state_per_slot(op: Op, tp: int, context: int) -> float:
-    """One slot's state of `op` on one GPU: a full-attention layer's whole pages for `context`
+    """One slot's state of `op` on one GPU: a paged layer's whole pages for `context`
     (`opweave.runtime.pages`), any other state as the op holds it."""
-    if op.kind == OpKind.ATTN_FULL:
+    if op.kind in PAGED_KINDS:
         return op.state.bytes_per_token * -(-context // PAGE_TOKENS) * PAGE_TOKENS / state_shards(op, tp)
     return op.state_bytes(context) / state_shards(op, tp)
 
 
 def null_page_bytes(op: Op, tp: int) -> float:
-    """A full-attention layer's null page (padding writes there) on one GPU; 0 for other ops."""
-    return op.state.bytes_per_token * PAGE_TOKENS / state_shards(op, tp) if op.kind == OpKind.ATTN_FULL else 0.0
+    """A paged layer's null page (padding writes there) on one GPU; 0 for other ops."""
+    return op.state.bytes_per_token * PAGE_TOKENS / state_shards(op, tp) if op.kind in PAGED_KINDS else 0.0
 
 
 def state_bytes_per_slot(ops, tp: int, context: int) -> float:
@@ -124,7 +128,7 @@ def state_bytes_per_slot(ops, tp: int, context: int) -> float:
 
 
 def state_bytes(ops, tp: int, slots: int, context: int) -> float:
-    """One GPU's state for `slots` slots: per slot, and each full-attention layer's null page."""
+    """One GPU's state for `slots` slots: per slot, and each paged layer's null page."""
     return slots * state_bytes_per_slot(ops, tp, context) + sum(null_page_bytes(op, tp) for op in ops)
 
 

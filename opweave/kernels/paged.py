@@ -113,6 +113,36 @@ def paged_cache_write(k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch
 
 
 
+def paged_mla_decode_attention(q: torch.Tensor, kv_pages: torch.Tensor, table: torch.Tensor,
+                               positions: torch.Tensor, scale: float, rank: int, span: int) -> torch.Tensor:
+    """Absorbed latent attention (`reference.mla_decode_attention`) of one query token per row over
+    its paged latent rows: every head attends the same rows, `[latent (rank) | rope key]`, the key
+    the whole row and the value its latent part.
+
+    Args:
+        q: [B, H, rank + P]; kv_pages: [N, page, rank + P]; table: [B, W]; positions: [B] int.
+    Returns:
+        [B, H, rank] in q's dtype.
+    """
+    pool = kv_pages[:, :, None, :]
+    return paged_decode_attention(q, pool, pool, table, positions, scale, span)[..., :rank]
+
+
+def paged_mla_chunk_attention(q: torch.Tensor, kv: torch.Tensor, kv_pages: torch.Tensor, table: torch.Tensor,
+                              positions: torch.Tensor, scale: float, rank: int, span: int) -> torch.Tensor:
+    """`paged_mla_decode_attention` for a chunk: q [B, T, H, rank + P], the chunk's rows kv
+    [B, T, rank + P] attended causally after the row's cached ones. Returns [B, T, H, rank]."""
+    pool, rows = kv_pages[:, :, None, :], kv[:, :, None, :]
+    return paged_chunk_attention(q, rows, rows, pool, pool, table, positions, scale, span)[..., :rank]
+
+
+def paged_mla_cache_write(kv_pages: torch.Tensor, table: torch.Tensor, kv: torch.Tensor,
+                          positions: torch.Tensor) -> None:
+    """Writes a step's latent rows kv [B, T, rank + P] into their pages (`paged_cache_write`)."""
+    pool, rows = kv_pages[:, :, None, :], kv[:, :, None, :]
+    paged_cache_write(pool, pool, table, rows, rows, positions)  # one pool as both: the same rows twice
+
+
 class PagedKV:
     """One full-attention layer's paged cache as an operator sees it for some rows: the layer's
     pools, the rows' block tables (a view of the rank's table, `[rows, W]`) and how many pages to

@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opweave.kernels import paged as PK
 from opweave.kernels import reference as K
+from opweave.kernels.paged import PagedKV
 from opweave.ir.facts import OpFacts, StateSpec
 from opweave.ir.kinds import OpKind, TPRule
 from opweave.models import ops
@@ -130,6 +132,7 @@ class MLAAttention(OpModule):
 
     kind = OpKind.ATTN_MLA
     state_attrs = ("kv_cache",)
+    paged = True  # in the runtime: pages of latent rows (`allocate_pages`, `opweave.kernels.paged`)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -143,15 +146,21 @@ class MLAAttention(OpModule):
     def allocate_state(self, batch: int, max_len: int, device) -> None:
         self.kv_cache = torch.zeros(batch, max_len, self.row, dtype=torch_dtype(self.cfg), device=device)
 
+    def allocate_pages(self, pages: int, page_tokens: int, device) -> None:
+        """The layer's pool of latent rows, `[pages + 1, page_tokens, R + Dr]` (the last: the null page)."""
+        self.kv_cache = torch.zeros(pages + 1, page_tokens, self.row, dtype=torch_dtype(self.cfg), device=device)
+
     def forward(self, q_abs: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, q_pe: torch.Tensor,
                 positions: torch.Tensor, kernels=K, state: tuple[torch.Tensor] | None = None) -> torch.Tensor:
         """`kernels`: the backend whose `mla_decode_attention` runs a one-token step (the runtime
         passes Triton's); `state`: (kv_cache,) of these rows, by default the module's own."""
         cfg, rank = self.cfg, self.cfg.mla.kv_lora_rank
         b, t = positions.shape
-        cache = self.kv_cache if state is None else state[0]
         q = torch.cat((q_abs, q_pe), dim=-1)
         kv = torch.cat((c, k_pe), dim=-1)[:, :, 0]                                    # [B, T, R + Dr]
+        if isinstance(state, PagedKV):
+            return _paged_mla(self, q, kv, positions, state, kernels).reshape(b, t, cfg.num_heads * rank)
+        cache = self.kv_cache if state is None else state[0]
         if t == 1:
             K.mla_cache_write(cache, kv, positions)
             out = kernels.mla_decode_attention(q[:, 0].contiguous(), cache, positions[:, 0], cfg.attn_scale, rank)
@@ -169,6 +178,22 @@ class MLAAttention(OpModule):
             state=StateSpec(bytes_per_token=self.row * c.dtype_bytes, max_shards=1),
             tp_rule=TPRule.HEADS, tp_units=c.num_heads, kv_heads=1,
         )
+
+
+def _paged_mla(op: MLAAttention, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+               state: PagedKV, kernels=PK) -> torch.Tensor:
+    """Latent attention over paged latent rows (`opweave.kernels.paged`; `kernels`: the backend
+    whose `paged_mla_decode_attention` runs a one-token step, where it has one). Returns [B, T, H, R]."""
+    cfg, rank = op.cfg, op.cfg.mla.kv_lora_rank
+    pages = state.k_pages                                                             # [N, P, R + Dr]
+    if positions.shape[1] == 1:
+        PK.paged_mla_cache_write(pages, state.table, kv, positions)
+        decode = getattr(kernels, "paged_mla_decode_attention", PK.paged_mla_decode_attention)
+        return decode(q[:, 0].contiguous(), pages, state.table, positions[:, 0], cfg.attn_scale, rank,
+                      state.span)[:, None]
+    out = PK.paged_mla_chunk_attention(q, kv, pages, state.table, positions, cfg.attn_scale, rank, state.span)
+    PK.paged_mla_cache_write(pages, state.table, kv, positions)
+    return out
 
 
 class MLAOProj(OpModule):

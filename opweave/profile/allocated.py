@@ -27,8 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from opweave.cost.memory import CATEGORIES, MemoryBreakdown
-from opweave.ir.kinds import OpKind
+from opweave.cost.memory import CATEGORIES, PAGED_KINDS, MemoryBreakdown
 from opweave.ir.plan import PAGE_TOKENS, PREFILL_CHUNK
 from opweave.ir.program import RankProgram
 from opweave.passes.plan_memory import SEND_ROUNDS, plan_rank_memory
@@ -259,12 +258,12 @@ class RankMemory:
 
 
 def planned_pages(plan, graph, owner: int, replica: int) -> int:
-    """The KV pages each full-attention layer of a rank of (owner, replica) holds in the plan:
-    slots x ceil(context / PAGE_TOKENS), or 0 where the owner runs no full attention."""
+    """The KV pages each paged layer (full attention, MLA) of a rank of (owner, replica) holds in
+    the plan: slots x ceil(context / PAGE_TOKENS), or 0 where the owner runs none."""
     from opweave.passes.lower import replica_rows
     from opweave.passes.plan_memory import owner_ops
 
-    if not any(op.kind == OpKind.ATTN_FULL for op in owner_ops(plan, graph, owner)):
+    if not any(op.kind in PAGED_KINDS for op in owner_ops(plan, graph, owner)):
         return 0
     lo, hi = replica_rows(plan.batch // plan.microbatches, plan.owners[owner].replicas)[replica]
     return plan.microbatches * (hi - lo) * -(-plan.context // PAGE_TOKENS)
@@ -346,7 +345,7 @@ def format_memory(ranks: list[RankMemory]) -> str:
             lines.append(f"  {c:12} {_gb(p):>12} {_gb(a):>12} {ratio:>10}")
         if any(r.kv_pages):
             lines.append(f"  {'KV pages':12} {r.kv_pages[0]:>12} {r.kv_pages[1]:>12}   "
-                         f"per full-attention layer, {PAGE_TOKENS} positions each (+1 null page)")
+                         f"per paged layer, {PAGE_TOKENS} positions each (+1 null page)")
     return "\n".join(lines)
 
 

@@ -55,7 +55,9 @@ class RankState:
                 # on CUDA a captured round reads the whole table (the kernels stop at each row's
                 # position); the CPU path reads the pages the rows hold
                 lengths = pool.lengths if self.table.device.type != "cuda" else None
-                self._views[i] = tuple(PagedKV(*full, self.table[mb * rows:(mb + 1) * rows], lengths, mb * rows)
+                # keys and values (MLA: its one pool of latent rows as both)
+                self._views[i] = tuple(PagedKV(full[0], full[-1], self.table[mb * rows:(mb + 1) * rows], lengths,
+                                               mb * rows)
                                        for mb in range(num_microbatches))
                 continue
             for a, t in zip(attrs, full):
