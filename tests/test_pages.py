@@ -177,8 +177,9 @@ def test_a_cached_prompt_starts_at_its_last_page(paged_llama):
 
 
 def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(paged_llama):
-    """Requests sharing prefixes arrive at random rounds into few rows, with prefix reuse on,
-    prompts prefilled under a small budget, some cancelled: every request that ends by itself has
+    """Requests sharing prefixes arrive at random rounds into few rows, with prefix reuse on or off
+    and decode rounds bucketed or not, prompts prefilled under a small budget, some cancelled:
+    every request that ends by itself has
     transformers' greedy tokens, a cancelled one a prefix of them; the rank's pool replayed from
     the agreed values equals the scheduler's copy."""
     from hypothesis import HealthCheck, given, settings, strategies as st
@@ -190,10 +191,10 @@ def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(p
                         st.integers(1, 4), st.integers(0, 8), st.one_of(st.none(), st.integers(0, 8)))
     hits = []
 
-    @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-    @given(reqs=st.lists(request, min_size=1, max_size=6), rows=st.integers(1, 3), chunk=st.sampled_from([5, 16, 40]),
-           reuse=st.booleans())
-    def check(reqs, rows, chunk, reuse):
+    @settings(max_examples=24, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(reqs=st.lists(request, min_size=1, max_size=6), rows=st.integers(1, 4), chunk=st.sampled_from([5, 16, 40]),
+           reuse=st.booleans(), buckets=st.booleans())
+    def check(reqs, rows, chunk, reuse, buckets):
         context = 64
         model, state, current = _paged_model(paged_llama, rows, context)
         arrivals, cancels, made = {}, {}, []
@@ -203,7 +204,7 @@ def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(p
             arrivals.setdefault(at, []).append(req)
             if cancel is not None:
                 cancels.setdefault(at + cancel, []).append(i)
-        sched = Scheduler([], 1, rows, context, eos_ids=(), prefill_chunk=chunk, prefix_cache=reuse)
+        sched = Scheduler([], 1, rows, context, eos_ids=(), prefill_chunk=chunk, prefix_cache=reuse, buckets=buckets)
         with torch.no_grad():
             _drive(sched, model, state, rows, arrivals, cancels, current)
         if reuse:
@@ -256,3 +257,23 @@ def test_ranks_reuse_prefixes_and_keep_transformers_tokens(tiny_checkpoint, tmp_
         assert got[False] == {"queried": 0, "hit": 0}
     else:
         assert got[False]["queried"] == sum(map(len, prompts)) and got[False]["hit"] >= 32
+
+
+def test_decode_rounds_fill_their_bucket_with_padding_that_takes_no_page():
+    """With buckets (CUDA graphs), a decode round computes rows [0, 1 | 2 | 4 | ...): free rows
+    below the bucket feed a padding token, marked so no pool gives them a page; prompt rounds
+    are left alone."""
+    reqs = [Request(index=i, prompt=[3 + i] * 2, max_new_tokens=6 - 2 * i) for i in range(3)]
+    sched = Scheduler(reqs, num_microbatches=1, rows=8, context=64, eos_ids=(), prefill_chunk=64, buckets=True)
+    assert sched.plan() == ((2, 2, 2, 0, 0, 0, 0, 0),)  # prompts: no bucket
+    values = sched.plan_round()[0]                      # 3 decoding rows -> a bucket of 4
+    assert tuple(P.decode(v)[0] for v in values) == (1, 1, 1, 1, 0, 0, 0, 0)
+    assert values[3] == P.encode(1, P.NONE, padding=True) and P.held_tokens(values[3]) == 0
+    assert P.held_tokens(values[0]) == 1
+    assert sched.plan() == ((1, 1, 0, 0, 0, 0, 0, 0),)  # request 2 has its 2 outputs: 2 rows -> 2
+    assert sched.plan() == ((1, 1, 0, 0, 0, 0, 0, 0),)
+    assert sched.plan() == ((1, 0, 0, 0, 0, 0, 0, 0),)  # request 1 has its 4: 1 row
+    assert sched.pool.tables[3] == [] and sched.pool.lengths[3] == 0  # the padding row took no page
+    pool = PagePool.for_context(8, 64)
+    pool.apply(5, P.held_tokens(P.encode(1, P.NONE, padding=True)), P.NONE)
+    assert pool.tables[5] == [] and pool.lengths[5] == 0

@@ -70,6 +70,7 @@ class RowStep:
                            # that ended after its step was planned): padding tokens, position -1
     event: int = P.NONE    # the row's page event this round (`opweave.runtime.pages`)
     fills: tuple[int, ...] = ()  # prompt pages this step fills that a later prompt may share
+    bucket: bool = False   # `pad` is a free row's padding token filling a decode round to its bucket
 
     @property
     def idle(self) -> bool:
@@ -94,7 +95,19 @@ class StepPlan:
     @property
     def values(self) -> tuple[int, ...]:
         """Per row, its tokens and page event as the control word carries them (`pages.encode`)."""
-        return tuple(P.encode(c, s.event) for c, s in zip(self.counts, self.rows))
+        return tuple(P.encode(c, s.event, s.bucket) for c, s in zip(self.counts, self.rows))
+
+
+def bucketed(steps: list[RowStep]) -> list[RowStep]:
+    """A decode round's rows filled to the next bucket (1, 2, 4, ... rows, at most all): the free
+    rows below it feed one padding token each (`RowStep.bucket`: they take no page). A round with a
+    prompt chunk, or no decoding row, is left as it is."""
+    if any(len(s.tokens) > 0 for s in steps) or not any(s.decode for s in steps):
+        return steps
+    live = max(i for i, s in enumerate(steps) if not s.idle or s.pad) + 1
+    bucket = min(len(steps), 1 << (live - 1).bit_length())
+    return [RowStep(pad=1, event=s.event, bucket=True) if i < bucket and s.idle and not s.pad else s
+            for i, s in enumerate(steps)]
 
 
 @dataclasses.dataclass
@@ -112,15 +125,18 @@ class _Row:
 class Scheduler:
     def __init__(self, requests: list[Request], num_microbatches: int, rows: int, context: int,
                  eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK, on_event=None,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, buckets: bool = False):
         """`prefix_cache`: start prompts on the cached pages of earlier ones (`opweave.runtime.prefix`;
-        the caller checks the model and plan allow it)."""
+        the caller checks the model and plan allow it). `buckets`: a decode round of a microbatch
+        computes its first 1, 2, 4, 8, ... rows (up to its rows), free rows below its last live
+        one feeding a padding token, so few layouts recur (a CUDA graph each)."""
         if prefill_chunk < 1:
             raise OpWeaveError(f"prefill chunk must be at least 1 token, got {prefill_chunk}")
         # the pages of this replica's slots as every rank holding them will (`opweave.runtime.pages`)
         self.pool = PagePool.for_context(num_microbatches * rows, context)
         self.prefix = PrefixCache(self.pool) if prefix_cache else None
         self._started = 0  # rounds whose steps have started (taken): their pages are written
+        self.buckets = buckets
         self.queue = deque(requests)
         self.prefill_chunk = prefill_chunk
         self.num_microbatches, self.rows = num_microbatches, rows
@@ -212,6 +228,8 @@ class Scheduler:
             take = min(budget, len(rows[i].pending))
             steps[i] = self._step(rows[i], take)
             budget -= take
+        if self.buckets:
+            steps = bucketed(steps)
         return StepPlan(tuple(steps))
 
     def plan(self) -> tuple[tuple[int, ...], ...]:
@@ -239,7 +257,7 @@ class Scheduler:
         steps = list(plan.rows)
         for r, (step, value) in enumerate(zip(steps, plan.values)):
             slot = mb * self.rows + r
-            self.pool.apply(slot, *P.decode(value))
+            self.pool.apply(slot, P.held_tokens(value), P.decode(value)[1])
             if self.prefix is not None and step.tokens:
                 row = self._row_of(mb, r)
                 fills = self.prefix.register(self.pool.tables[slot], row.keys, step.first,
@@ -336,4 +354,4 @@ class Scheduler:
                     if s.request is req and self.prefix is not None:
                         self.prefix.forget(s.fills)  # never written
                 self._plans[key] = StepPlan(tuple(RowStep(pad=len(s.tokens) or 1, event=s.event)
-                                                  if s.request is req else s for s in plan.rows))
+                                                  if s.request is req else s for s in plan.rows))  # held: as agreed

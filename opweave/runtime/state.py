@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from opweave.kernels.paged import PagedKV
-from opweave.runtime.pages import PagePool, decode
+from opweave.runtime.pages import PagePool, decode, held_tokens
 
 StateView = tuple[torch.Tensor, ...] | PagedKV
 
@@ -89,9 +89,9 @@ class RankState:
             return
         for mb, row_values in enumerate(values):
             for r in range(self.rows):
-                tokens, event = decode(row_values[lo + r])
-                if tokens or event:
-                    self.pool.apply(mb * self.rows + r, tokens, event)
+                value = row_values[lo + r]
+                if value:
+                    self.pool.apply(mb * self.rows + r, held_tokens(value), decode(value)[1])
         changed = self.pool.take_changed()
         if changed:
             slots = torch.tensor([s for s, _ in changed], dtype=torch.long)

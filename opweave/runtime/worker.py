@@ -98,7 +98,8 @@ class Runtime:
         if program.scheduler and program.tp_rank == 0:
             self.scheduler = Scheduler(requests, m, self.rows, program.context, cfg.eos_token_ids,
                                        prefill_budget or program.prefill_chunk,
-                                       prefix_cache=prefix_cache and prefix_reuse(artifact, modules) is None)
+                                       prefix_cache=prefix_cache and prefix_reuse(artifact, modules) is None,
+                                       buckets=self.device.type == "cuda")  # few decode layouts: few graphs
         self.tp = TPGroup(program.tp_group, program.tp_rank, groups[program.tp_group] if program.tp > 1 else None,
                           comm=comm, device=self.device)
         self.transport = Transport(program, self.dtype, tokens_back=self.scheduler is not None, device=self.device,
