@@ -9,7 +9,8 @@ heads / 4 KV heads of 64, intermediate 2816, vocab 32000, fp32: 155.7M parameter
   batch=--max-num-seqs, microbatches=1, context=C)`), `python -m opweave serve ART --weights CKPT`
   with OMP_NUM_THREADS=N (and `--threads N` when `opweave serve --help` offers it; checked at run time);
 - vLLM: `vllm serve CKPT --dtype float32 --max-num-seqs B --max-model-len C --no-enable-prefix-caching`
-  (OpWeave has no prefix cache; `--vllm-prefix-caching` keeps vLLM's on) with VLLM_TARGET_DEVICE=cpu,
+  (and OpWeave with `--no-prefix-cache`: random prompts share nothing; `--prefix-caching`, or a shared
+  prefix `--prefix-len N`, keeps both servers' prefix caches on) with VLLM_TARGET_DEVICE=cpu,
   VLLM_CPU_KVCACHE_SPACE=--vllm-kv-gib and N threads (below).
 
 Each is driven by `vllm bench serve` (the random dataset: --input-len prompt tokens, --output-len
@@ -389,6 +390,9 @@ def metrics_snapshot(port: int) -> dict[str, float]:
         return {}
     sums: dict[str, float] = {}
     for line in text.splitlines():
+        hit = re.match(r"^opweave_prefix_cache_(queries|hits)_total\s+(\S+)$", line)
+        if hit:
+            sums["prefix_" + hit.group(1)] = float(hit.group(2))
         m = re.match(r"^(opweave_\w*tokens_(?:computed|used)\w*)(?:\{[^}]*\})?\s+(\S+)$", line)
         if m and not m.group(1).endswith("_created"):
             kind = "computed" if "tokens_computed" in m.group(1) else "used"
@@ -427,6 +431,7 @@ def bench_argv(peer: Peer, port: int, ckpt: str, rate: float, args, result_dir: 
         "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
         "--model", MODEL_NAME, "--tokenizer", ckpt, "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        *(["--random-prefix-len", str(args.prefix_len)] if args.prefix_len else []),
         "--num-prompts", str(args.num_prompts), "--request-rate", rate_arg(rate), "--ignore-eos", "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--seed", "0", "--disable-tqdm",
         "--label", label, "--save-result", "--save-detailed", "--result-dir", result_dir,
@@ -467,16 +472,20 @@ def run_load(peer: Peer, server: Server, ckpt: str, rate: float, args, result_di
         row["computed"], row["used"] = computed, used
         row["padding"] = computed / used if used else float("nan")
         row["metric_names"] = sorted(after.get("names", ()))
+        queried = after.get("prefix_queries", 0.0) - before.get("prefix_queries", 0.0)
+        row["prefix_hit"] = (after.get("prefix_hits", 0.0) - before.get("prefix_hits", 0.0)) / queried if queried else None
     return row
 
 
-def opweave_argv(art: str, ckpt: str, port: int, threads: int, budget: int | None = None) -> tuple[list[str], bool]:
+def opweave_argv(art: str, ckpt: str, port: int, threads: int, budget: int | None = None,
+                 prefix_cache: bool = False) -> tuple[list[str], bool]:
     help_text = subprocess.run([sys.executable, "-m", "opweave", "serve", "--help"], capture_output=True, text=True,
                                cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT)).stdout
     has_threads = bool(re.search(r"(^|\s)--threads\b", help_text))
     argv = [sys.executable, "-m", "opweave", "serve", art, "--weights", ckpt, "--port", str(port),
             "--served-model-name", MODEL_NAME, "--max-queue", "4096"]
     argv += ["--prefill-budget", str(budget)] if budget else []
+    argv += [] if prefix_cache else ["--no-prefix-cache"]
     return argv + (["--threads", str(threads)] if has_threads else []), has_threads
 
 
@@ -484,7 +493,7 @@ def vllm_argv(peer: Peer, ckpt: str, port: int, args, context: int) -> list[str]
     return peer.cli() + ["serve", ckpt, "--served-model-name", MODEL_NAME, "--dtype", "float32",
                          "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(context),
                          "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
-                         *([] if args.vllm_prefix_caching else ["--no-enable-prefix-caching"]),
+                         *([] if args.prefix_caching else ["--no-enable-prefix-caching"]),
                          "--disable-uvicorn-access-log"]
 
 
@@ -577,7 +586,11 @@ def main() -> int:
                     help="VLLM_CPU_OMP_THREADS_BIND CPU list (e.g. 0-3) instead of nobind + OMP_NUM_THREADS")
     ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment of vLLM's server only (e.g. LD_PRELOAD=...); repeatable")
-    ap.add_argument("--vllm-prefix-caching", action="store_true", help="keep vLLM's prefix cache on")
+    ap.add_argument("--prefix-caching", "--vllm-prefix-caching", action="store_true",
+                    help="keep both servers' prefix caches on (default off: random prompts share nothing)")
+    ap.add_argument("--prefix-len", type=int, default=0, metavar="TOKENS",
+                    help="a prefix of this many tokens shared by every prompt (vllm bench's --random-prefix-len; "
+                         "turns --prefix-caching on)")
     ap.add_argument("--startup-timeout", type=float, default=900, help="seconds for a server's /health")
     ap.add_argument("--bench-timeout", type=float, default=1800, help="seconds for one `vllm bench serve`")
     ap.add_argument("--skip-vllm", action="store_true", help="run OpWeave only")
@@ -587,6 +600,9 @@ def main() -> int:
     ap.add_argument("--keep", metavar="DIR", help="build and log into DIR and keep it (default: a temporary folder)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve_peer.md"))
     args = ap.parse_args()
+    if args.prefix_len < 0:
+        ap.error(f"--prefix-len must be at least 0, got {args.prefix_len}")
+    args.prefix_caching = args.prefix_caching or args.prefix_len > 0
     try:
         rates = _rates(args.rates)
         for name in ("num_prompts", "input_len", "output_len", "threads", "max_num_seqs", "vllm_kv_gib"):
@@ -629,7 +645,8 @@ def _run(args, rates: list[float], peer: Peer, work: str, clock: RunClock) -> in
     import torch
     import transformers
 
-    context = -(-(args.input_len + args.output_len + 16) // 64) * 64  # prompt (+BOS, re-tokenizing slack) + output
+    # prompt (+BOS, re-tokenizing slack) + output
+    context = -(-(args.prefix_len + args.input_len + args.output_len + 16) // 64) * 64
     ckpt, art = os.path.join(work, "ckpt"), os.path.join(work, "art")
     result_dir, log_dir = os.path.join(work, "results"), os.path.join(work, "logs")
     os.makedirs(result_dir, exist_ok=True)
@@ -648,7 +665,8 @@ def _run(args, rates: list[float], peer: Peer, work: str, clock: RunClock) -> in
     servers: list[tuple[Server, dict]] = []  # (server, facts)
     if not args.skip_opweave:
         port = _free_port()
-        argv, has_threads = opweave_argv(art, ckpt, port, args.threads, args.opweave_prefill_budget)
+        argv, has_threads = opweave_argv(art, ckpt, port, args.threads, args.opweave_prefill_budget,
+                                         args.prefix_caching)
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    OMP_NUM_THREADS=str(args.threads))
         servers.append((Server("OpWeave", argv, env, ROOT, port, os.path.join(log_dir, "opweave.log")),
@@ -748,6 +766,8 @@ def _report(args, rates, peer: Peer, work: str, clock: RunClock, model: dict, pl
         f"Load: `vllm bench serve`, random dataset, {args.input_len} prompt tokens (sent as text: the dataset makes "
         f"{args.input_len - 1} and the tokenizer adds BOS; the table shows what each server counted), "
         f"{args.output_len} output tokens (`--ignore-eos`), greedy (`--temperature 0`), "
+        + (f"after a prefix of {args.prefix_len} tokens shared by every prompt (`--random-prefix-len`), " if args.prefix_len
+           else "") + f"prefix caching {'on' if args.prefix_caching else 'off'} on both servers, "
         f"{args.num_prompts} requests per rate, seed 0 (the same prompts for both servers); request rates "
         f"{', '.join(rate_arg(r) for r in rates)} (Poisson arrivals; inf: all at once). The client runs on the same "
         f"cores as the server.", "",
@@ -783,6 +803,8 @@ def _report(args, rates, peer: Peer, work: str, clock: RunClock, model: dict, pl
             lens = f"{r['input_tokens'] / r['completed']:.0f} / {lens}"
         pad = ("n/a" if r["server"] != "OpWeave" else
                (f"{r['computed']:.0f} / {r['used']:.0f} = {r['padding']:.2f}" if "padding" in r else "n/a"))
+        if r.get("prefix_hit") is not None:
+            pad += f"; prefix hits {100 * r['prefix_hit']:.0f}% of prompt tokens"
         done = f"{r['completed']}/{args.num_prompts}" + (f" ({r['first_error']})" if r.get("first_error") else "")
         lines.append(f"| {rate_arg(r['rate'])} | {r['server']} | {done} | {_fmt(r['output_tps'])} | "
                      f"{_fmt(r['ttft_p50'], '.0f')} | {_fmt(r['ttft_p99'], '.0f')} | {_fmt(r['tpot_p50'])} | "
