@@ -209,6 +209,7 @@ def _kernel_cases(dtype, device, smoke: bool) -> list[tuple[str, str, list]]:
     lat, rope_dim = (32, 8) if smoke else (512, 64)   # DeepSeek-V3's latent + rope key per cached position
     cases.append(("mla_decode_attention", f"R={lat} P={rope_dim}",
                   [rnd(b, hq, lat + rope_dim), rnd(b, ctx, lat + rope_dim), apos, (2 * lat) ** -0.5, lat]))
+    cases.append(_paged_mla_case(rnd, gen, device, b, ctx, hq, lat, rope_dim))
     gpos = ints(50, gb)
     gpos[0], gpos[-1] = 0, -1
     g = -torch.rand(gb, ghv, generator=gen).to(device)
@@ -244,15 +245,9 @@ def _paged_cases(rnd, gen, device, b, ctx, hq, hkv, d, chunk) -> list[tuple[str,
     pool's last), the last row padding; a chunk of `chunk` tokens ending at each row's position."""
     torch = _torch()
     page = 16
-    width = -(-ctx // page)
-    null = b * width
+    width, null, table, pos = _page_table(gen, b, ctx, page)
     k_pages, v_pages = rnd(null + 1, page, hkv, d), rnd(null + 1, page, hkv, d)
     k_pages[null], v_pages[null] = rnd(page, hkv, d, scale=30.0), rnd(page, hkv, d, scale=30.0)  # never read
-    pos = torch.randint(0, ctx, (b,), generator=gen)
-    pos[-1] = -1
-    table = torch.randperm(null, generator=gen).view(b, width).to(torch.int32)
-    table[1, 0] = table[0, 0]  # a shared prefix page
-    table = torch.where(torch.arange(width)[None, :] * page <= pos[:, None], table, null).to(torch.int32)
     t = torch.arange(chunk)
     cpos = pos[:, None] - chunk + 1 + t[None, :]
     cpos = torch.where((cpos >= 0) & (pos[:, None] >= 0), cpos, -1)  # the cached prefix: positions before the chunk
@@ -269,6 +264,32 @@ def _paged_cases(rnd, gen, device, b, ctx, hq, hkv, d, chunk) -> list[tuple[str,
                                                         d ** -0.5, width, rnd(hq)]),
         ("paged_cache_write", f"T={chunk}", [k_pages, v_pages, table, k, v, cpos]),
     ]
+
+
+def _page_table(gen, b, ctx, page):
+    """(table width, null page id, table [b, width] int32, positions [b]) of `b` rows of up to `ctx`
+    positions: pages in shuffled order, rows 0 and 1 sharing their first page, entries past a
+    row's position on the null page (`null`, the pool's last), the last row padding (position -1)."""
+    torch = _torch()
+    width = -(-ctx // page)
+    null = b * width
+    pos = torch.randint(0, ctx, (b,), generator=gen)
+    pos[-1] = -1
+    table = torch.randperm(null, generator=gen).view(b, width).to(torch.int32)
+    table[1, 0] = table[0, 0]  # a shared prefix page
+    table = torch.where(torch.arange(width)[None, :] * page <= pos[:, None], table, null).to(torch.int32)
+    return width, null, table, pos
+
+
+def _paged_mla_case(rnd, gen, device, b, ctx, hq, lat, rope_dim) -> tuple[str, str, list]:
+    """`paged_mla_decode_attention` over 16-slot pages of latent rows, laid out as `_page_table`'s;
+    the null page holds large values nothing may read."""
+    page = 16
+    width, null, table, pos = _page_table(gen, b, ctx, page)
+    kv_pages = rnd(null + 1, page, lat + rope_dim)
+    kv_pages[null] = rnd(page, lat + rope_dim, scale=30.0)  # never read
+    return ("paged_mla_decode_attention", f"R={lat} P={rope_dim}, page {page}, span W={width}",
+            [rnd(b, hq, lat + rope_dim), kv_pages, table.to(device), pos.to(device), (2 * lat) ** -0.5, lat, width])
 
 
 def _reference_for(name: str, ref):

@@ -206,7 +206,8 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
     """(label, call) per launcher use at model-sized shapes: batch 8, hidden 4096, 32 query and
     8 kv heads, a 4096-slot cache (and batch 1 at 131072 slots), Qwen3-Next's Gated-DeltaNet and MoE (512 experts, top 10),
     vocabulary 151936; the paged KV cache's kernels on pools of 16-slot pages, 256 table entries a
-    row (a decode step, a 512-token prefill chunk, a cache write; GPT-OSS's sinks at head dim 64)."""
+    row (a decode step, a 512-token prefill chunk, a cache write; GPT-OSS's sinks at head dim 64);
+    DeepSeek-V3's latent attention (128 heads, rank 512, rope 64) on a ring and on 16-slot pages."""
     from opweave.kernels import triton_kernels as tk
 
     m = lambda *shape, dt=dtype: _meta(*shape, dtype=dt)  # noqa: E731
@@ -257,6 +258,9 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
     # DeepSeek-V3's latent attention: 128 heads, latent 512 + rope key 64 per cached position
     yield "MLA H 128, R 512, P 64, L 4096", lambda: tk.mla_decode_attention(
         m(8, 128, 576), m(8, 4096, 576), pos, 192 ** -0.5, 512)
+    # the same over paged latent rows: 16-slot pages, 256 table entries (4096 positions) per row
+    yield "paged MLA H 128, R 512, P 64, page 16, W 256", lambda: tk.paged_mla_decode_attention(
+        m(8, 128, 576), m(8 * 256 + 1, 16, 576), table, pos, 192 ** -0.5, 512, 256)
 
 
 def _describe_constexprs(launch: Launch) -> str:
