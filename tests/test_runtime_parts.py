@@ -373,3 +373,35 @@ def test_assemble_joins_peers_and_views_a_single_peer():
                                       dtype=torch.float32)
     assert torch.equal(v, vals) and positions.tolist() == [[7, 8]] and words.tolist() == word[:2].tolist()
     assert v.untyped_storage().data_ptr() == msg.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------- CPU GEMMs
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cpu_gemm_weights_are_packed_and_compute_what_f_linear_does(tiny_checkpoint, tied):
+    """On CPU the runtime packs the dense GEMMs' weights for oneDNN (`pack_cpu_gemms`): every
+    `linear_weights` entry becomes a oneDNN tensor of the same shape, the ops' outputs agree with the
+    unpacked ones to float rounding, and a weight the embedding shares (a tied LM head) stays."""
+    from opweave.kernels.reference import can_pack_linear
+    from opweave.models.registry import resolve
+    from opweave.runtime.kernel_ops import pack_cpu_gemms
+
+    if not can_pack_linear():
+        pytest.skip("this torch build has no oneDNN")
+    folder = tiny_checkpoint("llama", num_hidden_layers=2, tie_word_embeddings=tied)
+    plain, packed = resolve(folder).load(), resolve(folder).load()
+    ops = {i: m for i, m in enumerate(packed.op_modules())}
+    n = pack_cpu_gemms(ops, torch.device("cpu"))
+    want = sum(len(m.linear_weights) for m in ops.values()) - (1 if tied else 0)
+    assert n == want > 0
+    for m in ops.values():
+        for name in m.linear_weights:
+            w = getattr(m, name)
+            assert w.is_mkldnn != (tied and m.kind.value == "lm_head"), (m.kind, name)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    positions = torch.arange(4)[None]
+    for model in (plain, packed):
+        model.allocate_state(1, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids, positions), plain(ids, positions), rtol=1e-5, atol=1e-5)
+    assert pack_cpu_gemms(ops, torch.device("meta")) == 0

@@ -36,6 +36,28 @@ scheduler ends that request with an error. Chosen on the device (no host sync pe
 _NO_MAX = -1.0e30
 
 
+# ---------------------------------------------------------------------------------------------- GEMMs
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, or, for a weight packed by `pack_linear` (a oneDNN tensor), oneDNN's GEMM on it."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def can_pack_linear() -> bool:
+    """Whether this torch build packs linear weights for oneDNN (x86 and Arm CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A CPU linear weight [N, K] (float32 or bfloat16) in oneDNN's blocked layout for any batch: the
+    same bytes, and a GEMM about 1.6x faster at decode batches (16 rows, one thread) than `F.linear`'s,
+    what vLLM's CPU backend does with its weights (`linear` computes with it; results agree with
+    `F.linear` to float rounding, the summation order differs)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
 # ---------------------------------------------------------------------------------------------- norms
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:

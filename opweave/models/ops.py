@@ -58,6 +58,7 @@ class OpModule(nn.Module):
     kind: OpKind
     state_attrs: tuple[str, ...] = ()  # per-sequence state tensors, batch-major (set by allocate_state)
     paged = False  # keeps its state in KV pages (`allocate_pages`, `opweave.runtime.pages`), not per slot
+    linear_weights: tuple[str, ...] = ()  # 2-D weights read only through `K.linear` (packable on CPU)
 
     def __init__(self, cfg: ModelConfig, layer: int | None):
         super().__init__()
@@ -154,6 +155,7 @@ class QKVProj(OpModule):
     Returns (q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], gate [B,T,Hq*D] or None)."""
 
     kind = OpKind.QKV_PROJ
+    linear_weights = ("q_weight", "k_weight", "v_weight")
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -173,14 +175,14 @@ class QKVProj(OpModule):
     def forward(self, x: torch.Tensor):
         cfg = self.cfg
         b, t, _ = x.shape
-        q = F.linear(x, self.q_weight, self.q_bias)
+        q = K.linear(x, self.q_weight, self.q_bias)
         gate = None
         if cfg.attn_output_gate:  # per head: [q (D) | gate (D)]
             q, gate = q.view(b, t, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(b, t, cfg.num_heads * cfg.head_dim)
         q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, self.k_weight, self.k_bias).view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, self.v_weight, self.v_bias).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = K.linear(x, self.k_weight, self.k_bias).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = K.linear(x, self.v_weight, self.v_bias).view(b, t, cfg.num_kv_heads, cfg.head_dim)
         return q, k, v, gate
 
     def facts(self) -> OpFacts:
@@ -371,6 +373,7 @@ class OProj(OpModule):
     """Output projection of an attention (or Gated-DeltaNet) block, gated by sigmoid(gate) if given."""
 
     kind = OpKind.O_PROJ
+    linear_weights = ("weight",)
 
     def __init__(self, cfg: ModelConfig, layer: int, key: str, in_features: int):
         super().__init__(cfg, layer)
@@ -379,7 +382,7 @@ class OProj(OpModule):
     def forward(self, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return F.linear(o, self.weight)
+        return K.linear(o, self.weight)
 
     def facts(self) -> OpFacts:
         return _gemm_facts(self, TPRule.ROW, self.weight.shape[1])
@@ -399,6 +402,7 @@ class MLPGateUp(OpModule):
     """Fused gate/up projection of a dense gated MLP: returns (gate, up)."""
 
     kind = OpKind.MLP_GATE_UP
+    linear_weights = ("gate_weight", "up_weight")
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -407,7 +411,7 @@ class MLPGateUp(OpModule):
         self._param("up_weight", p + "up_proj.weight", cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor):
-        return F.linear(x, self.gate_weight), F.linear(x, self.up_weight)
+        return K.linear(x, self.gate_weight), K.linear(x, self.up_weight)
 
     def facts(self) -> OpFacts:
         return _gemm_facts(self, TPRule.COLUMN, self.cfg.intermediate_size)
@@ -431,13 +435,14 @@ class Act(OpModule):
 
 class MLPDown(OpModule):
     kind = OpKind.MLP_DOWN
+    linear_weights = ("weight",)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
         self._param("weight", layer_prefix(layer) + "mlp.down_proj.weight", cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.weight)
+        return K.linear(h, self.weight)
 
     def facts(self) -> OpFacts:
         return _gemm_facts(self, TPRule.ROW, self.cfg.intermediate_size)
@@ -553,6 +558,7 @@ class SharedExpert(OpModule):
 
 class LMHead(OpModule):
     kind = OpKind.LM_HEAD
+    linear_weights = ("weight",)
 
     def __init__(self, cfg: ModelConfig, embed: Embed):
         super().__init__(cfg, None)
@@ -567,7 +573,7 @@ class LMHead(OpModule):
         load_into(self.weight, reader.get(key, tuple(self.weight.shape)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return K.linear(x, self.weight)
 
     def facts(self) -> OpFacts:
         return OpFacts(flops_per_token=2 * self.weight.numel(), tp_rule=TPRule.VOCAB,

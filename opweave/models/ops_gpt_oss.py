@@ -72,7 +72,7 @@ class BiasedOProj(OProj):
     def forward(self, o: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return F.linear(o, self.weight, self.bias)
+        return K.linear(o, self.weight, self.bias)
 
     def facts(self) -> OpFacts:
         return OpFacts(flops_per_token=2 * self.weight.numel() + self.bias.numel(), tp_rule=TPRule.ROW,

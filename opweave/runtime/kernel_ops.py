@@ -20,7 +20,7 @@ from opweave import config
 from opweave.kernels import get_backend
 from opweave.kernels import paged as PK
 from opweave.kernels.paged import PagedKV
-from opweave.kernels.reference import cache_write
+from opweave.kernels.reference import cache_write, can_pack_linear, pack_linear
 from opweave.ir.kinds import OpKind
 from opweave.models.ops import OpModule, paged_attention
 
@@ -111,6 +111,30 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, kernels
     backend module `kernels`): (sum, normed), exactly what the two ops give on the torch backend."""
     normed, summed = kernels.add_rms_norm(x, residual, norm.weight, norm.cfg.rms_norm_eps, norm.cfg.norm_offset)
     return summed, normed
+
+
+def pack_cpu_gemms(ops: dict[int, OpModule], device: torch.device) -> int:
+    """On the CPU's torch backend, each operator's `linear_weights` in oneDNN's packed layout
+    (`reference.pack_linear`, as vLLM's CPU backend packs its weights): the same bytes, faster
+    decode GEMMs. A weight another module shares (a tied LM head) stays as it is. Returns how
+    many weights were packed (0 elsewhere, or without oneDNN)."""
+    if device.type != "cpu" or kernel_backend(device) != "torch" or not can_pack_linear():
+        return 0
+    shared: dict[int, int] = {}
+    for m in ops.values():
+        for p in m.parameters(recurse=False):
+            shared[p.data_ptr()] = shared.get(p.data_ptr(), 0) + 1
+    packed = 0
+    for m in ops.values():
+        for name in m.linear_weights:
+            w = m._parameters.get(name)
+            if (w is None or w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16)
+                    or shared.get(w.data_ptr(), 0) > 1 or w.is_meta):
+                continue
+            del m._parameters[name]
+            m.register_buffer(name, pack_linear(w), persistent=False)
+            packed += 1
+    return packed
 
 
 def with_kernels(ops: dict[int, OpModule], device: torch.device) -> dict[int, nn.Module]:

@@ -40,7 +40,7 @@ from opweave.runtime.channel import (IDLE_WAIT_S, ROUND_REPORT_S, Add, Cancel, R
 from opweave.runtime import heartbeat
 from opweave.runtime.heartbeat import DeviceBeats, Phase, pulse, report
 from opweave.runtime.inputs import RowInputs, TokenCopies
-from opweave.runtime.kernel_ops import add_norm, device_kernels, with_kernels
+from opweave.runtime.kernel_ops import add_norm, device_kernels, pack_cpu_gemms, with_kernels
 from opweave.runtime.layout import Layout, Packed
 from opweave.artifact import VerifiedArtifact, load_artifact, load_program_source, rank_files
 from opweave.kernels.sampling import WORD, bad_word
@@ -94,6 +94,7 @@ class Runtime:
         m = program.num_microbatches
         self.state = RankState.allocate(self.modules, self.rows, m, program.context, self.device)
         check_placement(self.modules, self.device, op_names, f"rank {program.rank}")  # weights and state
+        pack_cpu_gemms(self.modules, self.device)  # CPU: GEMM weights in oneDNN's layout
         self.scheduler = None
         if program.scheduler and program.tp_rank == 0:
             self.scheduler = Scheduler(requests, m, self.rows, program.context, cfg.eos_token_ids,
