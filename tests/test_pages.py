@@ -56,13 +56,27 @@ def test_prefix_keys_chain_and_lookup_stops_at_a_broken_chain():
     pool = PagePool(pages=8, slots=2, width=4, page_tokens=16)
     cache = PrefixCache(pool)
     pool.apply(0, 40, P.START)
-    assert cache.register(pool.tables[0], keys, 0, 40, round_index=0) == (0, 1)
-    assert cache.lookup(keys, 40, ready=0) == (0, -1)      # its round has not started
-    assert cache.lookup(keys, 40, ready=1) == (2, 1)       # both pages, ending at page 1
-    assert cache.lookup(keys, 32, ready=1) == (1, 0)       # a 32-token prompt computes its last page
-    cache.forget((0,))
-    assert cache.lookup(keys, 40, ready=1) == (0, -1)
-    assert cache.queried == 40 * 3 + 32 and cache.hit == 32 + 16
+    assert cache.register(pool.tables[0], keys, a, 0, 40, round_index=0) == (0, 1)
+    assert cache.lookup(keys, a, ready=0) == (0, -1)       # its round has not started
+    assert cache.lookup(keys, a, ready=1) == (2, 1)        # both pages, ending at page 1
+    assert cache.lookup(keys, a[:32], ready=1) == (1, 0)   # a 32-token prompt computes its last page
+    assert cache.lookup(keys, a[:16] + [0] * 24, ready=1) == (1, 0)  # the same keys, other tokens (as a
+    cache.forget((0,))                                     # hash collision would be): not found
+    assert cache.lookup(keys, a, ready=1) == (0, -1)
+    assert cache.queried == 40 * 4 + 32 and cache.hit == 32 + 16 + 16
+
+
+def test_a_found_prefix_is_held_before_other_rows_take_pages():
+    """Within a microbatch's round every row's page event comes before any row's tokens: a row
+    starting on cached pages holds them before a decoding row that needs a page reuses the least
+    recently used cached one."""
+    pool = PagePool(pages=5, slots=3, width=3, page_tokens=2)
+    pool.apply_rows([(2, 4, P.START)])                 # a prompt fills pages 0, 1
+    pool.apply_rows([(2, 0, P.RELEASE), (0, 4, P.START), (1, 2, P.START)])  # 0, 1 cached; slots 0, 1: 2, 3, 4
+    pool.apply_rows([(1, 0, P.RELEASE)])               # page 4 cached too: least recent first 1, 0, 4
+    assert list(pool.cached) == [1, 0, 4] and not pool.free
+    pool.apply_rows([(0, 1, P.NONE), (2, 0, P.SHARED + 1)])  # slot 0 grows; slot 2 starts on pages 0, 1
+    assert pool.tables[2] == [0, 1] and pool.tables[0] == [2, 3, 4] and pool.lengths[2] == 4
 
 
 # ---------------------------------------------------------------- the kernels
@@ -277,3 +291,13 @@ def test_decode_rounds_fill_their_bucket_with_padding_that_takes_no_page():
     pool = PagePool.for_context(8, 64)
     pool.apply(5, P.held_tokens(P.encode(1, P.NONE, padding=True)), P.NONE)
     assert pool.tables[5] == [] and pool.lengths[5] == 0
+
+
+def test_decode_reads_the_whole_table_under_capture_and_chunks_what_the_rows_hold():
+    pages = torch.zeros(9, 16, 1, 4)
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    lengths = [0, 0, 3, 20]
+    cpu = PK.PagedKV(pages, pages, table, lengths, base=2)
+    cuda = PK.PagedKV(pages, pages, table, lengths, base=2, whole=True)
+    assert cpu.span == cpu.chunk_span == 2 and cuda.span == 8 and cuda.chunk_span == 2
+    assert cuda.rows(0, 1).span == 8 and cuda.rows(0, 1).chunk_span == 1 and cpu.rows(1, 2).span == 2

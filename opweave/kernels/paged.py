@@ -150,18 +150,27 @@ class PagedKV:
     `base + r` is row r here), or the whole table without them (a captured CUDA graph: the Triton
     kernels stop at each row's own position). `rows(lo, hi)`: the same for rows [lo, hi)."""
 
-    __slots__ = ("k_pages", "v_pages", "table", "lengths", "base")
+    __slots__ = ("k_pages", "v_pages", "table", "lengths", "base", "whole")
 
     def __init__(self, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
-                 lengths: list[int] | None = None, base: int = 0):
+                 lengths: list[int] | None = None, base: int = 0, whole: bool = False):
+        """`whole`: decode steps read the whole table (they may be captured in a CUDA graph);
+        prefill chunks, never captured, still read only the pages `lengths` says the rows hold."""
         self.k_pages, self.v_pages, self.table, self.lengths, self.base = k_pages, v_pages, table, lengths, base
+        self.whole = whole
 
     @property
     def span(self) -> int:
+        """Table entries a decode step reads."""
+        return self.table.shape[1] if self.whole else self.chunk_span
+
+    @property
+    def chunk_span(self) -> int:
+        """Table entries a prefill chunk reads: the rows' longest sequence in pages (the host's count)."""
         if self.lengths is None:
             return self.table.shape[1]
         longest = max(self.lengths[self.base:self.base + self.table.shape[0]], default=0)
         return max(1, -(-longest // self.k_pages.shape[1]))
 
     def rows(self, lo: int, hi: int) -> "PagedKV":
-        return PagedKV(self.k_pages, self.v_pages, self.table[lo:hi], self.lengths, self.base + lo)
+        return PagedKV(self.k_pages, self.v_pages, self.table[lo:hi], self.lengths, self.base + lo, self.whole)

@@ -364,7 +364,7 @@ def paged_attention(op: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                              c.attn_scale, kv.span, sinks)
     else:
         out = kernels.paged_chunk_attention(q, k, v, kv.k_pages, kv.v_pages, kv.table, positions, c.attn_scale,
-                                            kv.span, sinks)
+                                            kv.chunk_span, sinks)
         kernels.paged_cache_write(kv.k_pages, kv.v_pages, kv.table, k, v, positions)
     return out.reshape(b, t, c.num_heads * c.head_dim)
 

@@ -191,7 +191,8 @@ def _paged_mla(op: MLAAttention, q: torch.Tensor, kv: torch.Tensor, positions: t
         decode = getattr(kernels, "paged_mla_decode_attention", PK.paged_mla_decode_attention)
         return decode(q[:, 0].contiguous(), pages, state.table, positions[:, 0], cfg.attn_scale, rank,
                       state.span)[:, None]
-    out = PK.paged_mla_chunk_attention(q, kv, pages, state.table, positions, cfg.attn_scale, rank, state.span)
+    out = PK.paged_mla_chunk_attention(q, kv, pages, state.table, positions, cfg.attn_scale, rank,
+                                       state.chunk_span)
     PK.paged_mla_cache_write(pages, state.table, kv, positions)
     return out
 

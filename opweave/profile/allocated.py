@@ -32,6 +32,7 @@ from opweave.ir.plan import PAGE_TOKENS, PREFILL_CHUNK
 from opweave.ir.program import RankProgram
 from opweave.passes.plan_memory import SEND_ROUNDS, plan_rank_memory
 from opweave.runtime.message import message_bytes
+from opweave.runtime.pages import START, encode
 from opweave.runtime.state import RankState
 
 META = torch.device("meta")
@@ -179,6 +180,9 @@ class MetaRuntime:
         self.rows = program.rows[1] - program.rows[0]
         self._stage = {st.stage: st for st in program.stages}
         self.state = RankState(ops, self.rows, program.num_microbatches, program.context, META)  # views on meta
+        if self.state.pool is not None:  # every slot at the whole context: attention reads what the plan holds
+            full = ((encode(program.context, START),) * self.rows,) * program.num_microbatches
+            self.state.apply_round(full, 0)
 
     def state_views(self, op: int):
         """The op's state, one view per microbatch (as the worker passes it)."""

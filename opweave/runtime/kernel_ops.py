@@ -120,19 +120,25 @@ def pack_cpu_gemms(ops: dict[int, OpModule], device: torch.device) -> int:
     many weights were packed (0 elsewhere, or without oneDNN)."""
     if device.type != "cpu" or kernel_backend(device) != "torch" or not can_pack_linear():
         return 0
-    shared: dict[int, int] = {}
+    shared: dict[int, int] = {}  # by storage: a TP shard of a tied weight is a view at an offset
     for m in ops.values():
         for p in m.parameters(recurse=False):
-            shared[p.data_ptr()] = shared.get(p.data_ptr(), 0) + 1
+            key = p.untyped_storage().data_ptr()
+            shared[key] = shared.get(key, 0) + 1
+    dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
     packed = 0
     for m in ops.values():
         for name in m.linear_weights:
             w = m._parameters.get(name)
-            if (w is None or w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16)
-                    or shared.get(w.data_ptr(), 0) > 1 or w.is_meta):
+            if (w is None or w.dim() != 2 or w.dtype not in dtypes or w.is_meta
+                    or shared.get(w.untyped_storage().data_ptr(), 0) > 1):
+                continue
+            try:
+                weight = pack_linear(w)
+            except RuntimeError:  # this CPU lacks what oneDNN needs for the dtype: keep it dense
                 continue
             del m._parameters[name]
-            m.register_buffer(name, pack_linear(w), persistent=False)
+            m.register_buffer(name, weight, persistent=False)
             packed += 1
     return packed
 

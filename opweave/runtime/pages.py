@@ -7,7 +7,7 @@ pages hold its sequence (`tables`) and how many positions it has written (`lengt
 holds `slots x ceil(context / PAGE_TOKENS)` pages, what the planner counts: a sequence may grow to
 the full context whatever the others do.
 
-No rank sends another a page id. The pool changes only through `apply(slot, tokens, event)`, in
+No rank sends another a page id. The pool changes only through `apply_rows` (each row's event, then each row's tokens), in
 the order of the rounds and, within a round, of microbatches and rows; every rank that holds a
 slot applies the same agreed values (the round's tokens per row and a page event per row, both in
 the control word, `opweave.runtime.transport`), so every pool over the same slots, and the
@@ -98,6 +98,16 @@ class PagePool:
             self._share(slot, event - SHARED)
         if tokens:
             self._grow(slot, self.lengths[slot] + tokens)
+
+    def apply_rows(self, rows: list[tuple[int, int, int]]) -> None:
+        """One microbatch's agreed round, (slot, tokens, event) per row: every row's page event first
+        (a prefix found for one row is held before another row's tokens could take its cached
+        pages), then every row's tokens, in row order."""
+        for slot, _, event in rows:
+            self.apply(slot, 0, event)
+        for slot, tokens, _ in rows:
+            if tokens:
+                self._grow(slot, self.lengths[slot] + tokens)
 
     def release(self, slot: int) -> None:
         table, full = self.tables[slot], self.lengths[slot] // self.page_tokens

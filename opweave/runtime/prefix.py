@@ -40,28 +40,33 @@ class PrefixCache:
         self._page: dict[int, int] = {}   # key -> page
         self._key: dict[int, int] = {}    # page -> key
         self._round: dict[int, int] = {}  # page -> the round that fills it
+        self._tokens: dict[int, tuple[int, ...]] = {}  # page -> its tokens (a hit is checked, not trusted to a hash)
         self.queried = self.hit = 0       # prompt tokens looked up / found cached
         pool.on_evict = self._drop
 
-    def lookup(self, keys: list[int], prompt_len: int, ready: int) -> tuple[int, int]:
-        """(pages found, the last one's id) for a prompt of `prompt_len` tokens with page keys
-        `keys`: the longest run of its first pages whose fill round is before `ready`, each the
-        one before it in the chain (what the ranks will walk, `PagePool.chain`)."""
-        self.queried += prompt_len
-        limit = (prompt_len - 1) // self.pool.page_tokens
+    def lookup(self, keys: list[int], prompt: list[int], ready: int) -> tuple[int, int]:
+        """(pages found, the last one's id) for `prompt` with page keys `keys`: the longest run of
+        its first pages whose fill round is before `ready`, each holding the prompt's tokens there
+        (a key is a 64-bit hash: its tokens are compared) and the one before it in the chain (what
+        the ranks will walk, `PagePool.chain`)."""
+        self.queried += len(prompt)
+        p = self.pool.page_tokens
+        limit = (len(prompt) - 1) // p
         found, last = 0, -1
-        for key in keys[:limit]:
+        for i, key in enumerate(keys[:limit]):
             page = self._page.get(key)
-            if page is None or self._round[page] >= ready or self.pool.parent[page] != last:
+            if (page is None or self._round[page] >= ready or self.pool.parent[page] != last
+                    or self._tokens[page] != tuple(prompt[i * p:(i + 1) * p])):
                 break
             found, last = found + 1, page
         self.hit += found * self.pool.page_tokens
         return found, last
 
-    def register(self, table: list[int], keys: list[int], first: int, end: int, round_index: int) -> tuple[int, ...]:
-        """After a prompt chunk [first, end) is planned for a slot holding pages `table`: the keys of
-        the pages it fills, where the page before holds the key before (the chain a lookup walks);
-        answers the pages given a key."""
+    def register(self, table: list[int], keys: list[int], prompt: list[int], first: int, end: int,
+                 round_index: int) -> tuple[int, ...]:
+        """After a chunk [first, end) of `prompt` is planned for a slot holding pages `table`: the
+        keys of the pages it fills, where the page before holds the key before (the chain a lookup
+        walks); answers the pages given a key."""
         p = self.pool.page_tokens
         added = []
         for i in range(first // p, min(end // p, len(keys))):
@@ -71,6 +76,7 @@ class PrefixCache:
             if (self._page.get(keys[i - 1]) if i else -1) != (table[i - 1] if i else -1):
                 continue
             self._page[key], self._key[page], self._round[page] = page, key, round_index
+            self._tokens[page] = tuple(prompt[i * p:(i + 1) * p])
             added.append(page)
         return tuple(added)
 
@@ -84,3 +90,4 @@ class PrefixCache:
         if key is not None:
             del self._page[key]
             del self._round[page]
+            del self._tokens[page]

@@ -170,7 +170,7 @@ class Scheduler:
                 row.event, row.release = P.START, False
                 if self.prefix is not None:
                     row.keys = page_keys(req.prompt, self.pool.page_tokens)
-                    found, last = self.prefix.lookup(row.keys, len(req.prompt), self._started)
+                    found, last = self.prefix.lookup(row.keys, req.prompt, self._started)
                     if found:
                         row.event = P.SHARED + last
                         row.position = found * self.pool.page_tokens
@@ -255,19 +255,16 @@ class Scheduler:
         """Applies the round's rows to the scheduler's copy of the pool, as every rank will; with
         prefix reuse, keys the prompt pages the round fills (the steps carry them, `RowStep.fills`)."""
         steps = list(plan.rows)
-        for r, (step, value) in enumerate(zip(steps, plan.values)):
+        self.pool.apply_rows([(mb * self.rows + r, P.held_tokens(v), P.decode(v)[1])
+                              for r, v in enumerate(plan.values) if v])
+        for r, step in enumerate(steps):
             slot = mb * self.rows + r
-            self.pool.apply(slot, P.held_tokens(value), P.decode(value)[1])
             if self.prefix is not None and step.tokens:
-                row = self._row_of(mb, r)
-                fills = self.prefix.register(self.pool.tables[slot], row.keys, step.first,
-                                             step.first + len(step.tokens), round_index)
+                fills = self.prefix.register(self.pool.tables[slot], self._rows[mb][r].keys, step.request.prompt,
+                                             step.first, step.first + len(step.tokens), round_index)
                 if fills:
                     steps[r] = dataclasses.replace(step, fills=fills)
         return StepPlan(tuple(steps))
-
-    def _row_of(self, mb: int, r: int) -> _Row:
-        return self._rows[mb][r]
 
     def take(self, round_index: int, mb: int) -> StepPlan:
         """The plan of microbatch `mb` in round `round_index`, as the round runs (once)."""

@@ -52,12 +52,11 @@ class RankState:
                     if t is None or t.shape[0] != pool.pages + 1:
                         got = "nothing" if t is None else f"{t.shape[0]} pages"
                         raise ValueError(f"op {i}: state {a} holds {got}, not {pool.pages} + 1")
-                # on CUDA a captured round reads the whole table (the kernels stop at each row's
-                # position); the CPU path reads the pages the rows hold
-                lengths = pool.lengths if self.table.device.type != "cuda" else None
-                # keys and values (MLA: its one pool of latent rows as both)
-                self._views[i] = tuple(PagedKV(full[0], full[-1], self.table[mb * rows:(mb + 1) * rows], lengths,
-                                               mb * rows)
+                # keys and values (MLA: its one pool of latent rows as both); on CUDA a decode step,
+                # which a graph may capture, reads the whole table (the kernels stop at each row's
+                # position), elsewhere and in prefill chunks the pages the rows hold
+                self._views[i] = tuple(PagedKV(full[0], full[-1], self.table[mb * rows:(mb + 1) * rows],
+                                               pool.lengths, mb * rows, whole=self.table.device.type == "cuda")
                                        for mb in range(num_microbatches))
                 continue
             for a, t in zip(attrs, full):
@@ -88,17 +87,15 @@ class RankState:
         if self.pool is None:
             return
         for mb, row_values in enumerate(values):
-            for r in range(self.rows):
-                value = row_values[lo + r]
-                if value:
-                    self.pool.apply(mb * self.rows + r, held_tokens(value), decode(value)[1])
+            self.pool.apply_rows([(mb * self.rows + r, held_tokens(row_values[lo + r]), decode(row_values[lo + r])[1])
+                                  for r in range(self.rows) if row_values[lo + r]])
         changed = self.pool.take_changed()
         if changed:
             slots = torch.tensor([s for s, _ in changed], dtype=torch.long)
             rows = torch.tensor([t for _, t in changed], dtype=torch.int32)
             if self.table.device.type == "cuda":  # pinned, asynchronous: the stream orders it after the last round
-                rows = rows.pin_memory()
-                self._staged = rows  # kept until the copy has surely run (the next round's staging)
+                slots, rows = slots.pin_memory(), rows.pin_memory()
+                self._staged = (slots, rows)  # kept until the copy has surely run (the next round's staging)
                 self.table.index_copy_(0, slots.to(self.table.device, non_blocking=True),
                                        rows.to(self.table.device, non_blocking=True))
             else:
