@@ -386,18 +386,10 @@ def test_split_kv_decode_attention_launch_reads_nothing_on_the_host(tri, monkeyp
     8 KV heads fill the GPU instead of running as 8 programs."""
     from opweave.kernels import targets
 
-    grids = {}
+    from launch_spy import record_launches
 
-    class Launches:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            grids[self.name] = grid
-            return lambda *args, **kwargs: None
-
-    for name in ("_decode_attention_kernel", "_decode_attention_merge_kernel"):
-        monkeypatch.setattr(tri.attention, name, Launches(name))
+    grids = record_launches(monkeypatch, {name: (tri.attention, name) for name in
+                                          ("_decode_attention_kernel", "_decode_attention_merge_kernel")})
     monkeypatch.setattr(targets, "launch_sm_count", lambda device: 132)
     meta = dict(device="meta", dtype=torch.bfloat16)
     q, cache = torch.empty(1, 32, 128, **meta), torch.empty(1, 131072, 8, 128, **meta)

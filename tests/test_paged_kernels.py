@@ -124,19 +124,12 @@ def test_paged_launches_depend_on_shapes_only(tri, monkeypatch):
     the GPU (at least 4 programs per SM)."""
     from opweave.kernels import targets
 
-    grids = {}
+    from launch_spy import record_launches
 
-    class Launches:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            grids[self.name] = grid
-            return lambda *args, **kwargs: None
-
-    for name in ("_paged_decode_attention_kernel", "_paged_chunk_attention_kernel", "_paged_cache_write_kernel"):
-        monkeypatch.setattr(tri.paged, name, Launches(name))
-    monkeypatch.setattr(tri.attention, "_decode_attention_merge_kernel", Launches("merge"))
+    grids = record_launches(monkeypatch, {
+        **{name: (tri.paged, name) for name in
+           ("_paged_decode_attention_kernel", "_paged_chunk_attention_kernel", "_paged_cache_write_kernel")},
+        "merge": (tri.attention, "_decode_attention_merge_kernel")})
     monkeypatch.setattr(targets, "launch_sm_count", lambda device: 132)
     meta = dict(device="meta", dtype=torch.bfloat16)
     pool, table = torch.empty(8193, PAGE, 8, 128, **meta), torch.empty(1, 8192, dtype=torch.int32, device="meta")

@@ -119,18 +119,10 @@ def test_paged_mla_launch_depends_on_shapes_only(tri, monkeypatch):
     blocks fill the GPU (at least 4 programs per SM)."""
     from opweave.kernels import targets
 
-    grids = {}
+    from launch_spy import record_launches
 
-    class Launches:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            grids[self.name] = grid
-            return lambda *args, **kwargs: None
-
-    monkeypatch.setattr(tri.paged_mla, "_paged_mla_decode_kernel", Launches("decode"))
-    monkeypatch.setattr(tri.attention, "_decode_attention_merge_kernel", Launches("merge"))
+    grids = record_launches(monkeypatch, {"decode": (tri.paged_mla, "_paged_mla_decode_kernel"),
+                                          "merge": (tri.attention, "_decode_attention_merge_kernel")})
     monkeypatch.setattr(targets, "launch_sm_count", lambda device: 132)
     meta = dict(device="meta", dtype=torch.bfloat16)
     pool, table = torch.empty(8193, PAGE, 576, **meta), torch.empty(1, 8192, dtype=torch.int32, device="meta")
