@@ -46,6 +46,27 @@ def test_control_word_values_carry_tokens_and_events():
         assert P.decode(P.encode(tokens, event)) == (tokens, event)
     with pytest.raises(ValueError):
         P.encode(1 << 24, 0)
+    value = P.encode(5, P.SHARED + 7, sampled=True)
+    assert P.decode(value) == (5, P.SHARED + 7) and P.sampled(value) and P.held_tokens(value) == 5
+    assert not P.sampled(P.encode(5, P.SHARED + 7, padding=True))
+
+
+def test_rows_drawing_at_a_positive_temperature_are_marked_on_their_output_steps():
+    """The control word says which rows the sampler must walk the vocabulary for: a sampled
+    request's steps that draw an output (its last prompt chunk, then each decode step), never its
+    earlier chunks, a greedy request's steps, or idle rows."""
+    from opweave.kernels.sampling import encode
+
+    reqs = [Request(index=0, prompt=[3] * 6, max_new_tokens=2, sampling=encode(0.7, 1.0, 1)),
+            Request(index=1, prompt=[4] * 2, max_new_tokens=2)]
+    sched = Scheduler(reqs, num_microbatches=1, rows=3, context=64, eos_ids=(), prefill_chunk=4)
+    marks = []
+    for _ in range(3):
+        values = sched.plan_round()[0]
+        marks.append(tuple((P.decode(v)[0], P.sampled(v)) for v in values))
+    assert marks[0] == ((4, False), (0, False), (0, False))  # request 0's first chunk draws nothing
+    assert marks[1] == ((2, True), (2, False), (0, False))   # its last chunk draws its first output
+    assert marks[2] == ((1, True), (1, False), (0, False))
 
 
 def test_prefix_keys_chain_and_lookup_stops_at_a_broken_chain():

@@ -76,6 +76,25 @@ def test_temperature_zero_is_argmax_and_seeds_repeat():
     assert len(moved) == 8
 
 
+def test_greedy_rows_skip_the_vocabulary_walk_with_the_same_ids():
+    """`walk=False` (the host knows every row is greedy) gives what the whole sampler gives for
+    greedy words, EOS bans included, and never enters the walk."""
+    torch.manual_seed(4)
+    logits = torch.randn(5, V)
+    word = torch.tensor([encode(0.0, 1.0, i, ban_until=10 if i % 2 else 0) for i in range(5)], dtype=torch.long)
+    banned = torch.tensor([int(logits[1].argmax()), 7])
+    want = sample(logits.clone(), word, torch.arange(5), banned=banned)
+    calls = []
+    original = sampling._chunks
+    sampling._chunks = lambda n: calls.append(n) or original(n)
+    try:
+        got = sample(logits.clone(), word, torch.arange(5), banned=banned, walk=False)
+    finally:
+        sampling._chunks = original
+    assert torch.equal(got, want) and calls == []
+    assert int(got[1]) != int(logits[1].argmax())  # row 1 is before its ban_until: its argmax was banned
+
+
 def test_same_tokens_at_any_tp_split_and_chunking(monkeypatch):
     torch.manual_seed(3)
     rows = 32

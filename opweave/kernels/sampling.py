@@ -165,7 +165,7 @@ def ban(logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor, column
 
 def sample(logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor, vocab_offset: int = 0,
            gather: Callable | None = None, greedy: Callable | None = None,
-           banned: torch.Tensor | None = None) -> torch.Tensor:
+           banned: torch.Tensor | None = None, walk: bool = True) -> torch.Tensor:
     """Token ids [B] for this rank's slice of the last position's logits [B, Vr] (vocabulary ids
     vocab_offset .. vocab_offset + Vr), each row by its sampling word [B, WORD] at `position` [B]
     (its newest token's position). The vocabulary is walked `CHUNK` ids at a time, so the
@@ -174,12 +174,16 @@ def sample(logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor, voc
     `gather(x)`: every TP rank's x stacked on a new first dim (None: one rank);
     `greedy(logits)`: the greedy sampler of the same group (ids [B]), whose answer temperature-0
     rows take (None: `argmax` on this rank alone); `banned`: this rank's columns of the ids
-    `ban` masks (written into `logits` in place, before `greedy` sees them)."""
+    `ban` masks (written into `logits` in place, before `greedy` sees them); `walk` False: the
+    caller knows every row's temperature is 0 (the host knows each row's word), so the greedy ids
+    are the answer and the vocabulary walk is skipped."""
     from opweave.kernels.reference import argmax
 
     ban(logits, word, position, banned)
     gather = gather or (lambda x: x[None])
     greedy_ids = greedy(logits) if greedy is not None else argmax(logits)
+    if not walk:
+        return greedy_ids
     seed = word[:, 0]
     temp, top_p, min_p = (word[:, FIELDS.index(f)].float() / SCALE for f in ("temperature", "top_p", "min_p"))
     hot = temp > 0

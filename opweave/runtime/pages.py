@@ -36,25 +36,32 @@ NONE, RELEASE, START, SHARED = 0, 1, 2, 3
 """A row's page event in a round: nothing; drop its pages; a new request starts on fresh pages;
 `SHARED + p`: a new request starts on the cached chain ending at page p."""
 
-_TOKEN_BITS = 24  # a control-word value: tokens | padding << 24 | event << 25
+_TOKEN_BITS = 24  # a control-word value: tokens | padding << 24 | sampled << 25 | event << 26
 
 
-def encode(tokens: int, event: int, padding: bool = False) -> int:
+def encode(tokens: int, event: int, padding: bool = False, sampled: bool = False) -> int:
     """One row's control-word value: its tokens this round, whether they are padding tokens of an
-    idle row (computed, position -1: they take no page), and its page event."""
+    idle row (computed, position -1: they take no page), whether the row's token this round is
+    drawn at a positive temperature (`sampled`: the sampler walks the vocabulary for it; greedy
+    rows only take the argmax), and its page event."""
     if not 0 <= tokens < 1 << _TOKEN_BITS:
         raise ValueError(f"{tokens} tokens in one row's round")
-    return tokens | int(padding) << _TOKEN_BITS | event << (_TOKEN_BITS + 1)
+    return tokens | int(padding) << _TOKEN_BITS | int(sampled) << (_TOKEN_BITS + 1) | event << (_TOKEN_BITS + 2)
 
 
 def decode(value: int) -> tuple[int, int]:
     """(tokens, page event) of a control-word value (tokens: what the round computes for the row)."""
-    return value & ((1 << _TOKEN_BITS) - 1), value >> (_TOKEN_BITS + 1)
+    return value & ((1 << _TOKEN_BITS) - 1), value >> (_TOKEN_BITS + 2)
 
 
 def held_tokens(value: int) -> int:
     """The positions a control-word value adds to its slot's sequence (0 for padding tokens)."""
     return 0 if value >> _TOKEN_BITS & 1 else value & ((1 << _TOKEN_BITS) - 1)
+
+
+def sampled(value: int) -> bool:
+    """Whether a control-word value's row draws its token at a positive temperature this round."""
+    return bool(value >> (_TOKEN_BITS + 1) & 1)
 
 
 def pages_for(tokens: int, page_tokens: int = PAGE_TOKENS) -> int:

@@ -35,10 +35,12 @@ from collections import deque
 from opweave.errors import OpWeaveError
 from opweave.ir.plan import PREFILL_CHUNK
 from opweave.models.ops import NON_FINITE_TOKEN
-from opweave.kernels.sampling import GREEDY
+from opweave.kernels.sampling import FIELDS, GREEDY
 from opweave.runtime import pages as P
 from opweave.runtime.pages import PagePool
 from opweave.runtime.prefix import PrefixCache, page_keys
+
+TEMPERATURE = FIELDS.index("temperature")
 
 
 @dataclasses.dataclass
@@ -80,6 +82,11 @@ class RowStep:
     def decode(self) -> bool:
         return self.request is not None and not self.tokens
 
+    @property
+    def sampled(self) -> bool:
+        """The step draws an output token at a positive temperature (the sampler's vocabulary walk)."""
+        return self.output and self.request.sampling[TEMPERATURE] > 0
+
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
@@ -95,7 +102,7 @@ class StepPlan:
     @property
     def values(self) -> tuple[int, ...]:
         """Per row, its tokens and page event as the control word carries them (`pages.encode`)."""
-        return tuple(P.encode(c, s.event, s.bucket) for c, s in zip(self.counts, self.rows))
+        return tuple(P.encode(c, s.event, s.bucket, s.sampled) for c, s in zip(self.counts, self.rows))
 
 
 def bucketed(steps: list[RowStep]) -> list[RowStep]:

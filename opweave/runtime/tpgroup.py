@@ -86,10 +86,11 @@ class TPGroup:
         return torch.stack(parts)
 
     def sample(self, logits: torch.Tensor, word: torch.Tensor, position: torch.Tensor,
-               eos_ids: tuple[int, ...] = ()) -> torch.Tensor:
+               eos_ids: tuple[int, ...] = (), walk: bool = True) -> torch.Tensor:
         """Temperature / top-k / top-p / min-p sampling over the vocabulary split across the group,
         each row by its sampling word (`opweave.kernels.sampling`), `eos_ids` banned on rows still
-        short of their min_tokens; temperature-0 rows take `argmax`'s answer."""
+        short of their min_tokens; temperature-0 rows take `argmax`'s answer. `walk` False: every
+        row is greedy (the vocabulary walk is skipped; the same ids)."""
         from opweave.kernels.sampling import ban_columns, sample
 
         last = logits[:, -1, :]
@@ -98,7 +99,7 @@ class TPGroup:
         if getattr(self, "_ban_key", None) != key:  # made once, before any graph is captured
             self._ban_key, self._ban = key, ban_columns(eos_ids, offset, last.shape[-1], last.device)
         return sample(last, word, position, vocab_offset=offset, gather=self.stack,
-                      greedy=lambda _: self.argmax(logits), banned=self._ban)
+                      greedy=lambda _: self.argmax(logits), banned=self._ban, walk=walk)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sample over a vocabulary split across the group (lowest index wins ties): one

@@ -30,7 +30,7 @@ from opweave.ir.program import RankProgram, StageProgram, Transfer
 from opweave.runtime.inbox import Inbox, Slot
 from opweave.runtime.layout import Layout
 from opweave.runtime.message import WORD_BYTES, pack_message, unpack_message
-from opweave.runtime.pages import decode
+from opweave.runtime.pages import decode, sampled
 from opweave.kernels.sampling import WORD
 
 
@@ -104,12 +104,13 @@ class Transport:
         self.layouts: tuple[Layout, ...] = tuple(self.layout(c) for c in self.counts)  # this replica's rows
         self._second = self.counts  # round 1's, set by `agree`
 
-    def layout(self, counts: tuple[int, ...]) -> Layout:
+    def layout(self, counts: tuple[int, ...], values: tuple[int, ...] = ()) -> Layout:
         """This replica's packed layout of a microbatch whose rows feed `counts` tokens (global
-        rows); padding only when the microbatch runs but none of these rows has a token."""
+        rows); padding only when the microbatch runs but none of these rows has a token; sampled
+        when one of these rows' control-word `values` draws at a positive temperature."""
         lo, hi = self.program.rows
         mine = tuple(counts[lo:hi])
-        return Layout(mine, pad=any(counts) and not any(mine))
+        return Layout(mine, pad=any(counts) and not any(mine), sampled=any(sampled(v) for v in values[lo:hi]))
 
     def live(self, mb: int) -> bool:
         """Microbatch `mb` runs this round (some row of it, in any replica, has a token)."""
@@ -250,7 +251,7 @@ class Transport:
         event, `opweave.runtime.pages.encode`); posts its first receives (CPU)."""
         self.values = values
         self.last_counts, self.counts = self.counts, tuple(tuple(decode(v)[0] for v in mb) for mb in values)
-        self.layouts = tuple(self.layout(c) for c in self.counts)
+        self.layouts = tuple(self.layout(c, v) for c, v in zip(self.counts, values))
         for layout, counts in zip(self.layouts, self.counts):
             if any(counts):
                 layout.last(self.device)  # made now, between rounds: nothing in a round comes from the host

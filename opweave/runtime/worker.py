@@ -177,7 +177,7 @@ class Runtime:
     @property
     def round_key(self) -> tuple:
         """What a captured decode round depends on: the rows each microbatch computes."""
-        return tuple((layout.counts, layout.pad) for layout in self.layouts)
+        return tuple((layout.counts, layout.pad, layout.sampled) for layout in self.layouts)
 
     def round_tokens(self) -> tuple[int, int]:
         """(token positions computed, real tokens) of this round on a scheduler leader's rows; (0, 0)
@@ -347,11 +347,14 @@ class Runtime:
         """The last stage's sampler: each row's new token id from the logits [rows, 1, V/tp] of its
         last token (the LM head took it, `Packed`). A server samples every row by its sampling
         word (temperature, top_p, seed at the row's last position: greedy at temperature 0;
-        `TPGroup.sample`); a run without sampling words is greedy (`argmax`, split over the group
-        or the kernel backend's)."""
+        `TPGroup.sample`), walking the vocabulary only when a row of the microbatch draws at a
+        positive temperature (`Layout.sampled`, agreed by every rank: greedy rows take the argmax
+        alone); a run without sampling words is greedy (`argmax`, split over the group or the
+        kernel backend's)."""
         if self.sampling:
-            last = positions[0].index_select(0, self.layouts[mb].last(positions.device))
-            return self.tp.sample(logits, self.words[mb], last, tuple(self.cfg.eos_token_ids))
+            layout = self.layouts[mb]
+            last = positions[0].index_select(0, layout.last(positions.device))
+            return self.tp.sample(logits, self.words[mb], last, tuple(self.cfg.eos_token_ids), walk=layout.sampled)
         if self.program.tp > 1:
             return self.tp.argmax(logits)
         return self.ops[self._sampler](logits)
