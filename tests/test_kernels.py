@@ -137,12 +137,18 @@ def _naive_attention(q, k, v, q_pos, k_pos, scale, window):
     return torch.einsum("bhtl,blhd->bthd", p, v)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "online-softmax"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block", [3, 256])
-def test_chunk_attention_in_key_blocks(monkeypatch, window, block):
+def test_chunk_attention_in_key_blocks(monkeypatch, window, block, fused):
     """A prefill chunk over a wrapped ring and itself, in key blocks smaller than the ring and the
-    chunk (online softmax across blocks), equals one softmax over the whole history."""
+    chunk (online softmax across blocks, or the CPU's fused kernel per block merged by log-sum-exp),
+    equals one softmax over the whole history."""
     monkeypatch.setattr(ref, "ATTN_KEY_BLOCK", block)
+    if not fused:
+        monkeypatch.setattr(ref, "_fused_attention_op", lambda: None)
+    elif ref._fused_attention_op() is None:
+        pytest.skip("this torch build has no fused CPU attention")
     gen = torch.Generator().manual_seed(4)
     b, t, hq, hkv, d, slots = 3, 7, 4, 2, 8, (window or 40)  # a full cache holds the context (40)
     start = torch.tensor([0, 9, 23])  # position of each row's first chunk column
@@ -161,6 +167,31 @@ def test_chunk_attention_in_key_blocks(monkeypatch, window, block):
     all_pos = torch.where(all_pos < start[:, None] + t, all_pos, -1)  # the future is not there
     want = _naive_attention(q, history[:, :, 0], history[:, :, 1], positions, all_pos, 0.3, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_attention_equals_the_online_softmax_with_sinks_and_padding(monkeypatch, dtype):
+    """The CPU's fused path (`_attend_fused`) gives `_attend`'s online softmax: GQA, key blocks
+    merged by log-sum-exp, per-head sinks, a window, and padding queries (zeros)."""
+    if ref._fused_attention_op() is None:
+        pytest.skip("this torch build has no fused CPU attention")
+    monkeypatch.setattr(ref, "ATTN_KEY_BLOCK", 4)
+    gen = torch.Generator().manual_seed(5)
+    b, t, hq, hkv, d, slots = 2, 5, 6, 2, 8, 11
+    q = torch.randn(b, t, hq, d, generator=gen).to(dtype)
+    k_cache, v_cache = (torch.randn(b, slots, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, t, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    positions = torch.tensor([[6, 7, 8, 9, 10], [-1, -1, 3, 4, 5]])
+    sinks = torch.randn(hq, generator=gen)
+    for window, sink in ((None, None), (3, None), (None, sinks), (4, sinks)):
+        got = ref.chunk_attention(q, k, v, k_cache.clone(), v_cache.clone(), positions, 0.4, window, sinks=sink)
+        monkeypatch.setattr(ref, "_fused_attention_op", lambda: None)
+        want = ref.chunk_attention(q, k, v, k_cache.clone(), v_cache.clone(), positions, 0.4, window, sinks=sink)
+        monkeypatch.undo()
+        monkeypatch.setattr(ref, "ATTN_KEY_BLOCK", 4)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        assert torch.equal(got[1, :2], torch.zeros_like(got[1, :2]))  # padding queries
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])

@@ -35,6 +35,8 @@ scheduler ends that request with an error. Chosen on the device (no host sync pe
 # running maximum before any key is seen: finite, so a fully masked block gives exp(-inf) = 0, not NaN
 _NO_MAX = -1.0e30
 
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the CPU's fused attention takes
+
 
 # ---------------------------------------------------------------------------------------------- GEMMs
 
@@ -147,6 +149,47 @@ def _cache_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, newest: torch.Te
         yield k_cache[:, start:stop], v_cache[:, start:stop], ring_positions(newest, slots, start, stop)
 
 
+def _fused_attention_op():
+    """The CPU's fused attention kernel (the one `F.scaled_dot_product_attention` runs on CPU),
+    which also returns each query's log-sum-exp, so blocks of keys can be merged; None where
+    this torch build has none."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_fused(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: int | None,
+                  sinks: torch.Tensor | None, op) -> torch.Tensor:
+    """`_attend` on the CPU with its fused attention kernel: per key block, the block's output
+    and log-sum-exp (GQA in the kernel, no scores tensor), merged across blocks (and with the
+    sink term) in float32. A query with no allowed key in a block takes nothing from it; one
+    with none at all (padding) gets zeros. Same math as `_attend`, float rounding aside."""
+    b, t, hq, d = q.shape
+    qh = q.transpose(1, 2)                                                          # B,Hq,T,D
+    qp = q_pos[:, None, :, None]                                                    # B,1,T,1
+    out = lse = None
+    for keys, vals, k_pos in blocks:
+        kp = k_pos[:, None, None, :]                                                # B,1,1,L
+        allowed = (kp >= 0) & (kp <= qp)
+        if window:
+            allowed = allowed & (kp > qp - window)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        o, l = op(qh, keys.transpose(1, 2).to(q.dtype), vals.transpose(1, 2).to(q.dtype), 0.0, False,
+                  attn_mask=mask, scale=scale)
+        l = torch.where(allowed.any(dim=-1), l, float("-inf"))                      # B,Hq,T
+        o = o.float()
+        if out is None:
+            out, lse = o, l
+            continue
+        merged = torch.logaddexp(lse, l)
+        safe = torch.where(torch.isfinite(merged), merged, 0.0)
+        out = out * torch.exp(lse - safe)[..., None] + o * torch.exp(l - safe)[..., None]
+        lse = merged
+    if sinks is not None:  # one more softmax term exp(sink) with a zero value
+        merged = torch.logaddexp(lse, sinks.float().view(1, hq, 1))
+        out = out * torch.exp(lse - merged)[..., None]
+    out = torch.where(torch.isfinite(lse)[..., None], out, 0.0)
+    return out.transpose(1, 2).to(q.dtype).contiguous()
+
+
 def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: int | None,
             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Online-softmax attention (GQA) of queries over key blocks, float32 accumulation.
@@ -163,6 +206,9 @@ def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: 
     Returns:
         [B, T, Hq, D] in q's dtype.
     """
+    op = _fused_attention_op() if q.device.type == "cpu" and q.dtype in _FUSED_DTYPES else None
+    if op is not None:
+        return _attend_fused(q, q_pos, blocks, scale, window, sinks, op)
     b, t, hq, d = q.shape
     hkv = g = qh = m = l = acc = None
     for keys, vals, k_pos in blocks:
