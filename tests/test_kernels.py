@@ -531,3 +531,27 @@ def test_gdn_module_runs_the_triton_recurrence_in_the_runtime_wrapper(tri):
              torch.randn(3, t, la.num_value_heads, generator=gen))
         _close(wrapped(*x, positions), m(*x, positions), torch.float32)
         _close((wrapped.op.conv_state, wrapped.op.recurrent_state), (m.conv_state, m.recurrent_state), torch.float32)
+
+
+def test_packed_linear_pads_few_rows_and_gives_the_dense_result(monkeypatch):
+    """A packed GEMM on fewer than `PACKED_MIN_ROWS` rows computes that many (zeros added) and
+    returns the rows asked for, in the input's leading shape, equal to `F.linear`'s."""
+    if not ref.can_pack_linear():
+        pytest.skip("no oneDNN in this torch build")
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(24, 16, generator=gen)
+    packed = ref.pack_linear(w)
+    seen = []
+    original = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        seen.append(x.shape[0] if x.dim() == 2 else x.shape[0] * x.shape[1])
+        return original(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    for shape in ((1, 1, 16), (1, 3, 16), (2, 16), (1, 9, 16)):
+        x = torch.randn(*shape, generator=gen)
+        got = ref.linear(x, packed)
+        assert got.shape == (*shape[:-1], 24)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert seen == [ref.PACKED_MIN_ROWS, ref.PACKED_MIN_ROWS, ref.PACKED_MIN_ROWS, 9]

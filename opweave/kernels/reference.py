@@ -40,9 +40,25 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the CPU's
 
 # ---------------------------------------------------------------------------------------------- GEMMs
 
+PACKED_MIN_ROWS = 4
+"""The fewest rows a packed GEMM computes (the extra rows are zeros, dropped after). oneDNN picks
+its kernel by the row count, and the one it takes for one to three rows is slower than its
+four-row kernel: on a Zen 4 core (fp32, one thread) the GEMMs of a decode step of
+`bench/serve_peer.py`'s 155M-parameter Llama take 28 ms at one row, 35 ms at two and 22 ms at
+four, and a two-row decode round of `opweave run` 54-59 ms unpadded against 46 ms padded. A
+decode GEMM streams its weights from memory whatever its rows, so the padding costs next to
+nothing where the small kernel is not slower."""
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, or, for a weight packed by `pack_linear` (a oneDNN tensor), oneDNN's GEMM on it."""
+    """`F.linear`, or, for a weight packed by `pack_linear` (a oneDNN tensor), oneDNN's GEMM on it
+    (on at least `PACKED_MIN_ROWS` rows)."""
     if weight.is_mkldnn:
+        rows = x.numel() // x.shape[-1]
+        if rows < PACKED_MIN_ROWS:
+            flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PACKED_MIN_ROWS - rows))
+            out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")[:rows]
+            return out.view(*x.shape[:-1], out.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
