@@ -3,7 +3,7 @@
 A random-weight Llama checkpoint in the Hugging Face format (hidden 1024, 8 layers, 16 attention
 heads / 4 KV heads of 64, intermediate 2816, vocab 32000, fp32: 155.7M parameters, 623 MB; a
 32000-entry BPE tokenizer trained offline on a seeded synthetic corpus, loadable by
-`transformers.AutoTokenizer`) is served twice, one server at a time, on the same port settings:
+`transformers.AutoTokenizer`) is served by both servers, started together and loaded in turn:
 
 - OpWeave: a one-rank colocated plan on `cpux1` (`pinned_plan(..., "colocated", [("cpu", 1, 1)],
   batch=--max-num-seqs, microbatches=1, context=C)`), `python -m opweave serve ART --weights CKPT`
@@ -15,8 +15,11 @@ heads / 4 KV heads of 64, intermediate 2816, vocab 32000, fp32: 155.7M parameter
 
 Each is driven by `vllm bench serve` (the random dataset: --input-len prompt tokens, --output-len
 output tokens with `--ignore-eos`, so both servers generate exactly that many; greedy, `--temperature
-0`; --num-prompts per rate; seed 0, so both servers get the same prompts) at each of --rates. From
-the saved JSON: completed, output tokens/s, TTFT p50/p99, TPOT p50, ITL p50. From OpWeave's
+0`; --num-prompts per rate; seed 0, so both servers get the same prompts) at each of --rates,
+--repeats times: each rate's two runs back to back, their order swapped every repeat, so a slower or
+faster spell of a shared machine (seen here: the same run 15-20% apart minutes later) falls on both
+servers. The ratios are the medians of each back-to-back pair's ratio. From the saved JSON:
+completed, output tokens/s, TTFT p50/p99, TPOT p50, ITL p50. From OpWeave's
 `/metrics` before and after each rate: tokens computed vs tokens used (padding waste = computed /
 used), when the server exports such counters (`opweave_*tokens_computed*`, `opweave_*tokens_used*`),
 else "n/a". Last, greedy parity: 4 token-id prompts, temperature 0, max_tokens 16, `ignore_eos`,
@@ -25,11 +28,11 @@ token ids (`return_token_ids`) decoded the way OpWeave decodes a completion (the
 alone, special tokens skipped); the raw texts are compared too (vLLM decodes after the prompt, so
 its text may begin with the first word's space). Writes a markdown report (--out).
 
-    python bench/serve_peer.py [--rates 1,4,inf] [--num-prompts 32] [--input-len 128] [--output-len 64]
+    python bench/serve_peer.py [--rates 1,4,inf] [--num-prompts 32] [--repeats 2] [--input-len 128] [--output-len 64]
         [--threads 1] [--max-num-seqs 16] [--vllm-venv /work/peers/vllm] [--out bench/results/serve_peer.md]
         [--skip-vllm | --skip-opweave] [--vllm-cpu-bind LIST] [--vllm-env KEY=VALUE] [--keep DIR]
 
-Runtime on the 2-core machine: about 4 min for `--num-prompts 4 --rates inf --output-len 8`
+Runtime on the 2-core machine: about 4 min for `--num-prompts 4 --rates inf --output-len 8 --repeats 1`
 (building the checkpoint ~15 s, each `vllm bench serve` ~15 s of start-up, vLLM's server 1-2.5 min
 to start: on its first start it compiles the model with torch.compile, about 60 s, and caches it in
 ~/.cache/vllm).
@@ -80,6 +83,7 @@ import random
 import re
 import shlex
 import shutil
+import statistics
 import signal
 import socket
 import subprocess
@@ -426,7 +430,8 @@ def rate_arg(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def bench_argv(peer: Peer, port: int, ckpt: str, rate: float, args, result_dir: str, label: str) -> list[str]:
+def bench_argv(peer: Peer, port: int, ckpt: str, rate: float, args, result_dir: str, label: str,
+               repeat: int = 0) -> list[str]:
     return peer.cli() + [
         "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
         "--model", MODEL_NAME, "--tokenizer", ckpt, "--dataset-name", "random",
@@ -435,13 +440,14 @@ def bench_argv(peer: Peer, port: int, ckpt: str, rate: float, args, result_dir: 
         "--num-prompts", str(args.num_prompts), "--request-rate", rate_arg(rate), "--ignore-eos", "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--seed", "0", "--disable-tqdm",
         "--label", label, "--save-result", "--save-detailed", "--result-dir", result_dir,
-        "--result-filename", f"{label}-{rate_arg(rate)}.json"]
+        "--result-filename", f"{label}-{rate_arg(rate)}-r{repeat}.json"]
 
 
-def run_load(peer: Peer, server: Server, ckpt: str, rate: float, args, result_dir: str, log_dir: str) -> dict:
+def run_load(peer: Peer, server: Server, ckpt: str, rate: float, args, result_dir: str, log_dir: str,
+             repeat: int = 0) -> dict:
     label = server.name.lower()
-    argv = bench_argv(peer, server.port, ckpt, rate, args, result_dir, label)
-    log_path = os.path.join(log_dir, f"bench-{label}-{rate_arg(rate)}.log")
+    argv = bench_argv(peer, server.port, ckpt, rate, args, result_dir, label, repeat)
+    log_path = os.path.join(log_dir, f"bench-{label}-{rate_arg(rate)}-r{repeat}.log")
     before = metrics_snapshot(server.port) if server.name == "OpWeave" else {}
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -452,8 +458,8 @@ def run_load(peer: Peer, server: Server, ckpt: str, rate: float, args, result_di
             rc = "timeout"
     wall = time.perf_counter() - t0
     after = metrics_snapshot(server.port) if server.name == "OpWeave" else {}
-    row = {"server": server.name, "rate": rate, "wall_s": wall}
-    path = os.path.join(result_dir, f"{label}-{rate_arg(rate)}.json")
+    row = {"server": server.name, "rate": rate, "repeat": repeat, "wall_s": wall}
+    path = os.path.join(result_dir, f"{label}-{rate_arg(rate)}-r{repeat}.json")
     if rc != 0 or not os.path.isfile(path):
         row["error"] = f"`vllm bench serve` exit status {rc}: {_tail(log_path)}"
         return row
@@ -576,6 +582,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="1,4,inf", help="requests per second, comma-separated; inf: all at once")
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per rate")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs per rate and server, interleaved (the figures are their medians)")
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (random dataset)")
     ap.add_argument("--output-len", type=int, default=64, help="output tokens per request (--ignore-eos)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads of each server")
@@ -605,7 +613,7 @@ def main() -> int:
     args.prefix_caching = args.prefix_caching or args.prefix_len > 0
     try:
         rates = _rates(args.rates)
-        for name in ("num_prompts", "input_len", "output_len", "threads", "max_num_seqs", "vllm_kv_gib"):
+        for name in ("num_prompts", "repeats", "input_len", "output_len", "threads", "max_num_seqs", "vllm_kv_gib"):
             if getattr(args, name) < 1:
                 raise PeerError(f"--{name.replace('_', '-')} must be at least 1")
         if args.skip_vllm and args.skip_opweave:
@@ -688,35 +696,44 @@ def _run(args, rates: list[float], peer: Peer, work: str, clock: RunClock) -> in
     parity: dict[str, list[dict]] = {}
     prompts = parity_prompts(MODEL_CONFIG["vocab_size"])
     failed = False
-    for server, facts in servers:
-        print(f"{server.name}: starting on port {server.port} ...", file=sys.stderr)
-        try:
-            server.start(args.startup_timeout)
-        except RuntimeError as e:
-            print(f"  {e}", file=sys.stderr)
-            facts["error"] = str(e)
-            failed = True
-            server.stop()
-            continue
-        print(f"  up after {server.startup_s:.0f} s", file=sys.stderr)
-        try:
+    up: list[tuple[Server, dict]] = []
+    try:
+        for server, facts in servers:  # every server up at once: the loads interleave (see the docstring)
+            print(f"{server.name}: starting on port {server.port} ...", file=sys.stderr)
+            try:
+                server.start(args.startup_timeout)
+            except RuntimeError as e:
+                print(f"  {e}", file=sys.stderr)
+                facts["error"] = str(e)
+                failed = True
+                server.stop()
+                continue
+            print(f"  up after {server.startup_s:.0f} s", file=sys.stderr)
+            up.append((server, facts))
+        for repeat in range(args.repeats):
             for rate in rates:
-                row = run_load(peer, server, ckpt, rate, args, result_dir, log_dir)
-                rows.append(row)
-                if "error" in row:
-                    failed = True
-                    print(f"  rate {rate_arg(rate)}: {row['error']}", file=sys.stderr)
-                else:
-                    print(f"  rate {rate_arg(rate)}: {row['completed']}/{args.num_prompts} completed, "
-                          f"{_fmt(row['output_tps'])} tok/s, TTFT p50 {_fmt(row['ttft_p50'], '.0f')} ms, "
-                          f"TPOT p50 {_fmt(row['tpot_p50'])} ms, padding {_fmt(row.get('padding'), '.2f')}",
-                          file=sys.stderr)
+                # each rate's runs back to back, the order swapped every repeat: a slower or faster spell
+                # of a shared machine falls on both servers
+                for server, facts in (up if repeat % 2 == 0 else up[::-1]):
+                    row = run_load(peer, server, ckpt, rate, args, result_dir, log_dir, repeat)
+                    rows.append(row)
+                    if "error" in row:
+                        failed = True
+                        print(f"  {server.name} rate {rate_arg(rate)} run {repeat + 1}: {row['error']}", file=sys.stderr)
+                    else:
+                        print(f"  {server.name} rate {rate_arg(rate)} run {repeat + 1}: {row['completed']}/"
+                              f"{args.num_prompts} completed, {_fmt(row['output_tps'])} tok/s, TTFT p50 "
+                              f"{_fmt(row['ttft_p50'], '.0f')} ms, TPOT p50 {_fmt(row['tpot_p50'])} ms, padding "
+                              f"{_fmt(row.get('padding'), '.2f')}", file=sys.stderr)
+        for server, facts in up:
             extra = {"return_token_ids": True} if server.name == "vLLM" else {}  # OpWeave answers text only
             parity[server.name] = [_complete(server.port, p, PARITY_TOKENS, **extra) for p in prompts]
-        finally:
+    finally:
+        for server, facts in up:
             status = server.stop()
-            print(f"  stopped: exit status {status}", file=sys.stderr)
-        if server.name == "vLLM":
+            print(f"{server.name}: stopped, exit status {status}", file=sys.stderr)
+    for server, facts in servers:
+        if server.name == "vLLM" and "error" not in facts:
             facts["thread_lines"] = vllm_thread_lines(server.log_path)
             facts["batched_tokens"] = vllm_batched_tokens(server.log_path)
         facts["bench_cmd"] = _shell(bench_argv(peer, server.port, ckpt, rates[0], args, result_dir,
@@ -785,16 +802,18 @@ def _report(args, rates, peer: Peer, work: str, clock: RunClock, model: dict, pl
         lines.append(rel(_shell(server.argv, server.env, facts["env_keys"])))
     for server, facts in servers:
         if "bench_cmd" in facts:
-            lines.append(f"# load against {server.name} (one run per rate: --request-rate R, --result-filename ...-R.json)")
+            lines.append(f"# load against {server.name} (one run per rate and repeat: --request-rate R, --result-filename ...-R-rK.json)")
             lines.append(rel(facts["bench_cmd"]))
     lines += ["```", ""]
 
-    lines += ["| rate (req/s) | server | completed | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+    lines += ["Every run (in the order they ran):", "",
+              "| rate (req/s) | run | server | completed | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
               "ITL p50 ms | tokens / request (prompt / output) | tokens computed / used |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        run = r.get("repeat", 0) + 1
         if "error" in r:
-            lines.append(f"| {rate_arg(r['rate'])} | {r['server']} | failed: {r['error'].replace('|', '/')} |"
+            lines.append(f"| {rate_arg(r['rate'])} | {run} | {r['server']} | failed: {r['error'].replace('|', '/')} |"
                          " | | | | | | |")
             continue
         lens = "n/a" if r["out_min"] is None else (f"{r['out_min']}" if r["out_min"] == r["out_max"]
@@ -806,22 +825,44 @@ def _report(args, rates, peer: Peer, work: str, clock: RunClock, model: dict, pl
         if r.get("prefix_hit") is not None:
             pad += f"; prefix hits {100 * r['prefix_hit']:.0f}% of prompt tokens"
         done = f"{r['completed']}/{args.num_prompts}" + (f" ({r['first_error']})" if r.get("first_error") else "")
-        lines.append(f"| {rate_arg(r['rate'])} | {r['server']} | {done} | {_fmt(r['output_tps'])} | "
+        lines.append(f"| {rate_arg(r['rate'])} | {run} | {r['server']} | {done} | {_fmt(r['output_tps'])} | "
                      f"{_fmt(r['ttft_p50'], '.0f')} | {_fmt(r['ttft_p99'], '.0f')} | {_fmt(r['tpot_p50'])} | "
                      f"{_fmt(r['itl_p50'])} | {lens} | {pad} |")
     for server, facts in servers:
         if "error" in facts:
-            lines.append(f"| all | {server.name} | did not start: {facts['error'].replace('|', '/')} | | | | | | | |")
+            lines.append(f"| all | | {server.name} | did not start: {facts['error'].replace('|', '/')} | | | | | | | |")
     lines.append("")
-    by = {(r["server"], r["rate"]): r for r in rows if "error" not in r}
-    if any(("OpWeave", rate) in by and ("vLLM", rate) in by for rate in rates):
-        lines += ["OpWeave / vLLM (throughput: above 1 is OpWeave faster; TTFT and TPOT: below 1 is OpWeave faster):", "",
-                  "| rate (req/s) | output tok/s | TTFT p50 | TPOT p50 |", "|---:|---:|---:|---:|"]
+    ok = [r for r in rows if "error" not in r]
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    if ok:
+        lines += [f"Medians over the runs of each rate and server ({args.repeats} each):", "",
+                  "| rate (req/s) | server | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms |",
+                  "|---:|---|---:|---:|---:|---:|"]
         for rate in rates:
-            o, v = by.get(("OpWeave", rate)), by.get(("vLLM", rate))
-            if o and v:
-                lines.append(f"| {rate_arg(rate)} | {_ratio(o['output_tps'], v['output_tps'])} | "
-                             f"{_ratio(o['ttft_p50'], v['ttft_p50'])} | {_ratio(o['tpot_p50'], v['tpot_p50'])} |")
+            for name in ("OpWeave", "vLLM"):
+                mine = [r for r in ok if r["rate"] == rate and r["server"] == name]
+                if mine:
+                    lines.append(f"| {rate_arg(rate)} | {name} | " + " | ".join(
+                        _fmt(med([r[k] for r in mine if r.get(k) is not None]), f) for k, f in
+                        (("output_tps", ".1f"), ("ttft_p50", ".0f"), ("tpot_p50", ".1f"), ("itl_p50", ".1f"))) + " |")
+        lines.append("")
+    pairs = {}  # (rate, run) -> {server: row}: the two runs of a pair ran back to back
+    for r in ok:
+        pairs.setdefault((r["rate"], r.get("repeat", 0)), {})[r["server"]] = r
+    if any(len(p) == 2 for p in pairs.values()):
+        lines += ["OpWeave / vLLM, the median over runs of the ratio within each back-to-back pair (throughput: "
+                  "above 1 is OpWeave faster; TTFT and TPOT: below 1 is OpWeave faster; each run's ratio in brackets):",
+                  "", "| rate (req/s) | output tok/s | TTFT p50 | TPOT p50 |", "|---:|---:|---:|---:|"]
+        for rate in rates:
+            both = [p for (r_, _), p in sorted(pairs.items(), key=lambda kv: kv[0][1]) if r_ == rate and len(p) == 2]
+            if not both:
+                continue
+            cells = []
+            for key in ("output_tps", "ttft_p50", "tpot_p50"):
+                ratios = [p["OpWeave"][key] / p["vLLM"][key] for p in both
+                          if p["OpWeave"].get(key) and p["vLLM"].get(key)]
+                cells.append(f"{_fmt(med(ratios), '.2f')} ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "n/a")
+            lines.append(f"| {rate_arg(rate)} | " + " | ".join(cells) + " |")
         lines.append("")
     names = sorted({n for r in rows for n in r.get("metric_names", ())})
     if any(r["server"] == "OpWeave" for r in rows):
