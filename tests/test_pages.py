@@ -100,6 +100,32 @@ def test_a_found_prefix_is_held_before_other_rows_take_pages():
     assert pool.tables[2] == [0, 1] and pool.tables[0] == [2, 3, 4] and pool.lengths[2] == 4
 
 
+def test_a_short_pool_admits_by_free_pages_and_preempts_the_newest_request():
+    """Two 30-token prompts in a pool of 5 pages (16 tokens each): both are admitted (2 pages +
+    their first output each) and decode until both need a third page in the same round, one more
+    than is free; the newer one is then preempted (its 2 pages dropped), waits for its outputs in
+    flight, and is computed
+    again from its prompt and those outputs once the older one ends. Tokens that depend only on
+    the position come out as without preemption; a prompt longer than the whole pool fails alone;
+    every page comes back."""
+    from local_loop import drive
+
+    def step(ids, positions):  # a "model" whose next token is a function of the position
+        return (positions[:, -1:] * 7 + 3) % 101
+
+    a, b = Request(index=0, prompt=[5] * 30, max_new_tokens=8), Request(index=1, prompt=[6] * 30, max_new_tokens=8)
+    huge = Request(index=2, prompt=[7] * 90, max_new_tokens=2)
+    sched = Scheduler([a, b, huge], num_microbatches=1, rows=2, context=128, eos_ids=(), prefill_chunk=64, pages=5)
+    drive(sched, step, rows=2)
+    want = [(p * 7 + 3) % 101 for p in range(29, 37)]
+    assert a.output == want and b.output == want and a.finish_reason == b.finish_reason == "length"
+    assert sched.preemptions == 1
+    assert huge.finish_reason == "error" and "needs 6 KV pages" in huge.error and "the pool has 5" in huge.error
+    assert sched.pool.available == sched.pool.pages and not any(sched.pool.tables)
+    with pytest.raises(Exception, match="a KV pool of 0 pages"):
+        Scheduler([], 1, 2, 128, eos_ids=(), pages=0)
+
+
 # ---------------------------------------------------------------- the kernels
 
 def test_paged_kernels_equal_the_ring_buffer_kernels():
@@ -137,12 +163,12 @@ def test_paged_kernels_equal_the_ring_buffer_kernels():
 
 # ---------------------------------------------------------------- paged rounds against transformers
 
-def _paged_model(folder: str, rows: int, context: int):
+def _paged_model(folder: str, rows: int, context: int, pages: int | None = None):
     """The model with its state in a `RankState` (full attention in pages) and its stateful ops and
     LM head run as a packed round runs them; returns (model, state, current layout holder)."""
     model = resolve(folder).load()
     modules = {i: m for i, m in enumerate(model.op_modules()) if getattr(m, "state_attrs", ())}
-    state = RankState.allocate(modules, rows, 1, context, "cpu")
+    state = RankState.allocate(modules, rows, 1, context, "cpu", pages=pages)
     current: list[Layout] = []
     for i, m in enumerate(model.op_modules()):
         if getattr(m, "state_attrs", ()) or m.kind == OpKind.LM_HEAD:
@@ -213,8 +239,9 @@ def test_a_cached_prompt_starts_at_its_last_page(paged_llama):
 
 def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(paged_llama):
     """Requests sharing prefixes arrive at random rounds into few rows, with prefix reuse on or off
-    and decode rounds bucketed or not, prompts prefilled under a small budget, some cancelled:
-    every request that ends by itself has
+    and decode rounds bucketed or not, prompts prefilled under a small budget, some cancelled, the
+    pool full-sized or short (admission waits for pages, the newest rows are preempted and computed
+    again): every request that ends by itself has
     transformers' greedy tokens, a cancelled one a prefix of them; the rank's pool replayed from
     the agreed values equals the scheduler's copy."""
     from hypothesis import HealthCheck, given, settings, strategies as st
@@ -224,14 +251,15 @@ def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(p
     base = [(11 * i) % 197 + 3 for i in range(48)]
     request = st.tuples(st.integers(0, 48), st.lists(st.integers(3, 200), min_size=1, max_size=6),
                         st.integers(1, 4), st.integers(0, 8), st.one_of(st.none(), st.integers(0, 8)))
-    hits = []
+    hits, preempted = [], []
 
-    @settings(max_examples=24, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @settings(max_examples=32, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(reqs=st.lists(request, min_size=1, max_size=6), rows=st.integers(1, 4), chunk=st.sampled_from([5, 16, 40]),
-           reuse=st.booleans(), buckets=st.booleans())
-    def check(reqs, rows, chunk, reuse, buckets):
-        context = 64
-        model, state, current = _paged_model(paged_llama, rows, context)
+           reuse=st.booleans(), buckets=st.booleans(), short=st.one_of(st.none(), st.integers(0, 12)))
+    def check(reqs, rows, chunk, reuse, buckets, short):
+        context = 64  # 4 pages a slot; the longest request (54 prompt + 4 output tokens) needs 4
+        pages = None if short is None else max(4, rows * 4 - short)  # a short pool: admission waits, rows preempted
+        model, state, current = _paged_model(paged_llama, rows, context, pages)
         arrivals, cancels, made = {}, {}, []
         for i, (shared, tail, n, at, cancel) in enumerate(reqs):
             req = Request(index=i, prompt=base[:shared] + tail, max_new_tokens=n)
@@ -239,11 +267,13 @@ def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(p
             arrivals.setdefault(at, []).append(req)
             if cancel is not None:
                 cancels.setdefault(at + cancel, []).append(i)
-        sched = Scheduler([], 1, rows, context, eos_ids=(), prefill_chunk=chunk, prefix_cache=reuse, buckets=buckets)
+        sched = Scheduler([], 1, rows, context, eos_ids=(), prefill_chunk=chunk, prefix_cache=reuse, buckets=buckets,
+                          pages=pages)
         with torch.no_grad():
             _drive(sched, model, state, rows, arrivals, cancels, current)
         if reuse:
             hits.append(sched.prefix.hit)
+        preempted.append(sched.preemptions)
         for req in made:
             want = _hf_tokens(paged_llama, tuple(req.prompt), req.max_new_tokens)
             assert req.finish_reason in ("length", "cancelled"), (req.index, req.finish_reason, req.error)
@@ -254,6 +284,7 @@ def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(p
 
     check()
     assert sum(hits) > 0  # some prompts did start on cached pages
+    assert sum(preempted) > 0  # some short pools preempted rows, whose requests still got their tokens
 
 
 # ---------------------------------------------------------------- on real ranks

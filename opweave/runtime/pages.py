@@ -83,9 +83,15 @@ class PagePool:
         self.on_evict = None         # called with a cached page about to be reused
 
     @classmethod
-    def for_context(cls, slots: int, context: int, page_tokens: int = PAGE_TOKENS) -> "PagePool":
+    def for_context(cls, slots: int, context: int, page_tokens: int = PAGE_TOKENS,
+                    pages: int | None = None) -> "PagePool":
+        """A pool for `slots` sequences of up to `context` positions: `pages` pages (default: every
+        slot at the full context, `slots * width`)."""
         width = pages_for(context, page_tokens)
-        return cls(slots * width, slots, width, page_tokens)
+        if pages is not None and not 1 <= pages <= slots * width:
+            raise OpWeaveError(f"a KV pool of {pages} pages: it must hold 1 to {slots * width} "
+                               f"({slots} slots of {width} pages)")
+        return cls(slots * width if pages is None else pages, slots, width, page_tokens)
 
     @property
     def null(self) -> int:

@@ -22,6 +22,16 @@ Ends that are known ahead (`max_new_tokens`, the context) stop the planning at o
 takes the next request in the next planned round; an EOS is learned late: steps already planned
 for the request are cancelled (the row idles) and those already run are dropped.
 
+KV pages (`opweave.runtime.pages`): the scheduler keeps the replica's page pool as every rank will
+(each planned round applied as it is planned), so it knows the pages a round takes before any rank
+runs it. A request is admitted only while the pool has the pages of its whole prompt and first
+output (the head of the queue waits otherwise). When a round's rows need more pages than the pool
+has, the newest request of the microbatch is preempted (vLLM's recompute policy): its pages are
+dropped in that round, its steps not yet started idle, and once the outputs of its steps already
+run are learned it goes back to the head of the queue, to prefill its prompt and those outputs
+again (their pages may still be cached: prefix reuse finds them) and go on from its next output.
+Sampling draws by (seed, position), so a preempted request's tokens are the ones it would have had.
+
 Serving (`opweave serve`) adds requests while rounds run (`add`), cancels them (`cancel`: the
 slot frees within a round), ends them on a request's own stop ids too, and reports each learned
 token and each end through `on_event(request, token, finish_reason)`.
@@ -127,20 +137,24 @@ class _Row:
     event: int = P.NONE              # page event of the row's next planned step
     release: bool = False            # its last request left: drop its pages in the next round
     keys: list[int] = dataclasses.field(default_factory=list)  # the prompt's page keys (prefix reuse)
+    fed: list[int] = dataclasses.field(default_factory=list)   # what the row prefills: the prompt (and,
+                                                               # after a preemption, the outputs so far)
 
 
 class Scheduler:
     def __init__(self, requests: list[Request], num_microbatches: int, rows: int, context: int,
                  eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK, on_event=None,
-                 prefix_cache: bool = False, buckets: bool = False):
+                 prefix_cache: bool = False, buckets: bool = False, pages: int | None = None):
         """`prefix_cache`: start prompts on the cached pages of earlier ones (`opweave.runtime.prefix`;
         the caller checks the model and plan allow it). `buckets`: a decode round of a microbatch
         computes its first 1, 2, 4, 8, ... rows (up to its rows), free rows below its last live
-        one feeding a padding token, so few layouts recur (a CUDA graph each)."""
+        one feeding a padding token, so few layouts recur (a CUDA graph each). `pages`: the KV
+        pages of the replica's pool (default: every slot at the full context, so none is ever
+        short; fewer: admission by free pages and preemption)."""
         if prefill_chunk < 1:
             raise OpWeaveError(f"prefill chunk must be at least 1 token, got {prefill_chunk}")
         # the pages of this replica's slots as every rank holding them will (`opweave.runtime.pages`)
-        self.pool = PagePool.for_context(num_microbatches * rows, context)
+        self.pool = PagePool.for_context(num_microbatches * rows, context, pages=pages)
         self.prefix = PrefixCache(self.pool) if prefix_cache else None
         self._started = 0  # rounds whose steps have started (taken): their pages are written
         self.buckets = buckets
@@ -157,6 +171,9 @@ class Scheduler:
         self._open: set[int] = set()                   # requests with outputs still to learn
         self._finished: set[int] = set()
         self._admissions = 0
+        self._preempted: dict[int, Request] = {}  # preempted, waiting for outputs in flight before requeueing
+        self.preemptions = 0
+        self._reserved = 0  # pages the requests admitted in the round being planned will need
         self.on_event = on_event  # (request, token or None, finish reason or None), as learned
 
     @property
@@ -164,24 +181,44 @@ class Scheduler:
         """Work left: requests queued, being planned, or with outputs still to learn."""
         return bool(self.queue) or bool(self._open)
 
+    def _fed(self, req: Request) -> list[int]:
+        """What a request prefills when admitted: its prompt, and the outputs it had when preempted."""
+        return list(req.prompt) + list(req.output)
+
+    def _fits(self, req: Request) -> bool:
+        """Whether the pool has the pages of `req`'s prefill and first output now (beside the
+        requests admitted earlier in the round being planned)."""
+        return P.pages_for(len(req.prompt) + len(req.output) + 1, self.pool.page_tokens) <= \
+            self.pool.available - self._reserved
+
     # ---------------------------------------------------------------- planning
     def _admit(self, row: _Row) -> None:
         while self.queue and row.request is None:
-            req = self.queue.popleft()
+            req = self.queue[0]
+            need = P.pages_for(len(req.prompt) + len(req.output) + 1, self.pool.page_tokens)
+            if req.prompt and len(req.prompt) < self.context and need <= self.pool.pages and not self._fits(req):
+                return  # the head of the queue waits for pages
+            self.queue.popleft()
             if not req.prompt:
                 req.error = "empty prompt"
             elif len(req.prompt) >= self.context:
                 req.error = f"prompt of {len(req.prompt)} tokens does not fit the planned context of {self.context}"
+            elif need > self.pool.pages:
+                req.error = (f"prompt of {len(req.prompt)} tokens needs {need} KV pages of {self.pool.page_tokens} "
+                             f"tokens; the pool has {self.pool.pages}")
             else:
-                row.request, row.position, row.pending, row.planned = req, 0, list(req.prompt), 0
+                fed = self._fed(req)
+                self._reserved += need
+                row.request, row.position, row.pending, row.planned = req, 0, fed, len(req.output)
+                row.fed = list(fed)
                 row.event, row.release = P.START, False
                 if self.prefix is not None:
-                    row.keys = page_keys(req.prompt, self.pool.page_tokens)
-                    found, last = self.prefix.lookup(row.keys, req.prompt, self._started)
+                    row.keys = page_keys(fed, self.pool.page_tokens)
+                    found, last = self.prefix.lookup(row.keys, fed, self._started)
                     if found:
                         row.event = P.SHARED + last
                         row.position = found * self.pool.page_tokens
-                        row.pending = list(req.prompt[row.position:])
+                        row.pending = fed[row.position:]
                 self._admissions += 1
                 row.admitted = self._admissions
                 self._open.add(req.index)
@@ -215,9 +252,12 @@ class Scheduler:
                 row.release = True
         return RowStep(req, tuple(chunk), first, output, last, event=event)
 
-    def _plan_rows(self, rows: list[_Row]) -> StepPlan:
-        """One microbatch's round: free rows admit, decoding rows step, then the prefilling rows
-        (in admission order) share the prefill budget."""
+    def _plan_rows(self, mb: int) -> StepPlan:
+        """One microbatch's round: free rows admit (while the pool has their pages), decoding rows
+        step, then the prefilling rows (in admission order) share the prefill budget; while the
+        rows need more pages than the pool has, the newest request is preempted."""
+        rows = self._rows[mb]
+        self._reserved = 0
         for row in rows:
             if row.request is None:
                 self._admit(row)
@@ -235,9 +275,80 @@ class Scheduler:
             take = min(budget, len(rows[i].pending))
             steps[i] = self._step(rows[i], take)
             budget -= take
+        while self._short(mb, steps):  # the newest request goes back to the queue
+            newest = max((i for i, s in enumerate(steps) if s.request is not None), key=lambda i: rows[i].admitted)
+            steps[newest] = self._preempt(mb, newest, steps[newest])
         if self.buckets:
             steps = bucketed(steps)
         return StepPlan(tuple(steps))
+
+    def _short(self, mb: int, steps: list[RowStep]) -> bool:
+        """Whether the round's rows of microbatch `mb` need more pages than the pool has, as
+        `PagePool.apply_rows` would apply them: page events first (dropped pages come back, a
+        shared chain's cached pages are held), then every row's new positions."""
+        available, width, p = self.pool.available, self.pool.width, self.pool.page_tokens
+        held = {}  # slot -> (pages it holds after the event, its positions)
+        for r, s in enumerate(steps):
+            slot = mb * self.rows + r
+            table = self.pool.tables[slot]
+            if s.event >= P.RELEASE:
+                available += sum(1 for page in table if self.pool.refs[page] == 1)
+                held[slot] = (0, 0)
+            if s.event >= P.SHARED:
+                chain = self.pool.chain(s.event - P.SHARED)
+                available -= sum(1 for page in chain if page in self.pool.cached)
+                held[slot] = (len(chain), len(chain) * p)
+        need = 0
+        for r, (c, s) in enumerate(zip(StepPlan(tuple(steps)).counts, steps)):
+            slot = mb * self.rows + r
+            pages, length = held.get(slot, (len(self.pool.tables[slot]), self.pool.lengths[slot]))
+            if c and not s.bucket:
+                need += max(0, min(P.pages_for(length + c, p), width) - pages)
+        return need > available
+
+    def _preempt(self, mb: int, r: int, step: RowStep) -> RowStep:
+        """Row `r`'s request leaves the row (its pages dropped this round) to be computed again
+        later; answers the row's step this round."""
+        row = self._rows[mb][r]
+        req = step.request
+        slot = mb * self.rows + r
+        if self.prefix is not None:
+            self.prefix.forget(step.fills)
+        row.request, row.pending, row.release, row.keys, row.fed = None, [], False, [], []
+        self.preemptions += 1
+        if step.event in (P.START,) or step.event >= P.SHARED:  # admitted this round: back to the queue's head
+            self.queue.appendleft(req)
+            return RowStep(event=P.RELEASE if self.pool.tables[slot] else P.NONE)
+        self._preempted[req.index] = req
+        self._void(req)
+        self._requeue(req)
+        return RowStep(event=P.RELEASE)
+
+    def _void(self, req: Request) -> None:
+        """Planned steps of `req` that have not started idle (their agreed tokens are padding); the
+        outputs of those that did are still learned."""
+        for key, plan in list(self._plans.items()):
+            if any(s.request is req for s in plan.rows):
+                for s in plan.rows:
+                    if s.request is req and self.prefix is not None:
+                        self.prefix.forget(s.fills)  # never written
+                voided = StepPlan(tuple(RowStep(pad=len(s.tokens) or 1, event=s.event)
+                                        if s.request is req else s for s in plan.rows))
+                self._plans[key] = voided
+                if key in self._outputs:
+                    self._outputs[key] = voided
+
+    def _requeue(self, req: Request) -> None:
+        """A preempted request whose outputs in flight are all learned goes back to the queue's head."""
+        if req.index not in self._preempted:
+            return
+        if req.index in self._finished:  # it ended (a stop id) on an output learned since
+            del self._preempted[req.index]
+            return
+        if any(s.request is req and s.output for plan in self._outputs.values() for s in plan.rows):
+            return
+        del self._preempted[req.index]
+        self.queue.appendleft(req)
 
     def plan(self) -> tuple[tuple[int, ...], ...]:
         """Plans round `planned_rounds` (then advances it); its tokens per row, per microbatch."""
@@ -249,7 +360,7 @@ class Scheduler:
         r = self.planned_rounds
         values = []
         for mb in range(self.num_microbatches):
-            plan = self._plan_rows(self._rows[mb])
+            plan = self._plan_rows(mb)
             plan = self._pages(mb, plan, r)
             self._plans[(r, mb)] = plan
             if any(s.output for s in plan.rows):
@@ -267,7 +378,7 @@ class Scheduler:
         for r, step in enumerate(steps):
             slot = mb * self.rows + r
             if self.prefix is not None and step.tokens:
-                fills = self.prefix.register(self.pool.tables[slot], self._rows[mb][r].keys, step.request.prompt,
+                fills = self.prefix.register(self.pool.tables[slot], self._rows[mb][r].keys, self._rows[mb][r].fed,
                                              step.first, step.first + len(step.tokens), round_index)
                 if fills:
                     steps[r] = dataclasses.replace(step, fills=fills)
@@ -298,6 +409,8 @@ class Scheduler:
                 self._finish(req, "stop")
             elif step.last:
                 self._finish(req, "length")
+        for req in list(self._preempted.values()):
+            self._requeue(req)
 
     # ---------------------------------------------------------------- serving
     def add(self, req: Request) -> None:
@@ -319,6 +432,9 @@ class Scheduler:
                 if row.request is not None and row.request.index == index:
                     self._finish(row.request, "cancelled")
                     return
+        if index in self._preempted:  # preempted, outputs in flight
+            self._finish(self._preempted.pop(index), "cancelled")
+            return
         for plan in self._outputs.values():  # planning done, outputs still to learn
             for step in plan.rows:
                 if step.request is not None and step.request.index == index and index not in self._finished:
@@ -330,6 +446,7 @@ class Scheduler:
         found = {s.request.index: s.request for plan in list(self._plans.values()) + list(self._outputs.values())
                  for s in plan.rows if s.request is not None and s.request.index in self._open}
         found.update({row.request.index: row.request for rows in self._rows for row in rows if row.request})
+        found.update(self._preempted)
         return list(found.values())
 
     def _stops(self, req: Request, token: int) -> bool:

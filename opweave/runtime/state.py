@@ -31,13 +31,14 @@ class RankState:
     """Views of the state of already allocated operator modules, per op and microbatch."""
 
     def __init__(self, modules: dict[int, nn.Module], rows: int, num_microbatches: int,
-                 context: int | None = None, device=None):
+                 context: int | None = None, device=None, pages: int | None = None):
         """`context`: the planned context, which sizes the block table of the modules that keep
-        pages (`allocate`); without it every module holds its state per slot."""
+        pages (`allocate`); without it every module holds its state per slot. `pages`: the pool's
+        pages (default: every slot at the full context, `PagePool.for_context`)."""
         self.rows, self.num_microbatches = rows, num_microbatches
         slots = rows * num_microbatches
         paged = any(getattr(m, "state_attrs", ()) and getattr(m, "paged", False) for m in modules.values())
-        self.pool = pool = PagePool.for_context(slots, context) if paged and context is not None else None
+        self.pool = pool = PagePool.for_context(slots, context, pages=pages) if paged and context is not None else None
         self.table = None
         if pool is not None:
             self.table = torch.full((slots, pool.width), pool.null, dtype=torch.int32, device=device)
@@ -68,17 +69,18 @@ class RankState:
 
     @classmethod
     def allocate(cls, modules: dict[int, nn.Module], rows: int, num_microbatches: int, context: int,
-                 device) -> "RankState":
+                 device, pages: int | None = None) -> "RankState":
         """Allocates every module's state for all microbatches' rows at `context` (the pages of the
-        full-attention layers, `PagePool.for_context`), then the views."""
+        full-attention layers: `pages`, default every slot at the full context,
+        `PagePool.for_context`), then the views."""
         slots = num_microbatches * rows
-        pool = PagePool.for_context(slots, context)
+        pool = PagePool.for_context(slots, context, pages=pages)
         for m in modules.values():
             if getattr(m, "paged", False):
                 m.allocate_pages(pool.pages, pool.page_tokens, device)
             else:
                 m.allocate_state(slots, context, device)
-        return cls(modules, rows, num_microbatches, context, device)
+        return cls(modules, rows, num_microbatches, context, device, pages=pages)
 
     def apply_round(self, values: tuple[tuple[int, ...], ...], lo: int) -> None:
         """Between rounds: a round's control-word values (per microbatch, per global row: tokens
