@@ -374,7 +374,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=args.device, requests=requests,
                     trace=bool(args.trace), replica_sets=_replica_sets(args.replica_sets, args.artifact),
                     stall_timeout_s=args.stall_timeout, verify_key=verify_key, threads=args.threads,
-                    prefill_budget=args.prefill_budget, prefix_cache=not args.no_prefix_cache)
+                    prefill_budget=args.prefill_budget, prefix_cache=not args.no_prefix_cache,
+                    kv_pages=args.kv_pages)
     outputs, stats = run_detailed(cfg)
     if args.json:
         print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
@@ -423,6 +424,10 @@ def _rank_flags(p: argparse.ArgumentParser, stall_help: str) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole: do not start prompts on the KV pages of earlier prompts with "
                         "the same first tokens (on by default where the model keeps all its state in pages)")
+    p.add_argument("--kv-pages", type=_pages, default=None, metavar="N",
+                   help="KV pages (16 tokens each) of each replica's pool (default: every slot at the plan's context); "
+                        "with fewer, requests are admitted while their pages are free and the newest is preempted "
+                        "and computed again when a round runs short")
 
 
 def _threads(text: str) -> int:
@@ -432,6 +437,16 @@ def _threads(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if not 1 <= n <= 4096:
         raise argparse.ArgumentTypeError(f"must be from 1 to 4096, got {n}")
+    return n
+
+
+def _pages(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of pages, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
 
 
@@ -447,14 +462,16 @@ def _budget(text: str) -> int:
 def _run_stats(stats: dict) -> dict:
     """Rank 0's rounds (median wall ms over all rounds and over the decode rounds after the first
     two), every rank's CUDA-graph use and the prompt tokens the prefix caches were asked for and
-    held (`prefix_cache`: queried, hit), for `run --json`."""
+    held (`prefix_cache`: queried, hit), and the requests preempted when KV pages ran short, for
+    `run --json`."""
     import statistics
 
     rounds = stats.get("round_s", [])
     steady = rounds[2:-3] or rounds  # past start-up, before the idle rounds at the end
     return {"rounds": len(rounds), "round_ms_median": 1e3 * statistics.median(rounds) if rounds else None,
             "steady_round_ms_median": 1e3 * statistics.median(steady) if steady else None,
-            "graphs": stats.get("graphs"), "prefix_cache": stats.get("prefix_cache")}
+            "graphs": stats.get("graphs"), "prefix_cache": stats.get("prefix_cache"),
+            "preemptions": stats.get("preemptions", 0)}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -477,7 +494,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     engine = Engine(args.artifact, args.weights, args.device,
                     replica_sets=_replica_sets(args.replica_sets, args.artifact), max_queue=args.max_queue,
                     stall_timeout_s=args.stall_timeout, threads=args.threads, prefill_budget=args.prefill_budget,
-                    prefix_cache=not args.no_prefix_cache)
+                    prefix_cache=not args.no_prefix_cache, kv_pages=args.kv_pages)
     print(f"opweave: starting the ranks of {args.artifact} ...", file=sys.stderr)
     try:
         engine.start()

@@ -295,7 +295,8 @@ def test_ranks_reuse_prefixes_and_keep_transformers_tokens(tiny_checkpoint, tmp_
     """`opweave run` of prompts that share their first pages, on real ranks: the later ones start on
     the earlier ones' cached pages (colocated and AFD: the KV ranks hold the schedulers' rows) or
     prefill whole (CAD: core attention on two replicas under one scheduler, so no reuse), and every
-    prompt gets transformers' greedy tokens, as with `--no-prefix-cache`."""
+    prompt gets transformers' greedy tokens, as with `--no-prefix-cache`, and with a short pool
+    (`--kv-pages`: requests wait for pages and rows are preempted; refused under CAD)."""
     import json
 
     from opweave.cli import main
@@ -318,11 +319,25 @@ def test_ranks_reuse_prefixes_and_keep_transformers_tokens(tiny_checkpoint, tmp_
         out = json.loads(capsys.readouterr().out)
         assert [o["token_ids"] for o in out["outputs"]] == want, (plan, flags)
         got[bool(flags)] = out["stats"]["prefix_cache"]
+        assert out["stats"]["preemptions"] == 0
     assert got[True] == {"queried": 0, "hit": 0}
+    # a pool of 7 pages for 4 slots of 4: prompts of 3 pages wait for pages, and rows growing into a
+    # 4th page are preempted
+    short = ["run", art, "--weights", folder, "--prompts", str(path), "--max-new-tokens", "20", "--json",
+             "--kv-pages", "7"]
     if plan == "cad":
         assert got[False] == {"queried": 0, "hit": 0}
+        assert main(short) == 2
+        assert "--kv-pages: not under this plan" in capsys.readouterr().err
     else:
         assert got[False]["queried"] == sum(map(len, prompts)) and got[False]["hit"] >= 32
+        for flags in ([], ["--no-prefix-cache"]):
+            assert main(short + flags) == 0
+            out = json.loads(capsys.readouterr().out)
+            assert [o["token_ids"] for o in out["outputs"]] == [hf_generate(folder, p, 20)[1] for p in prompts]
+            assert out["stats"]["preemptions"] > 0, (plan, flags)
+    assert main(short[:-1] + ["17"]) == 2
+    assert "--kv-pages 17 exceeds what the plan's memory holds" in capsys.readouterr().err
 
 
 def test_decode_rounds_fill_their_bucket_with_padding_that_takes_no_page():

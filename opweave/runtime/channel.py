@@ -65,8 +65,8 @@ class RoundReport:
     """Rank `rank` of replica set `replica_set` ran rounds of these wall times (seconds); a
     scheduler leader adds the token positions its rows computed in them and how many of those were
     real tokens (the rest: padding tokens of microbatches its rows did not feed), the prompt tokens
-    it looked up in its prefix cache and found there (since its last report), and the share of its
-    KV pages that sequences hold now (`opweave.runtime.pages`)."""
+    it looked up in its prefix cache and found there and the requests it preempted (since its last
+    report), and the share of its KV pages that sequences hold now (`opweave.runtime.pages`)."""
 
     replica_set: int
     rank: int
@@ -76,6 +76,7 @@ class RoundReport:
     prefix_queried: int = 0
     prefix_hit: int = 0
     kv_usage: float = 0.0
+    preempted: int = 0
 
 
 ToLeader = Add | Cancel | Stop

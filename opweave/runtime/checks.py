@@ -66,6 +66,8 @@ def check_inputs(cfg, artifact: VerifiedArtifact | None = None) -> None:
     check_vocabulary(cfg.requests, model.vocab_size)
     if getattr(cfg, "prefill_budget", None) is not None:
         check_prefill_budget(cfg.prefill_budget, artifact if artifact is not None else cfg.artifact)
+    if getattr(cfg, "kv_pages", None) is not None:
+        check_kv_pages(cfg.kv_pages, artifact if artifact is not None else cfg.artifact)
     if cfg.weights != "random":
         check_checkpoint(cfg.weights, model)
 
@@ -83,6 +85,34 @@ def check_prefill_budget(budget: int, artifact: str | VerifiedArtifact) -> None:
         raise OpWeaveError(f"--prefill-budget {budget} exceeds what the plan's memory holds: {program.microbatch_size} "
                            f"rows x its prefill chunk of {program.prefill_chunk} = {bound} prompt tokens per "
                            f"microbatch (compile with a larger --prefill-chunk)")
+
+
+def check_kv_pages(pages: int, artifact: str | VerifiedArtifact) -> None:
+    """`--kv-pages`: at most what the plan's memory holds (every slot of a replica at the planned
+    context), and only where the scheduler's copy of the pool is every KV rank's
+    (`worker.split_pools`)."""
+    from opweave.ir.plan import PAGE_TOKENS
+    from opweave.ir.program import program_from_json
+    from opweave.models.model import DecodeStep, build_model
+    from opweave.runtime.pages import pages_for
+    from opweave.runtime.worker import split_pools
+
+    if not isinstance(artifact, VerifiedArtifact) or not {"rank_00.json", "plan.json", "ops.json"} <= set(artifact.files):
+        folder = artifact if isinstance(artifact, str) else artifact.folder
+        artifact = load_artifact(folder, ["rank_00.json", "plan.json", "ops.json", "model_config.json"])
+    program = program_from_json(artifact.json("rank_00.json"))
+    bound = program.num_microbatches * program.microbatch_size * pages_for(program.context, PAGE_TOKENS)
+    if pages > bound:
+        raise OpWeaveError(f"--kv-pages {pages} exceeds what the plan's memory holds: {program.num_microbatches} x "
+                           f"{program.microbatch_size} slots x {pages_for(program.context, PAGE_TOKENS)} pages of "
+                           f"{PAGE_TOKENS} tokens (the context {program.context}) = {bound} pages")
+    from opweave.models.hf_config import config_from_hf
+
+    cfg = config_from_hf(artifact.json("model_config.json"), program.model)
+    modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
+    why = split_pools(artifact, modules)
+    if why is not None:
+        raise OpWeaveError(f"--kv-pages: not under this plan ({why})")
 
 
 def _read_json(path: str, what: str):

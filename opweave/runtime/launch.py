@@ -77,6 +77,7 @@ class RunConfig:
     threads: int | None = None  # torch threads per rank; None: the cores this process may use, shared by the ranks
     prefill_budget: int | None = None  # prompt tokens per round and microbatch; None: the plan's prefill chunk
     prefix_cache: bool = True  # prompts start on cached KV pages where the model and plan allow (`runtime.prefix`)
+    kv_pages: int | None = None  # KV pages per replica's pool; None: every slot at the plan's context
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -96,6 +97,9 @@ class RunConfig:
         if self.prefill_budget is not None and (isinstance(self.prefill_budget, bool)
                                                 or not isinstance(self.prefill_budget, int) or self.prefill_budget < 1):
             raise OpWeaveError(f"--prefill-budget must be a whole number of tokens, at least 1, got {self.prefill_budget!r}")
+        if self.kv_pages is not None and (isinstance(self.kv_pages, bool) or not isinstance(self.kv_pages, int)
+                                          or self.kv_pages < 1):
+            raise OpWeaveError(f"--kv-pages must be a whole number of pages, at least 1, got {self.kv_pages!r}")
         if self.timeout_s is not None and not _seconds_ok(self.timeout_s, math.inf):
             raise OpWeaveError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
@@ -206,7 +210,7 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
         heartbeat.report(Phase.JOINED)
         out = run_rank(artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret,
                        cfg.trace, serve=cfg.serve, replica_set=replica_set, prefill_budget=cfg.prefill_budget,
-                       prefix_cache=cfg.prefix_cache)
+                       prefix_cache=cfg.prefix_cache, kv_pages=cfg.kv_pages)
         if rank == 0:
             folder.put_result(replica_set, *out)
         dist.destroy_process_group()

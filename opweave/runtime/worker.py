@@ -67,14 +67,17 @@ class Runtime:
     def __init__(self, artifact: VerifiedArtifact, program: RankProgram, weights: str, device: str,
                  groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False,
                  comm=dist, serve: ServeQueues | None = None, replica_set: int = 0,
-                 prefill_budget: int | None = None, prefix_cache: bool = True):
+                 prefill_budget: int | None = None, prefix_cache: bool = True, kv_pages: int | None = None):
         """With `serve` (a server's queues), the rank serves: it samples each row by its sampling
         word, and a scheduler leader takes its requests from its inbox in `replica_set` between
         rounds and reports every token learned and every end to the outbox (`Ready` once loaded).
         `prefill_budget`: prompt tokens per round and microbatch (default: the program's
         `prefill_chunk`; the launcher checks it against the plan's memory). `prefix_cache`: prompts
         start on the cached KV pages of earlier ones where the model and plan allow it
-        (`prefix_reuse`)."""
+        (`prefix_reuse`). `kv_pages`: the pages of each replica's KV pool (default: every slot at
+        the planned context; fewer: the scheduler admits by free pages and preempts, and every rank
+        holding the replica's KV keeps a pool of that size; the launcher checks the plan allows it,
+        `checks.check_kv_pages`)."""
         self.program = program
         self.timeline = Timeline() if trace else None  # measured spans (see opweave.runtime.timeline)
         self.device = torch.device(device)
@@ -92,7 +95,7 @@ class Runtime:
         self.kernels = device_kernels(self.device)  # the backend of the fused ops the runtime calls itself
         self.rows = program.rows[1] - program.rows[0]
         m = program.num_microbatches
-        self.state = RankState.allocate(self.modules, self.rows, m, program.context, self.device)
+        self.state = RankState.allocate(self.modules, self.rows, m, program.context, self.device, pages=kv_pages)
         check_placement(self.modules, self.device, op_names, f"rank {program.rank}")  # weights and state
         pack_cpu_gemms(self.modules, self.device)  # CPU: GEMM weights in oneDNN's layout
         self.scheduler = None
@@ -100,7 +103,8 @@ class Runtime:
             self.scheduler = Scheduler(requests, m, self.rows, program.context, cfg.eos_token_ids,
                                        prefill_budget or program.prefill_chunk,
                                        prefix_cache=prefix_cache and prefix_reuse(artifact, modules) is None,
-                                       buckets=self.device.type == "cuda")  # few decode layouts: few graphs
+                                       buckets=self.device.type == "cuda",  # few decode layouts: few graphs
+                                       pages=kv_pages)
         self.tp = TPGroup(program.tp_group, program.tp_rank, groups[program.tp_group] if program.tp > 1 else None,
                           comm=comm, device=self.device)
         self.transport = Transport(program, self.dtype, tokens_back=self.scheduler is not None, device=self.device,
@@ -187,14 +191,15 @@ class Runtime:
         live = [layout for mb, layout in enumerate(self.layouts) if self.transport.live(mb)]
         return sum(layout.tokens for layout in live), sum(layout.real for layout in live)
 
-    def cache_stats(self) -> tuple[int, int, float]:
-        """A scheduler leader's prefix lookups so far (prompt tokens looked up, found cached) and
-        the share of its replica's KV pages sequences hold; zeros elsewhere."""
+    def cache_stats(self) -> tuple[int, int, float, int]:
+        """A scheduler leader's prefix lookups so far (prompt tokens looked up, found cached), the
+        share of its replica's KV pages sequences hold, and its preemptions so far; zeros elsewhere."""
         if self.scheduler is None:
-            return 0, 0, 0.0
+            return 0, 0, 0.0, 0
         pool, prefix = self.scheduler.pool, self.scheduler.prefix
         held = 1.0 - pool.available / pool.pages if pool.pages else 0.0
-        return (prefix.queried, prefix.hit, held) if prefix is not None else (0, 0, held)
+        queried, hit = (prefix.queried, prefix.hit) if prefix is not None else (0, 0)
+        return queried, hit, held, self.scheduler.preemptions
 
     def live(self, stage: int, mb: int) -> bool:
         """Whether microbatch `mb` runs this round (the generated code skips it otherwise). A
@@ -420,6 +425,13 @@ def prefix_reuse(artifact: VerifiedArtifact, modules: dict) -> str | None:
                       if getattr(m, "state_attrs", ()) and not getattr(m, "paged", False)})
     if unpaged:
         return f"the model keeps state outside pages ({', '.join(unpaged)})"
+    return split_pools(artifact, modules)
+
+
+def split_pools(artifact: VerifiedArtifact, modules: dict) -> str | None:
+    """Why the scheduler's copy of the page pool is not every KV rank's (None: it is): some owner
+    holding state serves rows that are not exactly one scheduling replica's (CAD's core attention
+    over two replicas under one scheduler), so its pools hold other slots."""
     plan = plan_from_json(artifact.json("plan.json"))
     names = artifact.json("ops.json")
     first = plan.owners[plan.stages[0].owner].replicas
@@ -441,7 +453,8 @@ def load_program_module(path: str):
 
 def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: str, requests: list[Request],
              interpret: bool = False, trace: bool = False, serve: ServeQueues | None = None, replica_set: int = 0,
-             prefill_budget: int | None = None, prefix_cache: bool = True) -> tuple[list[Request], dict] | None:
+             prefill_budget: int | None = None, prefix_cache: bool = True,
+             kv_pages: int | None = None) -> tuple[list[Request], dict] | None:
     """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the
     outputs and its per-round wall and host (CPU) times, and with `trace` every rank's spans
     (`{"spans": {rank: rows}}`, see opweave.runtime.timeline).
@@ -455,7 +468,8 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
     program = program_from_json(artifact.json(f"rank_{rank:02d}.json"))
     groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
     rt = Runtime(artifact, program, weights, device, groups, _my_requests(program, requests), trace=trace,
-                 serve=serve, replica_set=replica_set, prefill_budget=prefill_budget, prefix_cache=prefix_cache)
+                 serve=serve, replica_set=replica_set, prefill_budget=prefill_budget, prefix_cache=prefix_cache,
+                 kv_pages=kv_pages)
     reports = RoundReports(serve.outbox, replica_set, rank) if serve is not None else None
     runner = RoundRunner(rt, _round_program(rt, artifact, rank, interpret), who=f"rank {rank}")
     rounds = _Rounds(rt, runner, rank, reports)
@@ -554,7 +568,8 @@ def _outputs(rt: Runtime, runner: RoundRunner, rounds: _Rounds, rank: int, trace
     out = [Request(**r) for part in gathered for r in part["done"]]
     stats = {"round_s": rounds.wall, "host_s": rounds.host, "checked_rounds": [part["checked"] for part in gathered],
              "graphs": [part["graphs"] for part in gathered],
-             "prefix_cache": {"queried": sum(p["cache"][0] for p in gathered), "hit": sum(p["cache"][1] for p in gathered)}}
+             "prefix_cache": {"queried": sum(p["cache"][0] for p in gathered), "hit": sum(p["cache"][1] for p in gathered)},
+             "preemptions": sum(p["cache"][3] for p in gathered)}
     if trace:
         stats["spans"] = {r: part["spans"] for r, part in enumerate(gathered)}
     return sorted(out, key=lambda r: r.index), stats
@@ -589,23 +604,25 @@ class RoundReports:
         self.outbox, self.replica_set, self.rank = outbox, replica_set, rank
         self._pending: list[float] = []
         self._computed = self._used = 0  # token positions computed / real tokens, since the last report
-        self._reported = (0, 0)  # prefix tokens looked up / found, as of the last report
+        self._reported = (0, 0, 0)  # prefix tokens looked up / found, preemptions, as of the last report
         self._last = time.monotonic()
 
-    def add(self, seconds: float, computed: int = 0, used: int = 0, cache: tuple[int, int, float] = (0, 0, 0.0)
-            ) -> None:
+    def add(self, seconds: float, computed: int = 0, used: int = 0,
+            cache: tuple[int, int, float, int] = (0, 0, 0.0, 0)) -> None:
         """One round: its wall time, tokens computed and used, and `cache`: the leader's prefix
-        lookups so far (tokens looked up, found) and the KV pages' share held now."""
+        lookups so far (tokens looked up, found), the KV pages' share held now and its preemptions
+        so far."""
         self._pending.append(seconds)
         self._computed += computed
         self._used += used
         now = time.monotonic()
         if now - self._last >= ROUND_REPORT_S:
-            queried, hit, usage = cache
+            queried, hit, usage, preempted = cache
             self.outbox.put(RoundReport(self.replica_set, self.rank, tuple(self._pending), self._computed, self._used,
-                                        queried - self._reported[0], hit - self._reported[1], usage))
+                                        queried - self._reported[0], hit - self._reported[1], usage,
+                                        preempted - self._reported[2]))
             self._pending, self._last, self._computed, self._used = [], now, 0, 0
-            self._reported = (queried, hit)
+            self._reported = (queried, hit, preempted)
 
 
 def _gather_json(value, rank: int, world: int, device: torch.device) -> list | None:

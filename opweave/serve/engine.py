@@ -109,7 +109,7 @@ class _Request:
 class Engine:
     def __init__(self, artifact: str, weights: str, device: str = "cpu", replica_sets: int = 1,
                  max_queue: int = 256, stall_timeout_s: float = STALL_TIMEOUT_S, threads: int | None = None,
-                 prefill_budget: int | None = None, prefix_cache: bool = True):
+                 prefill_budget: int | None = None, prefix_cache: bool = True, kv_pages: int | None = None):
         from opweave.runtime.checks import artifact_model_config
 
         if max_queue < 1:
@@ -124,7 +124,7 @@ class Engine:
         self._leaders = [(k, j) for k in range(replica_sets) for j in range(len(program["scheduler_leaders"]))]
         self._args = dict(artifact=artifact, weights=weights, device=device, replica_sets=replica_sets,
                           stall_timeout_s=stall_timeout_s, threads=threads, prefill_budget=prefill_budget,
-                          prefix_cache=prefix_cache)
+                          prefix_cache=prefix_cache, kv_pages=kv_pages)
         self.max_queue = max_queue
         self.healthy, self.error = False, None
         self._requests: dict[int, _Request] = {}
@@ -133,6 +133,7 @@ class Engine:
         self._rounds: dict[tuple[int, int], collections.deque] = {}  # (replica set, rank) -> recent round times
         self._tokens_computed = self._tokens_used = 0  # token positions the rounds computed / real tokens
         self._prefix_queried = self._prefix_hit = 0     # prompt tokens looked up in / found in prefix caches
+        self._preempted = 0                              # requests preempted (computed again later)
         self._kv_usage: dict[tuple[int, int], float] = {}  # per leader: share of its KV pages held
         self._rejected = 0
         self._ranks = None
@@ -216,6 +217,7 @@ class Engine:
                     self._tokens_used += message.used
                     self._prefix_queried += message.prefix_queried
                     self._prefix_hit += message.prefix_hit
+                    self._preempted += message.preempted
                     if message.computed or message.prefix_queried or message.kv_usage:  # a leader's
                         self._kv_usage[key] = message.kv_usage
             elif isinstance(message, Ready):
@@ -295,6 +297,7 @@ class Engine:
             computed, used = self._tokens_computed, self._tokens_used
             queried, hit = self._prefix_queried, self._prefix_hit
             usage = max(self._kv_usage.values(), default=0.0)
+            preempted = self._preempted
         return {"running": running, "waiting": waiting, "rejected": self._rejected, "round_s": rounds,
                 "tokens_computed": computed, "tokens_used": used, "prefix_queried": queried, "prefix_hit": hit,
-                "kv_usage": usage}
+                "kv_usage": usage, "preemptions": preempted}

@@ -95,6 +95,8 @@ class _EngineCollector:
         queried = stats.get("prefix_queried", 0)
         yield GaugeMetricFamily("opweave_prefix_cache_hit_rate", "Prompt tokens found cached / looked up, since "
                                 "start", value=stats.get("prefix_hit", 0) / queried if queried else 0.0)
+        yield CounterMetricFamily("opweave_preemptions", "Requests preempted when the KV pages ran short (their "
+                                  "prompt and outputs computed again later)", value=stats.get("preemptions", 0))
         yield GaugeMetricFamily("opweave_kv_cache_usage_perc", "Share of the KV pages sequences hold (the fullest "
                                 "scheduling replica; 1 = full)", value=stats.get("kv_usage", 0.0))
         family = GaugeMetricFamily("opweave_round_seconds", "Recent round times of each rank (replica set, rank)",
