@@ -195,13 +195,15 @@ def _run_sequence(calls, sync) -> list[float]:
 
 def _materialize_copies(meta_module: OpModule, index: int, tp: int, device: torch.device,
                         n: int) -> list[tuple[OpModule, Callable]]:
-    """`n` copies of one op as TP rank 0 of `tp` loads it (random weights)."""
-    from opweave.runtime.kernel_ops import with_kernels
+    """`n` copies of one op as TP rank 0 of `tp` loads it (random weights), its GEMM weights packed
+    as a rank packs them on the CPU (`kernel_ops.pack_cpu_gemms`), so the op is timed as it runs."""
+    from opweave.runtime.kernel_ops import pack_cpu_gemms, with_kernels
     from opweave.runtime.shard import materialize
 
     out = []
     for _ in range(n):
         # materialize shards the full (unsharded) module itself; a copy keeps the meta model intact
         module = materialize({index: copy.deepcopy(meta_module)}, "random", tp, 0, device)[index]
+        pack_cpu_gemms({index: module}, device)
         out.append((module, with_kernels({index: module}, device)[index]))
     return out
