@@ -450,6 +450,15 @@ def _pages(text: str) -> int:
     return n
 
 
+def _isl(text: str) -> int:
+    from opweave.units import parse_tokens
+
+    try:
+        return parse_tokens(text, "--isl")
+    except OpWeaveError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _budget(text: str) -> int:
     from opweave.units import parse_tokens
 
@@ -647,7 +656,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     contexts = parse_contexts(args.context)
     gpu = get_gpu(args.gpu, load_catalog(args.catalog, prices=args.prices, warn=_warn))
     graph = run_front_end(args.model).graph
-    points = estimate(graph, gpu, tps, batches, contexts, CostModel(cuda_graphs=not args.eager))
+    points = estimate(graph, gpu, tps, batches, contexts, CostModel(cuda_graphs=not args.eager), isl=args.isl)
     print(json.dumps(estimate_to_json(graph.model, points), indent=1) if args.format == "json"
           else format_estimate(graph.model, points))
     return 0
@@ -660,6 +669,9 @@ def _args_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default="1", help="resident batches, e.g. 1,16,64 (default 1)")
     p.add_argument("--context", default="1536",
                    help="context lengths: 1536,32k or a doubling range 1k..32k (default 1536)")
+    p.add_argument("--isl", type=_isl, default=None, metavar="TOKENS",
+                   help="a prompt length (e.g. 1024 or 8k): each point also gets the TTFT of one such prompt "
+                        "prefilled alone on its TP group (docs/calibration.md, \"Prefill\")")
     _catalog_args(p)
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--eager", action="store_true",

@@ -15,6 +15,10 @@ The terms add up to the TPOT:
     overheads       per-op launch, per-step and per-sequence fixed costs
     communication   tensor-parallel collectives (all-reduces, the sampler's all-gather)
 
+With a prompt length (`isl`), each point also has its TTFT: the prefill of one prompt of `isl`
+tokens alone on the point's TP group (`opweave.cost.prefill`; the compute of an idle plan's first
+token, no queueing, no other request's prefill).
+
 Routed experts are sliced over the group where that is legal, else held whole by expert
 parallelism (`opweave.ir.tp.preferred_layout`). A point that cannot run is reported, not raised:
 a TP degree that does not divide the model's sharded ops (in either expert layout) or exceeds a
@@ -28,6 +32,7 @@ import dataclasses
 
 from opweave.cost import memory
 from opweave.cost.model import CostModel
+from opweave.cost.prefill import prefill_s
 from opweave.hardware.catalog import GPUSpec
 from opweave.ir.graph import OpGraph
 from opweave.ir.tp import indivisible, legal_tp, preferred_layout
@@ -50,6 +55,8 @@ class EstimatePoint:
     price_per_hour: float = 0.0          # USD per GPU-hour
     terms_s: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None             # why it cannot run, or why it does not fit
+    isl: int | None = None               # the prompt length TTFT is for (None: not asked)
+    ttft_s: float | None = None          # one prompt of `isl` tokens prefilled alone
 
     @property
     def fits(self) -> bool:
@@ -68,11 +75,12 @@ class EstimatePoint:
 
 
 def estimate_point(graph: OpGraph, gpu: GPUSpec, tp: int, batch: int, context: int,
-                   cost_model: CostModel | None = None) -> EstimatePoint:
-    """The cost model's figures for colocated decode of `graph` at one point."""
+                   cost_model: CostModel | None = None, isl: int | None = None) -> EstimatePoint:
+    """The cost model's figures for colocated decode of `graph` at one point (and, with `isl`, the
+    TTFT of a prompt of that many tokens)."""
     cost_model = cost_model or CostModel()
     base = EstimatePoint(gpu=gpu.name, tp=tp, batch=batch, context=context,
-                         usable_bytes=gpu.usable_memory_bytes, price_per_hour=gpu.price_per_hour)
+                         usable_bytes=gpu.usable_memory_bytes, price_per_hour=gpu.price_per_hour, isl=isl)
     why = tp_problem(graph, gpu, tp)
     if why is not None:
         return dataclasses.replace(base, error=why)
@@ -88,12 +96,15 @@ def estimate_point(graph: OpGraph, gpu: GPUSpec, tp: int, batch: int, context: i
         terms["overheads"] += c.overhead_s
         terms["communication"] += c.comm_s
     tpot_s = sum(c.total_s for c in costs)
+    ttft_s = None
+    if isl is not None:
+        ttft_s = prefill_s(graph.ops, gpu, tp, isl, 1, hidden_bytes, layout, cost_model).total_s
     need = memory.memory_per_gpu(graph.ops, tp, batch, context, layout=layout)
     error = None
     if need > gpu.usable_memory_bytes:
         error = (f"does not fit: needs {need / 1e9:.1f} GB per GPU, {gpu.name} has "
                  f"{gpu.usable_memory_bytes / 1e9:.1f} GB usable")
-    return dataclasses.replace(base, tpot_s=tpot_s, memory_bytes=need, terms_s=terms, error=error)
+    return dataclasses.replace(base, tpot_s=tpot_s, memory_bytes=need, terms_s=terms, error=error, ttft_s=ttft_s)
 
 
 def tp_problem(graph: OpGraph, gpu: GPUSpec, tp: int) -> str | None:
@@ -107,9 +118,9 @@ def tp_problem(graph: OpGraph, gpu: GPUSpec, tp: int) -> str | None:
 
 
 def estimate(graph: OpGraph, gpu: GPUSpec, tps: list[int], batches: list[int], contexts: list[int],
-             cost_model: CostModel | None = None) -> list[EstimatePoint]:
+             cost_model: CostModel | None = None, isl: int | None = None) -> list[EstimatePoint]:
     """Every (tp, batch, context) point, TP outermost, then batch, then context."""
-    return [estimate_point(graph, gpu, tp, b, s, cost_model) for tp in tps for b in batches for s in contexts]
+    return [estimate_point(graph, gpu, tp, b, s, cost_model, isl) for tp in tps for b in batches for s in contexts]
 
 
 def _ms(x: float | None) -> float | None:
@@ -128,6 +139,8 @@ def estimate_to_json(model: str, points: list[EstimatePoint]) -> dict:
                  "usable_gb_per_gpu": round(p.usable_bytes / 1e9, 3),
                  "cost_per_mtok_usd": None if p.cost_per_mtok_usd is None else round(p.cost_per_mtok_usd, 4),
                  "terms": {f"{name}_ms": _ms(p.terms_s[name]) for name in TERMS} if p.terms_s else {}}
+        if p.isl is not None:
+            entry["isl"], entry["ttft_ms"] = p.isl, _ms(p.ttft_s)
         if p.error:
             entry["error"] = p.error
         out.append(entry)
@@ -136,15 +149,17 @@ def estimate_to_json(model: str, points: list[EstimatePoint]) -> dict:
 
 def format_estimate(model: str, points: list[EstimatePoint]) -> str:
     """A table, one row per point, then one line per point that cannot run or does not fit."""
+    isl = next((p.isl for p in points if p.isl is not None), None)
     header = ("gpu", "tp", "batch", "context", "TPOT ms", "tok/s", "GB/GPU", "fits", "$/Mtok") + tuple(
-        f"{t} ms" for t in TERMS)
+        f"{t} ms" for t in TERMS) + ((f"TTFT ms (isl {isl})",) if isl is not None else ())
     rows = []
     for p in points:
         figures = [f"{p.tpot_s * 1e3:.3f}", f"{p.tokens_per_s:.1f}", f"{p.memory_bytes / 1e9:.1f}",
                    "yes" if p.fits else "no", f"{p.cost_per_mtok_usd:.3g}"] if p.tpot_s is not None else \
             ["-", "-", "-", "no", "-"]
         terms = [f"{p.terms_s[t] * 1e3:.3f}" for t in TERMS] if p.terms_s else ["-"] * len(TERMS)
-        rows.append((p.gpu, str(p.tp), str(p.batch), str(p.context), *figures, *terms))
+        ttft = ([f"{p.ttft_s * 1e3:.1f}" if p.ttft_s is not None else "-"] if isl is not None else [])
+        rows.append((p.gpu, str(p.tp), str(p.batch), str(p.context), *figures, *terms, *ttft))
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     lines = [f"Colocated decode of {model} (one TP group, one microbatch; "
              "TPOT = weights + kv_state + math - overlap_hidden + overheads + communication)",

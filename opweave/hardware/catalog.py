@@ -54,6 +54,7 @@ class GPUSpec:
     step_overhead: float = 0.0  # s per decode step (scheduling, input preparation, sampling launch)
     sequence_overhead: float = 0.0  # s per sequence per decode step (its metadata, sampling, output)
     collective_latency: float = 0.0  # s of fixed cost per TP collective, beyond the ring's link hops
+    prefill_efficiency: float | None = None  # achieved fraction of peak_flops in a prefill (None: gemm_efficiency)
     network: str | None = None  # network profile the inter_link figures come from (None: given directly)
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
@@ -64,6 +65,11 @@ class GPUSpec:
     @property
     def effective_flops(self) -> float:
         return self.peak_flops * self.gemm_efficiency
+
+    @property
+    def prefill_flops(self) -> float:
+        """FLOP/s a prefill reaches (`opweave.cost.prefill`)."""
+        return self.peak_flops * (self.gemm_efficiency if self.prefill_efficiency is None else self.prefill_efficiency)
 
     @property
     def effective_bandwidth(self) -> float:
@@ -93,13 +99,13 @@ EAGER_LAUNCH_FACTOR = 4.2 / 1.28
 efficiency.launch_overhead.python_issued_op_vs_graph_replay_H100NVL, medium)."""
 
 FRACTION_FIELDS = ("usable_memory_fraction", "gemm_efficiency", "mem_efficiency", "kv_efficiency",
-                   "serial_fraction")
+                   "serial_fraction", "prefill_efficiency")
 INT_FIELDS = ("gpus_per_node",)
 NUMERIC_FIELDS = tuple(
     f.name for f in dataclasses.fields(GPUSpec) if f.name not in ("name", "description", "network", "sources")
 )
 OPTIONAL_FIELDS = ("kv_efficiency", "serial_fraction", "eager_launch_overhead", "step_overhead",
-                   "sequence_overhead", "collective_latency")
+                   "sequence_overhead", "collective_latency", "prefill_efficiency")
 """Fields a new entry may leave out (their defaults leave the ideal roofline)."""
 ZERO_FIELDS = ("serial_fraction", "step_overhead", "sequence_overhead", "collective_latency")
 """Fields that may be 0 (a term that is absent)."""

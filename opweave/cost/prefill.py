@@ -1,0 +1,102 @@
+"""Prefill in the cost model: the compute of a prompt, the time to its first token (TTFT) on an idle plan.
+
+`prefill_s` prices `prompts` prompts of `isl` tokens each, computed together as one step on a TP
+group of one GPU type, per op with the same catalog as decode (`opweave.cost.model`), where decode's
+terms change as a prompt's do:
+
+    math_s    = tokens * mean flops per token / shards / (peak * prefill efficiency)
+    weights_s = (weights read once + tokens * activations) / shards / (bandwidth * mem_eff)
+    state_s   = prompts * isl * state bytes per token * (1 + attended / (2 * QUERY_BLOCK))
+                / state shards / (bandwidth * kv_eff)     (attended: isl, or a window)
+    latency   = max(memory, math) + serial_fraction * min(memory, math) + an eager launch
+
+with tokens = prompts * isl, except the LM head and the sampler, which see each prompt's last
+token only. A token at position p attends p earlier positions (a sliding window at most its
+window), so an attention op's mean flops per token is its flops at the mean of those contexts:
+quadratic in `isl` over the prompt. Its keys and values are written once and read again once per
+block of `QUERY_BLOCK` queries (flash attention's tiling). TP collectives are decode's, at
+`tokens` rows. Prefill runs eagerly (no CUDA graph): every op pays the eager launch.
+
+`GPUSpec.prefill_efficiency` is the share of peak FLOP/s a prefill reaches (the catalog's figure is
+fitted to published prefill times, `tests/test_prefill.py` holds the fit to them; an entry without
+one uses its `gemm_efficiency`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from opweave.cost.model import (CostModel, expert_parallel_factors, op_stream_bytes, overlapped_s, shards,
+                                state_shards)
+from opweave.hardware.catalog import GPUSpec
+from opweave.ir.graph import Op
+from opweave.ir.kinds import OpKind
+
+QUERY_BLOCK = 128
+"""Queries per block of a prefill attention kernel: each block reads the keys and values before it once."""
+
+LAST_TOKEN_KINDS = (OpKind.LM_HEAD, OpKind.SAMPLE)
+"""Ops a prompt feeds only its last token to (the first output's logits and draw)."""
+
+_CONTEXT_SAMPLES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCost:
+    """The prefill of `prompts` prompts of `isl` tokens on one TP group: seconds, by term."""
+
+    isl: int
+    prompts: int
+    total_s: float
+    math_s: float
+    weights_s: float
+    state_s: float
+    overheads_s: float
+    communication_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.prompts * self.isl / self.total_s if self.total_s else 0.0
+
+
+def mean_flops_per_token(op: Op, isl: int) -> float:
+    """The op's flops per token averaged over a prompt's positions 1..isl (each attends the positions
+    before it and itself, `Op.flops_at`)."""
+    if not op.flops_per_context_token or not op.state:
+        return float(op.flops_per_token)
+    points = [max(1, round((i + 0.5) * isl / _CONTEXT_SAMPLES)) for i in range(_CONTEXT_SAMPLES)]
+    return sum(op.flops_at(p) for p in points) / len(points)
+
+
+def prefill_op_s(op: Op, gpu: GPUSpec, tp: int, isl: int, prompts: int = 1,
+                 layout: str = "tp") -> tuple[float, float, float, float]:
+    """(weights and activations time, state time, math time, latency) of one op in a prefill."""
+    tokens = prompts if op.kind in LAST_TOKEN_KINDS else prompts * isl
+    weights_s = op_stream_bytes(op, tp, tokens, layout) / gpu.effective_bandwidth
+    state_s = 0.0
+    if op.state and op.state.bytes_per_token:  # every token's keys written; re-read per query block
+        reads = 1.0 + (op.state.tokens_at(isl) / (2 * QUERY_BLOCK) if op.flops_per_context_token else 0.0)
+        state_s = (prompts * isl * op.state.bytes_per_token * reads
+                   / state_shards(op, tp) / gpu.effective_kv_bandwidth)
+    pairs = expert_parallel_factors(op, tp, tokens, layout)[1]
+    math_s = pairs * tokens * mean_flops_per_token(op, isl) / shards(op, tp, layout) / gpu.prefill_flops
+    latency = overlapped_s(weights_s + state_s, math_s, gpu) + gpu.op_launch_s(False)
+    return weights_s, state_s, math_s, latency
+
+
+def prefill_s(ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, isl: int, prompts: int = 1,
+              hidden_bytes: int = 0, layout: str = "tp", cost_model: CostModel | None = None) -> PrefillCost:
+    """The prefill of `prompts` prompts of `isl` tokens through `ops` on `tp` GPUs of `gpu` (the
+    whole model: the compute part of an idle plan's TTFT)."""
+    if isl < 1 or prompts < 1:
+        raise ValueError(f"a prefill of {prompts} prompts of {isl} tokens")
+    cost_model = cost_model or CostModel()
+    weights = state = math = latency = overheads = comm = 0.0
+    for i, op in enumerate(ops):
+        w, s, m, t = prefill_op_s(op, gpu, tp, isl, prompts, layout)
+        weights, state, math, latency = weights + w, state + s, math + m, latency + t
+        overheads += gpu.op_launch_s(False)
+        tokens = prompts if op.kind in LAST_TOKEN_KINDS else prompts * isl
+        comm += cost_model.collectives_s(op, gpu, tp, tokens, hidden_bytes, ops[i + 1] if i + 1 < len(ops) else None)
+    return PrefillCost(isl=isl, prompts=prompts, total_s=latency + comm, math_s=math, weights_s=weights,
+                       state_s=state, overheads_s=overheads, communication_s=comm)

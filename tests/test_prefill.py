@@ -1,0 +1,86 @@
+"""The prefill cost model (`opweave.cost.prefill`) and TTFT in `opweave estimate`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from opweave.compiler.frontend import run_front_end
+from opweave.cost.prefill import prefill_op_s, prefill_s
+from opweave.hardware.catalog import get_gpu, load_catalog
+from opweave.ir.kinds import OpKind
+
+PUBLISHED = {  # LLM-Inference-Bench (github.com/argonne-lcf/LLM-Inference-Bench): its one prefill time per
+    # GPU and engine, Llama-3-8B, 1024 input tokens, batch 16, TP 1, FP16 (seconds)
+    ("h100", "vllm"): 0.4257, ("h100", "trtllm"): 0.4054,
+    ("a100", "vllm"): 1.0420, ("a100", "trtllm"): 1.0501,
+}
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    graph = run_front_end("llama-3.1-8b").graph
+    return graph, graph.cuts[0].bytes_per_token
+
+
+def test_the_catalog_prefill_efficiency_reproduces_the_published_prefill_times(llama8b):
+    """The catalog's `prefill_efficiency` of h100 and a100 is the fit to the published times:
+    within 3% of each engine's."""
+    graph, hidden = llama8b
+    catalog = load_catalog()
+    for (gpu, engine), seconds in PUBLISHED.items():
+        spec = get_gpu(gpu, catalog)
+        assert spec.prefill_efficiency is not None and spec.sources.get("prefill_efficiency")
+        got = prefill_s(graph.ops, spec, 1, 1024, 16, hidden).total_s
+        assert got == pytest.approx(seconds, rel=0.03), (gpu, engine, got)
+
+
+def test_longer_prompts_cost_more_and_attention_grows_quadratically(llama8b):
+    graph, hidden = llama8b
+    gpu = get_gpu("h100", load_catalog())
+    times = [prefill_s(graph.ops, gpu, 1, isl, 1, hidden).total_s for isl in (512, 1024, 2048, 8192)]
+    assert times == sorted(times) and times[-1] > 16 * times[0] * 0.9  # GEMMs linear, attention more
+    attn = next(op for op in graph.ops if op.kind == OpKind.ATTN_FULL)
+    math = [prefill_op_s(attn, gpu, 1, isl)[2] for isl in (1024, 2048, 4096)]
+    assert math[1] / math[0] == pytest.approx(4, rel=0.05) and math[2] / math[1] == pytest.approx(4, rel=0.05)
+    gemm = next(op for op in graph.ops if op.kind == OpKind.MLP_DOWN)
+    assert prefill_op_s(gemm, gpu, 1, 2048)[2] == pytest.approx(2 * prefill_op_s(gemm, gpu, 1, 1024)[2])
+
+
+def test_the_lm_head_sees_each_prompts_last_token_only(llama8b):
+    graph, _ = llama8b
+    gpu = get_gpu("h100", load_catalog())
+    head = next(op for op in graph.ops if op.kind == OpKind.LM_HEAD)
+    assert prefill_op_s(head, gpu, 1, 4096)[2] == pytest.approx(prefill_op_s(head, gpu, 1, 16)[2])
+    assert prefill_op_s(head, gpu, 1, 64, prompts=8)[2] == pytest.approx(8 * prefill_op_s(head, gpu, 1, 64)[2])
+
+
+def test_tp_divides_the_math_and_the_efficiency_sets_the_flops(llama8b):
+    graph, hidden = llama8b
+    gpu = get_gpu("h100", load_catalog())
+    one = prefill_s(graph.ops, gpu, 1, 2048, 1, hidden)
+    two = prefill_s(graph.ops, gpu, 2, 2048, 1, hidden)
+    assert two.math_s == pytest.approx(one.math_s / 2, rel=0.02) and two.communication_s > 0 == one.communication_s
+    slow = prefill_s(graph.ops, dataclasses.replace(gpu, prefill_efficiency=gpu.prefill_efficiency / 2), 1, 2048, 1,
+                     hidden)
+    assert slow.math_s == pytest.approx(2 * one.math_s)
+    with pytest.raises(ValueError):
+        prefill_s(graph.ops, gpu, 1, 0)
+
+
+def test_estimate_reports_ttft_for_an_isl(capsys):
+    from opweave.cli import main
+
+    assert main(["estimate", "llama-3.1-8b", "--gpu", "h100", "--batch", "1,16", "--isl", "1k", "--format",
+                 "json"]) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert [p["isl"] for p in points] == [1024, 1024]
+    assert points[0]["ttft_ms"] == points[1]["ttft_ms"] and 15 < points[0]["ttft_ms"] < 60
+    assert main(["estimate", "llama-3.1-8b", "--gpu", "h100"]) == 0
+    assert "TTFT" not in capsys.readouterr().out
+    assert main(["estimate", "llama-3.1-8b", "--gpu", "h100", "--isl", "8k"]) == 0
+    assert "TTFT ms (isl 8192)" in capsys.readouterr().out
+    assert main(["estimate", "llama-3.1-8b", "--gpu", "h100", "--isl", "0"]) == 2
+    assert "--isl" in capsys.readouterr().err
