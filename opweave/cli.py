@@ -180,7 +180,15 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
         sign_key = read_key(args.sign_key, "--sign-key")
     slo = parse_duration(args.tpot_slo, "--tpot-slo")
-    context = parse_tokens(args.context)
+    if (args.isl is None) != (args.osl is None):
+        raise OpWeaveError("--isl and --osl go together: give both (the workload's prompt and output tokens)")
+    isl = None if args.isl is None else parse_tokens(args.isl, "--isl")
+    osl = None if args.osl is None else parse_tokens(args.osl, "--osl")
+    if args.context is None and isl is None:
+        raise OpWeaveError("--context is required (or give --isl and --osl: the context is then isl + osl)")
+    context = isl + osl if args.context is None else parse_tokens(args.context)
+    if isl is not None and isl + osl > context:
+        raise OpWeaveError(f"--isl {isl} + --osl {osl} exceed --context {context}")
     prefill_chunk = PREFILL_CHUNK if args.prefill_chunk is None else parse_tokens(args.prefill_chunk, "--prefill-chunk")
     catalog = load_catalog(args.catalog, prices=args.prices,
                            warn=_warn)
@@ -208,7 +216,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     compiled = compile_model(args.model, cluster, slo, context, options, cost_model=CostModel(profile=table),
                              progress=progress, allow_long_context=args.allow_long_context,
                              warn=_warn,
-                             prefill_chunk=prefill_chunk, front_end=front_end)
+                             prefill_chunk=prefill_chunk, front_end=front_end, isl=isl, osl=osl)
     write_artifact(args.output, compiled, force=args.force, sign_key=sign_key)
     if table is not None:
         print(f"opweave: {table.usage_summary()}", file=sys.stderr)
@@ -246,7 +254,12 @@ def _args_compile(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="built-in model name, Hugging Face checkpoint folder, or model.py")
     p.add_argument("--cluster", required=True, help="e.g. h100x8+l40sx8, a100x16, a YAML/JSON file, or local")
     p.add_argument("--tpot-slo", required=True, help="time per output token target, e.g. 50ms")
-    p.add_argument("--context", required=True, help="context length to plan for, e.g. 32k")
+    p.add_argument("--context", default=None,
+                   help="context length to plan for, e.g. 32k (required unless --isl and --osl give it)")
+    p.add_argument("--isl", default=None, metavar="TOKENS",
+                   help="the workload's prompt tokens, e.g. 1024 (with --osl): the plan carries its TTFT, and "
+                        "--context defaults to isl + osl")
+    p.add_argument("--osl", default=None, metavar="TOKENS", help="the workload's output tokens, e.g. 1024 (with --isl)")
     p.add_argument("--prefill-chunk", default=None, metavar="TOKENS",
                    help="prompt tokens per sequence per step at run time (default 128); sizes the "
                         "planned activation memory")

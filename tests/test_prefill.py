@@ -84,3 +84,32 @@ def test_estimate_reports_ttft_for_an_isl(capsys):
     assert "TTFT ms (isl 8192)" in capsys.readouterr().out
     assert main(["estimate", "llama-3.1-8b", "--gpu", "h100", "--isl", "0"]) == 2
     assert "--isl" in capsys.readouterr().err
+
+
+def test_compile_with_a_workload_carries_its_ttft_and_derives_the_context(tmp_path, capsys):
+    """`compile --isl --osl`: the plan records the workload and the TTFT of one prompt through its
+    stages (longer prompts, longer TTFT), the context is isl + osl unless given, and plan.json reads
+    back; half a workload or no context at all is a one-line error."""
+    from opweave.cli import main
+    from opweave.ir.plan import plan_from_json
+
+    ttft = {}
+    for isl in (512, 4096):
+        out = tmp_path / f"art{isl}"
+        assert main(["compile", "llama-3.1-8b", "--cluster", "h100x2", "--tpot-slo", "50ms", "--isl", str(isl),
+                     "--osl", "256", "--templates", "colocated", "-o", str(out), "--quiet", "--format", "json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert (data["isl"], data["osl"], data["context"]) == (isl, 256, isl + 256)
+        plan = plan_from_json(json.loads((out / "plan.json").read_text()))
+        assert (plan.isl, plan.osl) == (isl, 256) and plan.ttft_ms == data["ttft_ms"] > 0
+        assert "workload: prompts of" in (out / "plan.txt").read_text()
+        ttft[isl] = plan.ttft_ms
+    assert ttft[4096] > 2 * ttft[512]  # 8x the tokens (the longer context may take another TP degree)
+    assert main(["compile", "llama-3.1-8b", "--cluster", "h100x2", "--tpot-slo", "50ms", "--isl", "512",
+                 "-o", str(tmp_path / "x")]) == 2
+    assert "--isl and --osl go together" in capsys.readouterr().err
+    assert main(["compile", "llama-3.1-8b", "--cluster", "h100x2", "--tpot-slo", "50ms", "-o", str(tmp_path / "y")]) == 2
+    assert "--context is required" in capsys.readouterr().err
+    assert main(["compile", "llama-3.1-8b", "--cluster", "h100x2", "--tpot-slo", "50ms", "--isl", "4k", "--osl", "1k",
+                 "--context", "2k", "-o", str(tmp_path / "z")]) == 2
+    assert "exceed --context" in capsys.readouterr().err

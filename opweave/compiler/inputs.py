@@ -31,6 +31,8 @@ class Inputs:
     tpot_slo_s: float = math.inf
     context: int = 0
     prefill_chunk: int = PREFILL_CHUNK          # prompt tokens per row per step: sizes the activations
+    isl: int | None = None                      # the workload's prompt and output tokens (None: decode only)
+    osl: int | None = None
     options: SearchOptions = SearchOptions()
     cost_model: CostModel = CostModel()
     allow_long_context: bool = False            # a context past max_position_embeddings warns, not fails

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from opweave.cost.model import (CostModel, expert_parallel_factors, op_stream_bytes, overlapped_s, shards,
-                                state_shards)
+                                state_shards, transfer_s)
 from opweave.hardware.catalog import GPUSpec
 from opweave.ir.graph import Op
 from opweave.ir.kinds import OpKind
@@ -82,6 +82,33 @@ def prefill_op_s(op: Op, gpu: GPUSpec, tp: int, isl: int, prompts: int = 1,
     math_s = pairs * tokens * mean_flops_per_token(op, isl) / shards(op, tp, layout) / gpu.prefill_flops
     latency = overlapped_s(weights_s + state_s, math_s, gpu) + gpu.op_launch_s(False)
     return weights_s, state_s, math_s, latency
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillStage:
+    """One stage of a plan as a prompt crosses it: its ops on one replica of its owner, and what it
+    sends the next stage's owner per token (0: the same owner, or the last stage)."""
+
+    ops: tuple[Op, ...]
+    gpu: GPUSpec
+    tp: int
+    layout: str = "tp"
+    send_bytes_per_token: float = 0.0
+    next_gpu: GPUSpec | None = None
+    inter_node: bool = False
+
+
+def plan_prefill_s(stages: list[PrefillStage], isl: int, hidden_bytes: int = 0,
+                   cost_model: CostModel | None = None) -> float:
+    """A prompt of `isl` tokens through a plan's stages in order, alone (an idle plan): each stage's
+    prefill on its owner, then its output's `isl` tokens over the link to the next owner. The
+    compute of the first token's TTFT, without queueing or other requests' rounds."""
+    total = 0.0
+    for st in stages:
+        total += prefill_s(st.ops, st.gpu, st.tp, isl, 1, hidden_bytes, st.layout, cost_model).total_s
+        if st.send_bytes_per_token and st.next_gpu is not None:
+            total += transfer_s(isl * st.send_bytes_per_token, st.gpu, st.next_gpu, st.inter_node)
+    return total
 
 
 def prefill_s(ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, isl: int, prompts: int = 1,

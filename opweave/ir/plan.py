@@ -102,6 +102,9 @@ class Plan:
     return_bytes: float | None = None
     return_inter_node: bool | None = None
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per round and microbatch (the planned activations: rows x this)
+    isl: int | None = None           # the workload's prompt tokens (compile --isl), None: decode only
+    osl: int | None = None           # its output tokens (compile --osl)
+    ttft_ms: float | None = None     # one prompt of `isl` tokens through the stages alone (`cost.prefill`)
 
     @property
     def gpus_per_set(self) -> int:
@@ -174,6 +177,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         idle_gpus=_tuples(data["idle_gpus"]), predicted=Predicted(**data["predicted"]), counters=dict(data["counters"]),
         return_s=data.get("return_s"), return_bytes=data.get("return_bytes"),
         return_inter_node=data.get("return_inter_node"), prefill_chunk=data.get("prefill_chunk", PREFILL_CHUNK),
+        isl=data.get("isl"), osl=data.get("osl"), ttft_ms=data.get("ttft_ms"),
     )
 
 
@@ -197,6 +201,9 @@ def format_plan(plan: Plan, search_seconds: float | None = None) -> str:
     lines.append(f"  predicted: TPOT {p.tpot_ms:.3g} ms, {p.tokens_per_s:,.0f} tokens/s, "
                  f"${p.cost_per_mtok_usd:.4g} per Mtoken, ${p.cost_per_hour_usd:.4g}/h, "
                  f"occupancy {p.mean_occupancy:.0%}, {p.bytes_per_token_inter / 1e3:.3g} kB/token inter-node")
+    if plan.isl is not None:
+        lines.append(f"  workload: prompts of {plan.isl:,} tokens, {plan.osl:,} output tokens; TTFT "
+                     f"{plan.ttft_ms:.3g} ms (one prompt prefilled alone on an idle plan, no queueing)")
     c = plan.counters
     lines.append(f"  search: {c.get('templates', 0):.0f} templates, {c.get('owner_configs', 0):.0f} owner configs "
                  f"({c.get('frontier_configs', 0):.0f} on frontiers), {c.get('candidates', 0):.0f} candidates, "
