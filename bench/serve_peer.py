@@ -528,6 +528,15 @@ def vllm_batched_tokens(log_path: str) -> str | None:
     return None
 
 
+def vllm_prefix_hit_rates(log_path: str) -> list[float]:
+    """The prefix cache hit rates (%) vLLM's periodic stats lines report, in order (none: [])."""
+    try:
+        with open(log_path, errors="replace") as f:
+            return [float(m.group(1)) for line in f for m in [re.search(r"Prefix cache hit rate: ([0-9.]+)%", line)] if m]
+    except OSError:
+        return []
+
+
 def vllm_thread_lines(log_path: str) -> list[str]:
     """vLLM's own lines about its OpenMP threads and binding, from the server log."""
     keep, out = False, []
@@ -736,6 +745,7 @@ def _run(args, rates: list[float], peer: Peer, work: str, clock: RunClock) -> in
         if server.name == "vLLM" and "error" not in facts:
             facts["thread_lines"] = vllm_thread_lines(server.log_path)
             facts["batched_tokens"] = vllm_batched_tokens(server.log_path)
+            facts["prefix_hit_rates"] = vllm_prefix_hit_rates(server.log_path)
         facts["bench_cmd"] = _shell(bench_argv(peer, server.port, ckpt, rates[0], args, result_dir,
                                                server.name.lower()), peer.env(OMP_NUM_THREADS="1"),
                                     ("PYTHONPATH", "VLLM_TARGET_DEVICE", "OMP_NUM_THREADS"))
@@ -905,6 +915,11 @@ def _report(args, rates, peer: Peer, work: str, clock: RunClock, model: dict, pl
             "opweave/runtime/launch.py)"))
     lines += ["Threads: " + "; ".join(threads) + ".", ""]
     for server, facts in servers:
+        if args.prefix_caching and "prefix_hit_rates" in facts:
+            rates_seen = facts["prefix_hit_rates"]
+            lines += [("vLLM's log on its prefix cache: the hit rate its periodic stats report, highest "
+                       f"{max(rates_seen):.1f}% over {len(rates_seen)} reports (OpWeave's hits are in the table)."
+                       if rates_seen else "vLLM's log reports no prefix cache hit rate."), ""]
         if facts.get("batched_tokens"):
             lines += [f"vLLM's token budget per step, from its log: max_num_batched_tokens = {facts['batched_tokens']}.",
                       ""]
