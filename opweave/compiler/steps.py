@@ -108,20 +108,7 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
         bytes_per_token_intra=sim.bytes_per_token_intra_node, bytes_per_token_inter=sim.bytes_per_token_inter_node,
         mean_occupancy=sum(o.occupancy for o in sim.owners) / len(sim.owners))
     template = cand.stage_plan.template
-    ttft_ms = None
-    if inputs.isl is not None:
-        owner_of = [slot_of(s.index, cand.stage_plan.stages_per_block, k) for s in cand.stage_plan.stages]
-        crossing = []
-        for j, s in enumerate(cand.stage_plan.stages):
-            o = cand.owners[owner_of[j]]
-            nxt = cand.owners[owner_of[j + 1]] if j + 1 < len(owner_of) else None
-            moves = nxt is not None and owner_of[j + 1] != owner_of[j]
-            crossing.append(PrefillStage(ops=tuple(graph.ops[s.first:s.last + 1]), gpu=o.gpu, tp=o.tp, layout=o.experts,
-                                         send_bytes_per_token=sent[s.index] if moves else 0.0,
-                                         next_gpu=nxt.gpu if moves else None,
-                                         inter_node=bool(problem.stages[s.index].inter_node)))
-        hidden = graph.cuts[0].bytes_per_token if graph.cuts else 0
-        ttft_ms = plan_prefill_s(crossing, inputs.isl, hidden, inputs.cost_model) * 1e3
+    ttft_ms = None if inputs.isl is None else _ttft_s(inputs, graph, cand, stages) * 1e3
     return Plan(format=PLAN_FORMAT, model=graph.model, cluster=cluster.spec, context=inputs.context,
                 tpot_slo_ms=inputs.tpot_slo_s * 1e3, template=template.name, template_family=template.family,
                 template_sites=tuple(tuple(sorted(s)) for s in template.sites), num_stages=len(stages),
@@ -130,6 +117,20 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
                 predicted=predicted, counters=dataclasses.asdict(result.counters), return_s=problem.return_s,
                 return_bytes=problem.return_bytes, return_inter_node=problem.return_inter_node,
                 prefill_chunk=inputs.prefill_chunk, isl=inputs.isl, osl=inputs.osl, ttft_ms=ttft_ms)
+
+
+def _ttft_s(inputs: Inputs, graph: OpGraph, cand, stages: tuple[PlanStage, ...]) -> float:
+    """One prompt of `inputs.isl` tokens through the candidate's stages alone (`cost.prefill`)."""
+    crossing = []
+    for j, st in enumerate(stages):
+        o = cand.owners[st.owner]
+        nxt = stages[j + 1].owner if j + 1 < len(stages) else st.owner
+        crossing.append(PrefillStage(ops=tuple(graph.ops[st.first_op:st.last_op + 1]), gpu=o.gpu, tp=o.tp,
+                                     layout=o.experts,
+                                     send_bytes_per_token=st.out_bytes_per_token if nxt != st.owner else 0.0,
+                                     next_gpu=cand.owners[nxt].gpu, inter_node=bool(st.send_inter_node)))
+    hidden = graph.cuts[0].bytes_per_token if graph.cuts else 0
+    return plan_prefill_s(crossing, inputs.isl, hidden, inputs.cost_model)
 
 
 def plan_text(plan: Plan) -> str:

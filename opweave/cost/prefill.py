@@ -54,9 +54,10 @@ class PrefillCost:
     overheads_s: float
     communication_s: float
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.prompts * self.isl / self.total_s if self.total_s else 0.0
+
+def _tokens(op: Op, isl: int, prompts: int) -> int:
+    """The tokens a prefill feeds `op`: every prompt token, or each prompt's last one."""
+    return prompts if op.kind in LAST_TOKEN_KINDS else prompts * isl
 
 
 def mean_flops_per_token(op: Op, isl: int) -> float:
@@ -71,7 +72,7 @@ def mean_flops_per_token(op: Op, isl: int) -> float:
 def prefill_op_s(op: Op, gpu: GPUSpec, tp: int, isl: int, prompts: int = 1,
                  layout: str = "tp") -> tuple[float, float, float, float]:
     """(weights and activations time, state time, math time, latency) of one op in a prefill."""
-    tokens = prompts if op.kind in LAST_TOKEN_KINDS else prompts * isl
+    tokens = _tokens(op, isl, prompts)
     weights_s = op_stream_bytes(op, tp, tokens, layout) / gpu.effective_bandwidth
     state_s = 0.0
     if op.state and op.state.bytes_per_token:  # every token's keys written; re-read per query block
@@ -123,7 +124,7 @@ def prefill_s(ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, isl: int, p
         w, s, m, t = prefill_op_s(op, gpu, tp, isl, prompts, layout)
         weights, state, math, latency = weights + w, state + s, math + m, latency + t
         overheads += gpu.op_launch_s(False)
-        tokens = prompts if op.kind in LAST_TOKEN_KINDS else prompts * isl
-        comm += cost_model.collectives_s(op, gpu, tp, tokens, hidden_bytes, ops[i + 1] if i + 1 < len(ops) else None)
+        comm += cost_model.collectives_s(op, gpu, tp, _tokens(op, isl, prompts), hidden_bytes,
+                                         ops[i + 1] if i + 1 < len(ops) else None)
     return PrefillCost(isl=isl, prompts=prompts, total_s=latency + comm, math_s=math, weights_s=weights,
                        state_s=state, overheads_s=overheads, communication_s=comm)

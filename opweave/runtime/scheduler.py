@@ -312,11 +312,9 @@ class Scheduler:
         row = self._rows[mb][r]
         req = step.request
         slot = mb * self.rows + r
-        if self.prefix is not None:
-            self.prefix.forget(step.fills)
         row.request, row.pending, row.release, row.keys, row.fed = None, [], False, [], []
         self.preemptions += 1
-        if step.event in (P.START,) or step.event >= P.SHARED:  # admitted this round: back to the queue's head
+        if step.event == P.START or step.event >= P.SHARED:  # admitted this round: back to the queue's head
             self.queue.appendleft(req)
             return RowStep(event=P.RELEASE if self.pool.tables[slot] else P.NONE)
         self._preempted[req.index] = req
