@@ -180,15 +180,17 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
         sign_key = read_key(args.sign_key, "--sign-key")
     slo = parse_duration(args.tpot_slo, "--tpot-slo")
-    if (args.isl is None) != (args.osl is None):
-        raise OpWeaveError("--isl and --osl go together: give both (the workload's prompt and output tokens)")
-    isl = None if args.isl is None else parse_tokens(args.isl, "--isl")
-    osl = None if args.osl is None else parse_tokens(args.osl, "--osl")
-    if args.context is None and isl is None:
-        raise OpWeaveError("--context is required (or give --isl and --osl: the context is then isl + osl)")
-    context = isl + osl if args.context is None else parse_tokens(args.context)
-    if isl is not None and isl + osl > context:
-        raise OpWeaveError(f"--isl {isl} + --osl {osl} exceed --context {context}")
+    from opweave.ir.workload import workload_from_flags
+
+    workload = workload_from_flags(isl=args.isl, osl=args.osl, path=args.workload, ttft_slo=args.ttft_slo,
+                                   rate=args.rate, prefill=args.prefill)
+    if args.context is None and workload is None:
+        raise OpWeaveError("--context is required (or give --isl and --osl, or --workload: the context is then "
+                           "the longest sequence of the workload)")
+    context = workload.longest if args.context is None else parse_tokens(args.context)
+    if workload is not None and workload.longest > context:
+        raise OpWeaveError(f"the workload's longest sequence ({workload.max_isl} prompt + {workload.max_osl} output "
+                           f"tokens) exceeds --context {context}")
     prefill_chunk = PREFILL_CHUNK if args.prefill_chunk is None else parse_tokens(args.prefill_chunk, "--prefill-chunk")
     catalog = load_catalog(args.catalog, prices=args.prices,
                            warn=_warn)
@@ -216,7 +218,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     compiled = compile_model(args.model, cluster, slo, context, options, cost_model=CostModel(profile=table),
                              progress=progress, allow_long_context=args.allow_long_context,
                              warn=_warn,
-                             prefill_chunk=prefill_chunk, front_end=front_end, isl=isl, osl=osl)
+                             prefill_chunk=prefill_chunk, front_end=front_end, workload=workload)
     write_artifact(args.output, compiled, force=args.force, sign_key=sign_key)
     if table is not None:
         print(f"opweave: {table.usage_summary()}", file=sys.stderr)
@@ -260,6 +262,18 @@ def _args_compile(p: argparse.ArgumentParser) -> None:
                    help="the workload's prompt tokens, e.g. 1024 (with --osl): the plan carries its TTFT, and "
                         "--context defaults to isl + osl")
     p.add_argument("--osl", default=None, metavar="TOKENS", help="the workload's output tokens, e.g. 1024 (with --isl)")
+    p.add_argument("--workload", default=None, metavar="FILE.jsonl",
+                   help="the workload as JSON Lines of requests ({\"isl\": 812, \"osl\": 240}, optionally "
+                        "\"count\"): planned at its mean lengths, --context defaults to its longest sequence")
+    p.add_argument("--ttft-slo", default=None, metavar="DURATION",
+                   help="mean time to first token target under the workload, e.g. 250ms, 2s (default: none)")
+    p.add_argument("--rate", default=None, metavar="REQ_PER_S",
+                   help="requests/s the deployment must take: the plan's TTFT is at the load this leaves each "
+                        "of the fewest replica sets that take it (default: 80%% of capacity)")
+    p.add_argument("--prefill", choices=("auto", "aggregated", "disaggregated"), default="auto",
+                   help="how prompts are prefilled under a workload: in the decode rounds under a token budget "
+                        "(aggregated), on GPUs of their own (disaggregated), or the cheaper that meets the SLOs "
+                        "(auto, default)")
     p.add_argument("--prefill-chunk", default=None, metavar="TOKENS",
                    help="prompt tokens per sequence per step at run time (default 128); sizes the "
                         "planned activation memory")

@@ -93,7 +93,7 @@ def test_compile_with_a_workload_carries_its_ttft_and_derives_the_context(tmp_pa
     from opweave.cli import main
     from opweave.ir.plan import plan_from_json
 
-    ttft = {}
+    ttft, cost = {}, {}
     for isl in (512, 4096):
         out = tmp_path / f"art{isl}"
         assert main(["compile", "llama-3.1-8b", "--cluster", "h100x2", "--tpot-slo", "50ms", "--isl", str(isl),
@@ -102,9 +102,11 @@ def test_compile_with_a_workload_carries_its_ttft_and_derives_the_context(tmp_pa
         assert (data["isl"], data["osl"], data["context"]) == (isl, 256, isl + 256)
         plan = plan_from_json(json.loads((out / "plan.json").read_text()))
         assert (plan.isl, plan.osl) == (isl, 256) and plan.ttft_ms == data["ttft_ms"] > 0
+        assert plan.ttft_p99_ms > plan.ttft_ms > plan.ttft_idle_ms > 0 and plan.prefill["mode"] == "aggregated"
         assert "workload: prompts of" in (out / "plan.txt").read_text()
-        ttft[isl] = plan.ttft_ms
+        ttft[isl], cost[isl] = plan.ttft_idle_ms, plan.predicted.cost_per_mtok_usd
     assert ttft[4096] > 2 * ttft[512]  # 8x the tokens (the longer context may take another TP degree)
+    assert cost[4096] > cost[512]      # a longer prompt costs more per output token
     assert main(["compile", "llama-3.1-8b", "--cluster", "h100x2", "--tpot-slo", "50ms", "--isl", "512",
                  "-o", str(tmp_path / "x")]) == 2
     assert "--isl and --osl go together" in capsys.readouterr().err
@@ -112,4 +114,4 @@ def test_compile_with_a_workload_carries_its_ttft_and_derives_the_context(tmp_pa
     assert "--context is required" in capsys.readouterr().err
     assert main(["compile", "llama-3.1-8b", "--cluster", "h100x2", "--tpot-slo", "50ms", "--isl", "4k", "--osl", "1k",
                  "--context", "2k", "-o", str(tmp_path / "z")]) == 2
-    assert "exceed --context" in capsys.readouterr().err
+    assert "exceeds --context" in capsys.readouterr().err

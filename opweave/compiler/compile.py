@@ -27,6 +27,7 @@ from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import format_graph
 from opweave.ir.plan import PREFILL_CHUNK, format_plan
 from opweave.ir.program import program_to_json
+from opweave.ir.workload import Workload
 from opweave.outputs import check_artifact_dir, remove_tree, replace_folder, set_artifact_modes
 from opweave.passes.search import SearchOptions
 from opweave.passes.trace_export import write_schedule
@@ -36,16 +37,17 @@ def compile_model(model: str, cluster: Cluster, tpot_slo_s: float, context: int,
                   options: SearchOptions = SearchOptions(), cost_model: CostModel = CostModel(),
                   progress: Callable[[str], None] | None = None, allow_long_context: bool = False,
                   warn: Callable[[str], None] | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                  front_end: FrontEnd | None = None, isl: int | None = None, osl: int | None = None) -> Compiled:
+                  front_end: FrontEnd | None = None, workload: Workload | None = None) -> Compiled:
     """Runs the pipeline's steps trace .. plan (`compiler/pipeline.py`).
 
     `prefill_chunk`: prompt tokens per row per step at run time, which sizes the planned
     activations. `front_end`: `model`'s front end (`run_front_end`) when the caller has it already;
-    the compile then starts at the search and does not trace again. `isl`, `osl`: the workload's
-    prompt and output tokens (the plan then carries them and its TTFT).
+    the compile then starts at the search and does not trace again. `workload`: the traffic to
+    plan for (`ir/workload.py`: prompt and output tokens, TTFT SLO, rate, prefill mode; the plan
+    then carries its prefill arrangement, TTFT and TPOT under it); None plans decode alone.
     """
     inputs = Inputs(model=model, dtype=None if front_end is None else front_end.inputs.dtype, cluster=cluster,
-                    tpot_slo_s=tpot_slo_s, context=context, prefill_chunk=prefill_chunk, isl=isl, osl=osl,
+                    tpot_slo_s=tpot_slo_s, context=context, prefill_chunk=prefill_chunk, workload=workload,
                     options=options,
                     cost_model=cost_model, allow_long_context=allow_long_context, progress=progress, warn=warn)
     if front_end is None:

@@ -16,6 +16,7 @@ from opweave.cost.model import CostModel
 from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import OpGraph
 from opweave.ir.plan import PREFILL_CHUNK
+from opweave.ir.workload import Workload
 from opweave.passes.blocks import BlockedGraph
 from opweave.passes.search import SearchOptions
 from opweave.passes.space import PlanSpace
@@ -31,13 +32,20 @@ class Inputs:
     tpot_slo_s: float = math.inf
     context: int = 0
     prefill_chunk: int = PREFILL_CHUNK          # prompt tokens per row per step: sizes the activations
-    isl: int | None = None                      # the workload's prompt and output tokens (None: decode only)
-    osl: int | None = None
+    workload: Workload | None = None            # the traffic to plan for (None: decode alone, `ir/workload.py`)
     options: SearchOptions = SearchOptions()
     cost_model: CostModel = CostModel()
     allow_long_context: bool = False            # a context past max_position_embeddings warns, not fails
     progress: Callable[[str], None] | None = None
     warn: Callable[[str], None] | None = None   # None: Python's warnings.warn
+
+    @property
+    def isl(self) -> int | None:
+        return None if self.workload is None else self.workload.isl
+
+    @property
+    def osl(self) -> int | None:
+        return None if self.workload is None else self.workload.osl
 
 
 def plan_space(graph: OpGraph, blocks: BlockedGraph, inputs: Inputs | None = None, **changes) -> PlanSpace:
@@ -51,4 +59,5 @@ def plan_space(graph: OpGraph, blocks: BlockedGraph, inputs: Inputs | None = Non
     elif changes:
         inputs = dataclasses.replace(inputs, **changes)
     return PlanSpace(graph=graph, blocks=blocks, cluster=inputs.cluster, context=inputs.context,
-                     tpot_slo_s=inputs.tpot_slo_s, cost_model=inputs.cost_model, prefill_chunk=inputs.prefill_chunk)
+                     tpot_slo_s=inputs.tpot_slo_s, cost_model=inputs.cost_model, prefill_chunk=inputs.prefill_chunk,
+                     workload=inputs.workload)

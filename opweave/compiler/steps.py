@@ -102,21 +102,62 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
                              bubble_ms=sim.owners[i].bubble_s * 1e3, gpus=set0[i], price_per_hour=o.gpu.price_per_hour,
                              experts=o.experts)
                    for i, o in enumerate(cand.owners))
+    traffic = cand.traffic
+    per_set = sim.tokens_per_s if traffic is None else traffic.tokens_per_s
+    rate = sim.cost_per_hour if traffic is None else traffic.cost_per_hour
+    idle = where.idle
+    if traffic is not None and traffic.sets < sets:   # the prefill groups take the GPUs of the sets past them
+        idle = _runs(sorted({g for lo, hi in where.idle for g in range(lo, hi)}
+                            | {g for k in range(traffic.sets, sets) for group in where.replica_set(k)
+                               for replica in group for g in replica}))
+        sets = traffic.sets
+    served = sets
     predicted = Predicted(
-        tpot_ms=sim.tpot_s * 1e3, tokens_per_s=sim.tokens_per_s * sets, tokens_per_s_per_set=sim.tokens_per_s,
-        cost_per_mtok_usd=sim.cost_per_mtok_usd, cost_per_hour_usd=sim.cost_per_hour * sets,
+        tpot_ms=cand.tpot_s * 1e3, tokens_per_s=per_set * served, tokens_per_s_per_set=per_set,
+        cost_per_mtok_usd=cand.cost, cost_per_hour_usd=rate * served,
         bytes_per_token_intra=sim.bytes_per_token_intra_node, bytes_per_token_inter=sim.bytes_per_token_inter_node,
         mean_occupancy=sum(o.occupancy for o in sim.owners) / len(sim.owners))
     template = cand.stage_plan.template
-    ttft_ms = None if inputs.isl is None else _ttft_s(inputs, graph, cand, stages) * 1e3
+    idle_ms = None if inputs.isl is None else _ttft_s(inputs, graph, cand, stages) * 1e3
     return Plan(format=PLAN_FORMAT, model=graph.model, cluster=cluster.spec, context=inputs.context,
                 tpot_slo_ms=inputs.tpot_slo_s * 1e3, template=template.name, template_family=template.family,
                 template_sites=tuple(tuple(sorted(s)) for s in template.sites), num_stages=len(stages),
                 stages_per_block=cand.stage_plan.stages_per_block, stages=stages, owners=owners,
-                batch=cand.batch, microbatches=cand.microbatches, replica_sets=sets, idle_gpus=where.idle,
+                batch=cand.batch, microbatches=cand.microbatches, replica_sets=sets, idle_gpus=idle,
                 predicted=predicted, counters=dataclasses.asdict(result.counters), return_s=problem.return_s,
                 return_bytes=problem.return_bytes, return_inter_node=problem.return_inter_node,
-                prefill_chunk=inputs.prefill_chunk, isl=inputs.isl, osl=inputs.osl, ttft_ms=ttft_ms)
+                prefill_chunk=inputs.prefill_chunk, isl=inputs.isl, osl=inputs.osl, ttft_idle_ms=idle_ms,
+                workload=None if inputs.workload is None else inputs.workload.to_json(),
+                **_traffic_fields(traffic))
+
+
+def _runs(gpus: list[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted GPU indices as runs [lo, hi)."""
+    out: list[list[int]] = []
+    for g in gpus:
+        if out and out[-1][1] == g:
+            out[-1][1] = g + 1
+        else:
+            out.append([g, g + 1])
+    return tuple((lo, hi) for lo, hi in out)
+
+
+def _traffic_fields(traffic) -> dict:
+    """plan.json's figures of the way the plan serves prefill (`passes/traffic.py`)."""
+    if traffic is None:
+        return {}
+    prefill = {"mode": traffic.mode, "load": traffic.load, "requests_per_s": traffic.requests_per_s,
+               "sets": traffic.sets}
+    if traffic.mode == "aggregated":
+        prefill.update(token_budget=traffic.token_budget, chunk_share=traffic.chunk_share)
+    else:
+        p = traffic.pool
+        prefill["owners"] = [{"gpu": p.gpu.name, "tp": p.tp, "replicas": p.replicas, "for_sets": p.sets,
+                              "prefill_ms": p.prefill_s * 1e3,
+                              "kv_bytes": p.kv_bytes, "kv_transfer_ms": p.kv_transfer_s * 1e3,
+                              "memory_per_gpu_bytes": p.memory_per_gpu, "price_per_hour": p.gpu.price_per_hour}]
+    return {"ttft_ms": traffic.ttft_s * 1e3, "ttft_p99_ms": traffic.ttft_p99_s * 1e3,
+            "tpot_p99_ms": traffic.tpot_p99_s * 1e3, "prefill": prefill}
 
 
 def _ttft_s(inputs: Inputs, graph: OpGraph, cand, stages: tuple[PlanStage, ...]) -> float:

@@ -25,8 +25,9 @@ one uses its `gemm_efficiency`).
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from opweave.cost.model import (CostModel, expert_parallel_factors, op_stream_bytes, overlapped_s, shards,
+from opweave.cost.model import (CostModel, expert_parallel_factors, op_stream_bytes, op_times, overlapped_s, shards,
                                 state_shards, transfer_s)
 from opweave.hardware.catalog import GPUSpec
 from opweave.ir.graph import Op
@@ -128,3 +129,39 @@ def prefill_s(ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, isl: int, p
                                          ops[i + 1] if i + 1 < len(ops) else None)
     return PrefillCost(isl=isl, prompts=prompts, total_s=latency + comm, math_s=math, weights_s=weights,
                        state_s=state, overheads_s=overheads, communication_s=comm)
+
+
+def round_extra_s(ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, rows: int, context: int, tokens: int,
+                  isl: int, hidden_bytes: int = 0, layout: str = "tp", cost_model: CostModel | None = None) -> float:
+    """Seconds a decode round of `rows` rows at `context` gains on `ops` when it also carries
+    `tokens` prompt tokens (chunks of prompts of `isl` tokens): the aggregated-prefill round of
+    chunked prefill (`passes/traffic.py`).
+
+    Per op, the mixed round's memory (decode's, plus the prompt tokens' activations, the experts
+    they add and their keys and values written and read per query block) and math (decode's plus
+    the prompt tokens' at the prompt's mean context, at the prefill efficiency) overlap as one op's
+    do; the gain is that minus decode's, plus the TP collectives at `rows + tokens` rows and an
+    eager launch in place of a graph replay (a round with prompt tokens has no decode graph). The
+    LM head and the sampler see a prompt's last token only: `tokens / isl` of them."""
+    if tokens <= 0:
+        return 0.0
+    cost_model = cost_model or CostModel()
+    extra = 0.0
+    for i, op in enumerate(ops):
+        last_only = op.kind in LAST_TOKEN_KINDS
+        q = max(1, math.ceil(tokens / isl)) if last_only else tokens
+        weights_s, state_s, math_s = op_times(op, gpu, tp, rows, context, layout)
+        stream_s = (op_stream_bytes(op, tp, rows + q, layout) - op_stream_bytes(op, tp, rows, layout)) / gpu.effective_bandwidth
+        kv_s = 0.0
+        if op.state and op.state.bytes_per_token and not last_only:
+            reads = 1.0 + (op.state.tokens_at(isl) / (2 * QUERY_BLOCK) if op.flops_per_context_token else 0.0)
+            kv_s = q * op.state.bytes_per_token * reads / state_shards(op, tp) / gpu.effective_kv_bandwidth
+        pairs = expert_parallel_factors(op, tp, rows + q, layout)[1]
+        prompt_math_s = pairs * q * mean_flops_per_token(op, isl) / shards(op, tp, layout) / gpu.prefill_flops
+        extra += (overlapped_s(weights_s + state_s + stream_s + kv_s, math_s + prompt_math_s, gpu)
+                  - overlapped_s(weights_s + state_s, math_s, gpu))
+        extra += gpu.op_launch_s(False) - gpu.op_launch_s(cost_model.cuda_graphs)
+        following = ops[i + 1] if i + 1 < len(ops) else None
+        extra += (cost_model.collectives_s(op, gpu, tp, rows + q, hidden_bytes, following)
+                  - cost_model.collectives_s(op, gpu, tp, rows, hidden_bytes, following))
+    return extra

@@ -104,7 +104,12 @@ class Plan:
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per round and microbatch (the planned activations: rows x this)
     isl: int | None = None           # the workload's prompt tokens (compile --isl), None: decode only
     osl: int | None = None           # its output tokens (compile --osl)
-    ttft_ms: float | None = None     # one prompt of `isl` tokens through the stages alone (`cost.prefill`)
+    ttft_ms: float | None = None     # mean TTFT at the planned load (`passes/traffic.py`)
+    ttft_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None  # the longest round: one carrying a full prefill chunk (aggregated)
+    ttft_idle_ms: float | None = None  # one prompt through the stages alone, on an idle plan (`cost.prefill`)
+    prefill: dict | None = None      # {"mode": "aggregated", "token_budget": C} | {"mode": "disaggregated", "owners": [...]}
+    workload: dict | None = None     # `ir.workload.Workload.to_json`: what the plan was made for
 
     @property
     def gpus_per_set(self) -> int:
@@ -177,7 +182,9 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         idle_gpus=_tuples(data["idle_gpus"]), predicted=Predicted(**data["predicted"]), counters=dict(data["counters"]),
         return_s=data.get("return_s"), return_bytes=data.get("return_bytes"),
         return_inter_node=data.get("return_inter_node"), prefill_chunk=data.get("prefill_chunk", PREFILL_CHUNK),
-        isl=data.get("isl"), osl=data.get("osl"), ttft_ms=data.get("ttft_ms"),
+        isl=data.get("isl"), osl=data.get("osl"), ttft_ms=data.get("ttft_ms"), ttft_p99_ms=data.get("ttft_p99_ms"),
+        tpot_p99_ms=data.get("tpot_p99_ms"), ttft_idle_ms=data.get("ttft_idle_ms"), prefill=data.get("prefill"),
+        workload=data.get("workload"),
     )
 
 
@@ -202,14 +209,38 @@ def format_plan(plan: Plan, search_seconds: float | None = None) -> str:
                  f"${p.cost_per_mtok_usd:.4g} per Mtoken, ${p.cost_per_hour_usd:.4g}/h, "
                  f"occupancy {p.mean_occupancy:.0%}, {p.bytes_per_token_inter / 1e3:.3g} kB/token inter-node")
     if plan.isl is not None:
-        lines.append(f"  workload: prompts of {plan.isl:,} tokens, {plan.osl:,} output tokens; TTFT "
-                     f"{plan.ttft_ms:.3g} ms (one prompt prefilled alone on an idle plan, no queueing)")
+        lines += format_traffic(plan)
     c = plan.counters
     lines.append(f"  search: {c.get('templates', 0):.0f} templates, {c.get('owner_configs', 0):.0f} owner configs "
                  f"({c.get('frontier_configs', 0):.0f} on frontiers), {c.get('candidates', 0):.0f} candidates, "
                  f"{c.get('simulator_calls', 0):.0f} simulator calls"
                  + (f", {search_seconds:.2f} s" if search_seconds is not None else ""))
     return "\n".join(lines)
+
+
+def format_traffic(plan: Plan) -> list[str]:
+    """plan.txt's lines on the workload and how prefill is served."""
+    w = plan.workload or {}
+    rate = f", {w['rate']:g} requests/s" if w.get("rate") else ""
+    slo = f", TTFT SLO {w['ttft_slo_ms']:g} ms" if w.get("ttft_slo_ms") else ""
+    lines = [f"  workload: prompts of {plan.isl:,} tokens, {plan.osl:,} output tokens (mean){rate}{slo}"]
+    pre = plan.prefill
+    if pre is None:
+        return lines
+    if pre["mode"] == "aggregated":
+        how = (f"aggregated: chunks of at most {pre['token_budget']:,} prompt tokens per round and microbatch "
+               f"beside the decoding rows, {pre['chunk_share']:.0%} of rounds carry one")
+    else:
+        o = pre["owners"][0]
+        groups = f"{o['replicas']}x {o['gpu']} tp{o['tp']} for {o['for_sets']} replica set(s)"
+        how = (f"disaggregated: {groups} prefill each prompt in {o['prefill_ms']:.3g} ms and send "
+               f"its KV state ({o['kv_bytes'] / 1e6:.3g} MB, {o['kv_transfer_ms']:.3g} ms) to the decode owners; "
+               f"the prefill GPUs are among those listed idle (the runtime does not start them yet)")
+    lines.append(f"  prefill {how}")
+    lines.append(f"  under traffic at {pre['load']:.0%} of capacity ({pre['requests_per_s']:.3g} requests/s per set): "
+                 f"TTFT {plan.ttft_ms:.4g} ms (p99 {plan.ttft_p99_ms:.4g}), TPOT {plan.predicted.tpot_ms:.3g} ms "
+                 f"(longest round {plan.tpot_p99_ms:.3g}); one prompt alone on an idle plan: {plan.ttft_idle_ms:.4g} ms")
+    return lines
 
 
 def verify_plan(plan: Plan, num_ops: int | None = None) -> Plan:

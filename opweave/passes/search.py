@@ -36,6 +36,7 @@ from opweave.passes.simulate import simulate
 from opweave.passes.space import Candidate, Evaluator, PlanSpace, build_sim_problem, fits_group, owner_configs, \
     slot_of
 from opweave.passes.templates import StagePlan, build_stages, enumerate_templates
+from opweave.passes.traffic import TrafficModel
 
 OBJECTIVES = ("cost", "throughput")
 """cost: the least $/Mtoken of one replica set (what a fleet of copies costs per token);
@@ -112,6 +113,8 @@ class Counters:
     pruned_cost: int = 0           # DFS prefixes cut: optimistic cost >= the incumbent's
     over_capacity: int = 0         # prefixes needing more GPUs of a type than the cluster has
     unplaceable: int = 0           # complete plans whose TP groups do not fit in the cluster's nodes
+    traffic_priced: int = 0        # complete plans priced under the workload (`passes/traffic.py`)
+    over_ttft: int = 0             # ... of which no way of serving prefill meets the SLOs
     configs_over_node: int = 0     # (GPU type, TP) with TP above the node size or the pool
     configs_tp_indivisible: int = 0  # (GPU type, TP) where TP does not divide a sharded op
     configs_over_pool: int = 0     # replicas x TP above the pool, or more replicas than sequences
@@ -151,6 +154,8 @@ class _Search:
         self._crossings: dict[tuple[str, int], int] = {}
         self._floors: dict[tuple[int, int, int], tuple[float, float, float]] = {}
         self._counts = {p.gpu.name: p.count for p in space.cluster.pools}
+        self.traffic = None if space.workload is None else TrafficModel(self.ev, space.workload, options.tp_degrees)
+        self.closest_ttft = None   # under a workload: the prefill option with the lowest TTFT seen
         self.batches = options.batches if options.batches is not None else batch_grid(
             min(options.max_batch, memory_batch_limit(space.graph, space.cluster, space.context)))
 
@@ -222,6 +227,17 @@ class _Search:
                          sets=self.ev.sets(owners))
         if self.closest is None or sim.tpot_s < self.closest.tpot_s:
             self.closest = cand
+        if self.traffic is not None and not self.fastest:
+            if sim.tpot_s > self.space.tpot_slo_s or (self.best is not None and not self._better(cand, self.best)):
+                return   # under traffic it only gets slower and dearer (`passes/traffic.py`)
+            self.counters.traffic_priced += 1
+            traffic, fastest = self.traffic.best(cand)
+            if fastest is not None and (self.closest_ttft is None or fastest.ttft_s < self.closest_ttft[1].ttft_s):
+                self.closest_ttft = (cand, fastest)
+            if traffic is None:
+                self.counters.over_ttft += 1
+                return
+            cand = dataclasses.replace(cand, traffic=traffic)
         if self.fastest:
             if self.best is None or sim.tpot_s < self.best.tpot_s:
                 self.best = cand
@@ -389,7 +405,7 @@ class _Search:
             slots.append(configs)
         frontiers = []
         for configs in slots:
-            if self.options.pareto:
+            if self.options.pareto and self.traffic is None:   # (prefill may prefer a dominated layout)
                 configs = pareto_frontier(configs)
             self.counters.frontier_configs += len(configs)
             frontiers.append(configs)
@@ -420,6 +436,12 @@ class _Search:
             return (f"{self.space.cluster.spec} is too small for {self.space.graph.model} at context "
                     f"{self.space.context}: the smallest plan that fits in memory needs {self.min_gpus_needed} GPUs "
                     f"(of the pools' types), placed together")
+        if self.closest_ttft is not None and self.closest.tpot_s <= self.space.tpot_slo_s:
+            c, t = self.closest_ttft
+            owners = " + ".join(o.describe() for o in c.owners)
+            return (f"best TTFT {t.ttft_s * 1e3:.4g} ms > SLO {self.space.workload.ttft_slo_s * 1e3:g} ms "
+                    f"(or its TPOT {t.tpot_s * 1e3:.3g} ms > SLO) with {owners} ({c.stage_plan.template.name}, "
+                    f"batch {c.batch}, prefill {t.describe()})")
         c = self.closest
         owners = " + ".join(o.describe() for o in c.owners)
         return (f"best TPOT {c.tpot_s * 1e3:.3g} ms > SLO {self.space.tpot_slo_s * 1e3:g} ms "

@@ -16,6 +16,7 @@ from opweave.errors import OpWeaveError
 from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import OpGraph
 from opweave.ir.plan import PREFILL_CHUNK
+from opweave.ir.workload import Workload
 from opweave.ir.tp import EXPERT_LAYOUTS, has_experts, indivisible, layout_choices, legal_tp
 from opweave.passes.blocks import BlockedGraph
 from opweave.passes.carry import held_bytes_per_token, round_robin, send_bytes_per_token
@@ -39,6 +40,7 @@ class PlanSpace:
     tpot_slo_s: float
     cost_model: CostModel = CostModel()
     prefill_chunk: int = PREFILL_CHUNK  # tokens per row per prefill step: sizes the activations
+    workload: Workload | None = None    # the traffic (`passes/traffic.py`); None: decode alone
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,18 +66,21 @@ class Candidate:
     problem: SimProblem
     sim: SimResult
     sets: int = 1                   # replica sets of these owners that fit on the cluster
+    traffic: object = None          # `passes.traffic.Traffic` under a workload: how prefill is served
 
     @property
     def cluster_tokens_per_s(self) -> float:
+        if self.traffic is not None:
+            return self.traffic.sets * self.traffic.tokens_per_s
         return self.sets * self.sim.tokens_per_s
 
     @property
     def cost(self) -> float:
-        return self.sim.cost_per_mtok_usd
+        return self.sim.cost_per_mtok_usd if self.traffic is None else self.traffic.cost_per_mtok_usd
 
     @property
     def tpot_s(self) -> float:
-        return self.sim.tpot_s
+        return self.sim.tpot_s if self.traffic is None else self.traffic.tpot_s
 
 
 class Evaluator:
