@@ -171,3 +171,33 @@ def test_compile_with_a_workload_file_and_a_rate(tmp_path, capsys):
     assert main(["compile", "llama-3.1-8b", "--cluster", "h100x2", "--tpot-slo", "50ms", "--isl", "1k", "--osl", "64",
                  "--ttft-slo", "1us", "-o", str(tmp_path / "c")]) == 2
     assert "no plan: best TTFT" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_takes_the_plans_token_budget_and_refuses_a_disaggregated_plan(tiny_checkpoint, tmp_path, capsys):
+    """An aggregated plan's token budget is the runtime's default prefill budget (and the plan runs);
+    a disaggregated plan is refused in one line, before any rank starts."""
+    from opweave.artifact import load_artifact
+    from opweave.cli import main
+    from opweave.runtime.launch import RunConfig, planned_prefill
+
+    folder = tiny_checkpoint("llama")
+    for mode in ("aggregated", "disaggregated"):
+        out = tmp_path / mode
+        assert main(["compile", folder, "--cluster", "cpux2", "--tpot-slo", "10s", "--isl", "24", "--osl", "8",
+                     "--prefill", mode, "--templates", "colocated", "-o", str(out), "--quiet"]) == 0
+        plan = json.loads((out / "plan.json").read_text())
+        assert plan["prefill"]["mode"] == mode
+        capsys.readouterr()
+        code = main(["run", str(out), "--weights", folder, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "3"])
+        err = capsys.readouterr().err
+        if mode == "disaggregated":
+            assert code == 2 and "prefill mode disaggregated" in err and "Traceback" not in err
+        else:
+            assert code == 0, err
+            from opweave.runtime.scheduler import Request
+
+            cfg = planned_prefill(RunConfig(artifact=str(out), weights="random", device="cpu",
+                                            requests=(Request(index=0, prompt=(1, 2), max_new_tokens=1),)),
+                                  load_artifact(str(out)))
+            assert cfg.prefill_budget == plan["prefill"]["token_budget"]

@@ -348,8 +348,8 @@ class Ranks:
     """The rank processes of a run (every replica set), started and watched by this process."""
 
     def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
         self.artifact = load_artifact(cfg.artifact, verify_key=cfg.verify_key)  # read once, checked, used by every rank
+        self.cfg = cfg = planned_prefill(cfg, self.artifact)
         check_inputs(cfg, self.artifact)
         self.world = world_size(cfg.artifact, self.artifact.manifest)
         _check_devices(cfg, self.artifact, self.world)
@@ -443,6 +443,24 @@ def cuda_device_count() -> int:
         return int(torch.cuda.device_count())
     except (RuntimeError, OSError):  # a broken driver install: no usable device
         return 0
+
+
+def planned_prefill(cfg: RunConfig, artifact: VerifiedArtifact) -> RunConfig:
+    """`cfg` with the plan's prefill arrangement (plan.json's "prefill", `passes/traffic.py`): an
+    aggregated plan's token budget is the default `--prefill-budget`; a disaggregated plan is
+    refused in one line (its prefill ranks are not started by this runtime yet)."""
+    plan = artifact.json("plan.json") if "plan.json" in artifact.files else None
+    prefill = plan.get("prefill") if isinstance(plan, dict) else None
+    if not isinstance(prefill, dict):
+        return cfg
+    if prefill.get("mode") == "disaggregated":
+        raise OpWeaveError(f"{os.path.join(artifact.folder, 'plan.json')}: the plan prefills on GPUs of its own "
+                           "(prefill mode disaggregated), which this runtime cannot start yet; compile with "
+                           "--prefill aggregated to serve it")
+    budget = prefill.get("token_budget")
+    if cfg.prefill_budget is None and type(budget) is int and budget >= 1:
+        return dataclasses.replace(cfg, prefill_budget=budget)
+    return cfg
 
 
 def planned_replica_sets(artifact: str | VerifiedArtifact) -> int:
