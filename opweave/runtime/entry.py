@@ -23,7 +23,8 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, join_process_group, read_requests, world_size
+    from opweave.runtime.launch import (STALL_TIMEOUT_S, RunConfig, join_process_group, planned_prefill, read_requests,
+                                        world_size)
     from opweave.runtime.checks import check_inputs
     from opweave.artifact import load_artifact, read_key
     from opweave.runtime.worker import run_rank
@@ -48,16 +49,22 @@ def main() -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         cfg = RunConfig(artifact=args.artifact, weights=args.weights, device=device, requests=requests,
                         stall_timeout_s=args.stall_timeout)  # validates the flags as `opweave run` does
+        cfg = planned_prefill(cfg, artifact)
         check_inputs(cfg, artifact)
         config.check_run(device, world_size(args.artifact, artifact.manifest))
         if args.iface:
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = args.iface
         join_process_group(device, args.stall_timeout,
                            int(os.environ.get("LOCAL_RANK", 0)) if device == "cuda" else None)
-        out = run_rank(artifact, rank, args.weights, device, list(requests))
+        out = run_rank(artifact, rank, args.weights, device, list(requests), prefill_budget=cfg.prefill_budget)
         if rank == 0:
             print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output} for r in out[0]]}))
         dist.destroy_process_group()
+        # as the local launcher's ranks do: no interpreter teardown, whose destruction of the
+        # communication library's threads can abort a finished rank ("terminate called ...")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except OpWeaveError as e:
         print(f"opweave: error: rank {rank}: {e}", file=sys.stderr)
         return 2
