@@ -217,7 +217,9 @@ def _resolve_backend_version(system: str, backend: str, requested):
 # --------------------------------------------------------------------------- default
 
 
-def _agg_entry(row: dict, total_gpus: int, ttft_t: float, tpot_t: float) -> dict:
+def _entry(row: dict, total_gpus: int, ttft_t: float, tpot_t: float, config: dict) -> dict:
+    """One of AIConfigurator's result rows: its figures, whether it meets both targets, and
+    `config` with the replicas of it the cluster holds."""
     per_replica = int(_num(row, "num_total_gpus", 0) or 0)
     replicas = total_gpus // per_replica if per_replica else 0
     ttft = _num(row, "ttft")
@@ -233,24 +235,26 @@ def _agg_entry(row: dict, total_gpus: int, ttft_t: float, tpot_t: float) -> dict
         "tokens_per_s_per_replica": _num(row, "tokens/s"),
         "requests_per_s_per_replica": _num(row, "seq/s"),
         "concurrency_per_replica": _num(row, "concurrency"),
-        "config": {
-            "tp": _num(row, "tp"),
-            "pp": _num(row, "pp"),
-            "attention_dp": _num(row, "dp"),
-            "moe_tp": _num(row, "moe_tp"),
-            "moe_ep": _num(row, "moe_ep"),
-            "cp": _num(row, "cp"),
-            "batch_size": _num(row, "bs"),
-            "global_batch_size": _num(row, "global_bs"),
-            "ctx_tokens": _num(row, "ctx_tokens"),
-            "gpus_per_replica": per_replica,
-            "replicas": replicas,
-            "gpus_used": replicas * per_replica,
-            "parallel": _num(row, "parallel"),
-            "quant": {k: _num(row, k) for k in ("gemm", "kvcache", "fmha", "moe", "comm")},
-            "memory_gb": _num(row, "memory"),
-        },
+        "config": {**config, "gpus_per_replica": per_replica, "replicas": replicas,
+                   "gpus_used": replicas * per_replica},
     }
+
+
+def _agg_entry(row: dict, total_gpus: int, ttft_t: float, tpot_t: float) -> dict:
+    return _entry(row, total_gpus, ttft_t, tpot_t, {
+        "tp": _num(row, "tp"),
+        "pp": _num(row, "pp"),
+        "attention_dp": _num(row, "dp"),
+        "moe_tp": _num(row, "moe_tp"),
+        "moe_ep": _num(row, "moe_ep"),
+        "cp": _num(row, "cp"),
+        "batch_size": _num(row, "bs"),
+        "global_batch_size": _num(row, "global_bs"),
+        "ctx_tokens": _num(row, "ctx_tokens"),
+        "parallel": _num(row, "parallel"),
+        "quant": {k: _num(row, k) for k in ("gemm", "kvcache", "fmha", "moe", "comm")},
+        "memory_gb": _num(row, "memory"),
+    })
 
 
 def _disagg_worker(row: dict, p: str) -> dict:
@@ -276,30 +280,11 @@ def _disagg_worker(row: dict, p: str) -> dict:
 
 
 def _disagg_entry(row: dict, total_gpus: int, ttft_t: float, tpot_t: float) -> dict:
-    per_replica = int(_num(row, "num_total_gpus", 0) or 0)
-    replicas = total_gpus // per_replica if per_replica else 0
-    ttft = _num(row, "ttft")
-    tpot = _num(row, "tpot")
-    return {
-        "tokens_per_s_per_gpu": _num(row, "tokens/s/gpu"),
-        "tokens_per_s_per_gpu_cluster": _num(row, "tokens/s/gpu_cluster"),
-        "tokens_per_s_per_user": _num(row, "tokens/s/user"),
-        "ttft_ms": ttft,
-        "tpot_ms": tpot,
-        "request_latency_ms": _num(row, "request_latency"),
-        "sla_met": bool(ttft is not None and tpot is not None and ttft <= ttft_t and tpot <= tpot_t),
-        "tokens_per_s_per_replica": _num(row, "tokens/s"),
-        "requests_per_s_per_replica": _num(row, "seq/s"),
-        "concurrency_per_replica": _num(row, "concurrency"),
-        "config": {
-            "prefill": _disagg_worker(row, "p"),
-            "decode": _disagg_worker(row, "d"),
-            "gpus_per_replica": per_replica,
-            "replicas": replicas,
-            "gpus_used": replicas * per_replica,
-            "quant": {k: _num(row, f"(p){k}") for k in ("gemm", "kvcache", "fmha", "moe", "comm")},
-        },
-    }
+    return _entry(row, total_gpus, ttft_t, tpot_t, {
+        "prefill": _disagg_worker(row, "p"),
+        "decode": _disagg_worker(row, "d"),
+        "quant": {k: _num(row, f"(p){k}") for k in ("gemm", "kvcache", "fmha", "moe", "comm")},
+    })
 
 
 def run_default(req: dict, model_path: str, common: dict) -> dict:
