@@ -201,3 +201,43 @@ def test_run_takes_the_plans_token_budget_and_refuses_a_disaggregated_plan(tiny_
                                             requests=(Request(index=0, prompt=(1, 2), max_new_tokens=1),)),
                                   load_artifact(str(out)))
             assert cfg.prefill_budget == plan["prefill"]["token_budget"]
+
+
+def test_a_workload_sizes_the_kv_pool_and_holds_a_larger_batch():
+    """With a workload the pool holds the expected occupancy and its tail, not every slot at the
+    full context: never more than the full pool, less for many slots, and a larger batch fits."""
+    from opweave.hardware.cluster import parse_cluster
+    from opweave.ir.workload import kv_pool_pages
+    from opweave.passes.search import memory_batch_limit
+
+    w = Workload(isl=1024, osl=1024)
+    assert kv_pool_pages(8, 2048, None, 16) == 8 * 128
+    assert kv_pool_pages(1, 2048, w, 16) == 128          # one slot: the longest sequence, capped
+    many = kv_pool_pages(256, 2048, w, 16)
+    assert 256 * 96 < many < 256 * 128                   # mean 1536 tokens a slot, plus the tail
+    assert kv_pool_pages(512, 2048, w, 16) < 2 * many    # the tail grows as the root of the slots
+    cluster = parse_cluster("h100x1", load_catalog())
+    graph, blocks = tiny()
+    assert memory_batch_limit(graph, cluster, 2048, w) > memory_batch_limit(graph, cluster, 2048)
+
+
+@pytest.mark.slow
+def test_workload_plan_allocates_its_planned_kv_pool(tiny_checkpoint, tmp_path, capsys):
+    """A plan compiled for a workload: every rank allocates the pool the planner counted (on meta),
+    fewer pages than every slot at the full context, and the plan runs."""
+    from opweave.cli import main
+
+    folder = tiny_checkpoint("llama")
+    out = str(tmp_path / "art")
+    assert main(["compile", folder, "--cluster", "h100x2", "--tpot-slo", "1s", "--isl", "24", "--osl", "40",
+                 "--context", "256", "--max-batch", "64", "-o", out, "--quiet"]) == 0
+    plan = json.loads(open(f"{out}/plan.json").read())
+    capsys.readouterr()
+    assert main(["dump", out, "--what", "memory", "--format", "json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    for r in ranks:
+        assert r["allocated"]["state"] == pytest.approx(r["planned"]["state"], rel=0.01, abs=1)
+        assert r["kv_pages"]["planned"] == r["kv_pages"]["allocated"]
+    full = plan["batch"] // plan["owners"][0]["replicas"] * 256 // 16
+    assert 0 < ranks[0]["kv_pages"]["planned"] < full
+    assert main(["run", out, "--weights", folder, "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]) == 0

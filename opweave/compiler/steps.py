@@ -111,10 +111,9 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
                             | {g for k in range(traffic.sets, sets) for group in where.replica_set(k)
                                for replica in group for g in replica}))
         sets = traffic.sets
-    served = sets
     predicted = Predicted(
-        tpot_ms=cand.tpot_s * 1e3, tokens_per_s=per_set * served, tokens_per_s_per_set=per_set,
-        cost_per_mtok_usd=cand.cost, cost_per_hour_usd=rate * served,
+        tpot_ms=cand.tpot_s * 1e3, tokens_per_s=per_set * sets, tokens_per_s_per_set=per_set,
+        cost_per_mtok_usd=cand.cost, cost_per_hour_usd=rate * sets,
         bytes_per_token_intra=sim.bytes_per_token_intra_node, bytes_per_token_inter=sim.bytes_per_token_inter_node,
         mean_occupancy=sum(o.occupancy for o in sim.owners) / len(sim.owners))
     template = cand.stage_plan.template

@@ -34,6 +34,7 @@ from opweave.cost.model import shards, state_shards
 from opweave.ir.graph import Op
 from opweave.ir.kinds import OpKind
 from opweave.ir.plan import PAGE_TOKENS, PREFILL_CHUNK
+from opweave.ir.workload import kv_pool_pages
 from opweave.kernels.blocks import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK
 from opweave.kernels.sampling import workspace_bytes as sampler_workspace_bytes
 
@@ -127,9 +128,13 @@ def state_bytes_per_slot(ops, tp: int, context: int) -> float:
     return sum(op_state_per_slot(op, tp, context) for op in ops)
 
 
-def state_bytes(ops, tp: int, slots: int, context: int) -> float:
-    """One GPU's state for `slots` slots: per slot, and each paged layer's null page."""
-    return slots * state_bytes_per_slot(ops, tp, context) + sum(null_page_bytes(op, tp) for op in ops)
+def state_bytes(ops, tp: int, slots: int, context: int, pages: int | None = None) -> float:
+    """One GPU's state for `slots` slots: per slot, and each paged layer's null page; the paged
+    layers' pool of `pages` pages (default: every slot at the full context)."""
+    full = slots * state_bytes_per_slot(ops, tp, context) + sum(null_page_bytes(op, tp) for op in ops)
+    if pages is None:
+        return full
+    return full + (pages - slots * -(-context // PAGE_TOKENS)) * sum(null_page_bytes(op, tp) for op in ops)
 
 
 def op_scratch_bytes(op: Op, tp: int, rows: int, width: int, context: int, layout: str = "tp",
@@ -232,6 +237,8 @@ class Footprint:
     per_row: float    # activations of one row of a step, without the experts' gathered weights
     fixed: float = 0.0  # the largest block of gathered expert weights (`expert_gather_bytes`)
     null_pages: float = 0.0  # each full-attention layer's null page (`null_page_bytes`)
+    per_page: float = 0.0    # one KV page of every paged layer (its part of `per_slot`: `context_pages` of them)
+    context_pages: int = 0   # pages of one slot at the full context
 
     @classmethod
     def of(cls, ops, tp: int, context: int, width: int = PREFILL_CHUNK, layout: str = "tp") -> Footprint:
@@ -248,16 +255,26 @@ class Footprint:
             state += op_state
             null += op_null
             stream, peak, fixed = max(stream, op_stream), max(peak, op_peak), max(fixed, gather)
+        pages = -(-context // PAGE_TOKENS)
         if not per_weight and not peak:
-            return cls(weights=0.0, per_slot=state, per_row=0.0, fixed=0.0, null_pages=null)
+            return cls(weights=0.0, per_slot=state, per_row=0.0, fixed=0.0, null_pages=null, per_page=null,
+                       context_pages=pages)
         return cls(weights=sum(per_weight.values()), per_slot=state, per_row=width * STREAM_COPIES * stream + peak,
-                   fixed=fixed, null_pages=null)
+                   fixed=fixed, null_pages=null, per_page=null, context_pages=pages)
 
-    def bytes_at(self, slots: int, rows: int) -> float:
-        return (self.weights + self.null_pages + slots * self.per_slot
-                + (self.fixed + rows * self.per_row if rows > 0 else 0.0))
+    def bytes_at(self, slots: int, rows: int, pages: int | None = None) -> float:
+        """Bytes with `slots` state slots, steps of `rows` rows and a KV pool of `pages` pages
+        (default: every slot at the full context)."""
+        state = slots * self.per_slot
+        if pages is not None:
+            state += (pages - slots * self.context_pages) * self.per_page
+        return self.weights + self.null_pages + state + (self.fixed + rows * self.per_row if rows > 0 else 0.0)
 
-    def bytes(self, batch: int, microbatches: int, replicas: int) -> float:
+    def bytes(self, batch: int, microbatches: int, replicas: int, workload=None) -> float:
         """A rank of the largest replica of an owner with `replicas` replicas, resident batch
-        `batch` in `microbatches` microbatches."""
-        return self.bytes_at(slots_per_rank(batch, microbatches, replicas), max_rows(batch, microbatches, replicas))
+        `batch` in `microbatches` microbatches, its KV pool sized for `workload`
+        (`ir.workload.kv_pool_pages`; None: every slot at the full context)."""
+        slots = slots_per_rank(batch, microbatches, replicas)
+        pages = None if workload is None else kv_pool_pages(slots, self.context_pages * PAGE_TOKENS, workload,
+                                                              PAGE_TOKENS)
+        return self.bytes_at(slots, max_rows(batch, microbatches, replicas), pages)

@@ -21,6 +21,10 @@ PREFILL_MODES = ("auto", "aggregated", "disaggregated")
 """How prefill is served: chosen by the search (auto), in the decode plan's rounds under a token
 budget (aggregated, chunked prefill), or on a prefill pool of its own (disaggregated)."""
 
+KV_TAIL_Z = 3.0
+"""Standard deviations of the pool's occupancy a workload-sized KV pool holds above its mean
+(`kv_pool_pages`): about one round in a thousand needs more, and preempts its newest request."""
+
 _ISL_KEYS = ("isl", "prompt_tokens", "input_len", "input_tokens")
 _OSL_KEYS = ("osl", "completion_tokens", "output_len", "output_tokens")
 
@@ -70,6 +74,25 @@ class Workload:
         return cls(isl=data["isl"], osl=data["osl"], max_isl=data.get("max_isl", 0), max_osl=data.get("max_osl", 0),
                    ttft_slo_s=math.inf if slo is None else slo / 1e3, rate=data.get("rate"),
                    prefill=data.get("prefill", "auto"), requests=data.get("requests", 0))
+
+
+def kv_pool_pages(slots: int, context: int, workload: Workload | None, page_tokens: int) -> int:
+    """The KV pages of a pool of `slots` sequence slots: every slot at the full context without a
+    workload; with one, the slots' expected occupancy (a request holds isl + osl / 2 tokens on
+    average over its life, half a page more for its last page) plus `KV_TAIL_Z` standard deviations
+    of the sum (a slot's tokens are spread uniformly over its output, plus the spread of the
+    lengths) plus one longest sequence, never more than the full pool. The one formula of the
+    planner (`passes/space.py`), the runtime's default pool (`runtime/worker.py`) and the
+    planned-versus-allocated check."""
+    full = slots * -(-context // page_tokens)
+    if workload is None or slots <= 0:
+        return full
+    mean = workload.isl + workload.osl / 2
+    spread = math.sqrt(workload.osl ** 2 / 12 + ((workload.max_isl - workload.isl) / 2) ** 2
+                       + ((workload.max_osl - workload.osl) / 2) ** 2)
+    pages = (slots * (mean / page_tokens + 0.5) + KV_TAIL_Z * math.sqrt(slots) * spread / page_tokens
+             + -(-workload.longest // page_tokens))
+    return min(full, math.ceil(pages))
 
 
 def _length(row: dict, keys: tuple[str, ...], where: str) -> int:

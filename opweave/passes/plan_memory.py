@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from opweave.cost.memory import MemoryBreakdown, activation_bytes, state_bytes, weight_bytes
 from opweave.ir.graph import Op, OpGraph
-from opweave.ir.plan import PREFILL_CHUNK
+from opweave.ir.plan import PAGE_TOKENS, PREFILL_CHUNK
+from opweave.ir.workload import Workload, kv_pool_pages
 from opweave.passes.carry import held_peak
 from opweave.passes.lower import replica_rows
 from opweave.runtime.message import message_bytes
@@ -83,6 +84,18 @@ def owner_ops(plan, graph: OpGraph, owner: int) -> list[Op]:
     return [graph.ops[i] for st in plan.stages if st.owner == owner for i in range(st.first_op, st.last_op + 1)]
 
 
+def kv_pool(plan, graph: OpGraph, owner: int, replica: int) -> int:
+    """The KV pages of the pool of a rank of (owner, replica): its slots at the full context, or
+    sized for the plan's workload (`ir.workload.kv_pool_pages`) when every owner holding state
+    serves exactly one scheduling replica's rows (the runtime's rule, `worker.planned_kv_pages`)."""
+    lo, hi = replica_rows(plan.batch // plan.microbatches, plan.owners[owner].replicas)[replica]
+    first = plan.owners[plan.stages[0].owner].replicas
+    split = any(plan.owners[st.owner].replicas != first and any(op.state for op in graph.ops[st.first_op:st.last_op + 1])
+                for st in plan.stages)
+    workload = None if split else Workload.from_json(plan.workload)
+    return kv_pool_pages(plan.microbatches * (hi - lo), plan.context, workload, PAGE_TOKENS)
+
+
 def plan_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: int,
                      width: int = PREFILL_CHUNK) -> MemoryBreakdown:
     """The planned breakdown of the GPU at (owner, replica, TP rank) of a plan."""
@@ -94,7 +107,7 @@ def plan_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: in
         if len(set(owners)) > 1 else 0
     return MemoryBreakdown(
         weights=weight_bytes(ops, o.tp, o.experts),
-        state=state_bytes(ops, o.tp, plan.microbatches * (hi - lo), plan.context),
+        state=state_bytes(ops, o.tp, plan.microbatches * (hi - lo), plan.context, kv_pool(plan, graph, owner, replica)),
         activations=activation_bytes(ops, o.tp, hi - lo, width, plan.context, o.experts)
         + plan.microbatches * (hi - lo) * width * held,
         buffers=buffer_bytes(plan, owner, replica, width, tp_rank))

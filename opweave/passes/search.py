@@ -33,8 +33,8 @@ from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import OpGraph
 from opweave.passes.owners import OwnerConfig, microbatch_share, pareto_frontier
 from opweave.passes.simulate import simulate
-from opweave.passes.space import Candidate, Evaluator, PlanSpace, build_sim_problem, fits_group, owner_configs, \
-    slot_of
+from opweave.passes.space import Candidate, Evaluator, PlanSpace, build_sim_problem, fits_group, \
+    full_context_owners, owner_configs, slot_of
 from opweave.passes.templates import StagePlan, build_stages, enumerate_templates
 from opweave.passes.traffic import TrafficModel
 
@@ -67,11 +67,12 @@ def batch_grid(limit: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def memory_batch_limit(graph: OpGraph, cluster: Cluster, context: int) -> int:
+def memory_batch_limit(graph: OpGraph, cluster: Cluster, context: int, workload=None) -> int:
     """The most sequences one replica set could hold: every GPU of the cluster holding one copy of
-    the weights' share and the rest in per-sequence state (an upper bound: no plan fits more)."""
+    the weights' share and the rest in per-sequence state, with a workload at its mean tokens in
+    flight (an upper bound: no plan fits more; a workload-sized pool holds more than the mean)."""
     usable = sum(p.count * p.gpu.usable_memory_bytes for p in cluster.pools)
-    state = graph.state_bytes(context)
+    state = graph.state_bytes(context if workload is None else min(context, workload.isl + workload.osl // 2))
     if state <= 0:
         return 1 << 30
     return max(1, int((usable - graph.weight_bytes) // state))
@@ -157,7 +158,7 @@ class _Search:
         self.traffic = None if space.workload is None else TrafficModel(self.ev, space.workload, options.tp_degrees)
         self.closest_ttft = None   # under a workload: the prefill option with the lowest TTFT seen
         self.batches = options.batches if options.batches is not None else batch_grid(
-            min(options.max_batch, memory_batch_limit(space.graph, space.cluster, space.context)))
+            min(options.max_batch, memory_batch_limit(space.graph, space.cluster, space.context, space.workload)))
 
     # ---- bounds
     def _bound(self, stage_plan: StagePlan, k: int, batch: int, n: int, chosen: list[OwnerConfig]
@@ -216,7 +217,10 @@ class _Search:
     # ---- leaves
     def _leaf(self, stage_plan: StagePlan, batch: int, n: int, chosen: list[OwnerConfig]) -> None:
         self.counters.candidates += 1
-        owners = tuple(chosen)
+        owners = full_context_owners(self.ev, stage_plan, batch, n, tuple(chosen))
+        if owners is None:
+            self.counters.configs_over_memory += 1
+            return
         problem = build_sim_problem(self.ev, stage_plan, batch, n, owners)
         if problem is None:
             self.counters.unplaceable += 1

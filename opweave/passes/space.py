@@ -302,15 +302,50 @@ def _config(ev: Evaluator, stage_plan: StagePlan, k: int, slot: int, choice: Slo
                        share=share, latencies=latencies, memory_per_gpu=memory, experts=choice.layout)
 
 
-def _memory(ev: Evaluator, stage_plan: StagePlan, k: int, slot: int, choice: SlotChoice, batch: int, n: int) -> float:
-    """Bytes per GPU of `slot` as `choice`: weights, the state of n x (its replica's rows) slots,
-    one step's activations (`opweave.cost.memory.Footprint`; TP must divide), and the values the
-    slot keeps for its later stages instead of sending them (`carry.held_bytes_per_token`), for
-    every microbatch of a prefill-wide step."""
+def _memory(ev: Evaluator, stage_plan: StagePlan, k: int, slot: int, choice: SlotChoice, batch: int, n: int,
+            full_context: bool = False) -> float:
+    """Bytes per GPU of `slot` as `choice`: weights, the state of n x (its replica's rows) slots
+    (the KV pool sized for the space's workload, `ir.workload.kv_pool_pages`, unless
+    `full_context` or there is none: every slot at the full context), one step's activations
+    (`opweave.cost.memory.Footprint`; TP must divide), and the values the slot keeps for its later
+    stages instead of sending them (`carry.held_bytes_per_token`), for every microbatch of a
+    prefill-wide step."""
     held = ev.held_bytes(stage_plan, k)[slot] * max_rows(batch, n, choice.replicas) * ev.space.prefill_chunk * n
     ops = ev.slot(stage_plan, k, slot)[2]
     footprint = ev.footprint(ev.slot_key(stage_plan, k, slot), ops, choice.tp, choice.layout)
-    return footprint.bytes(batch, n, choice.replicas) + held
+    return footprint.bytes(batch, n, choice.replicas, None if full_context else ev.space.workload) + held
+
+
+def split_pool_owners(owners: tuple[OwnerConfig, ...], stage_plan: StagePlan, holds_state) -> list[int]:
+    """Owners holding state for rows that are not exactly one scheduling replica's (their replicas
+    differ from stage 0's owner's, `runtime.worker.split_pools`): their KV pools cannot follow the
+    scheduler's and stay at the full context. `holds_state(slot)`: whether the slot's ops hold state."""
+    k = len(owners)
+    first = owners[slot_of(0, stage_plan.stages_per_block, k)].replicas
+    return [i for i, o in enumerate(owners) if o.replicas != first and holds_state(i)]
+
+
+def full_context_owners(ev: Evaluator, stage_plan: StagePlan, batch: int, n: int,
+                        owners: tuple[OwnerConfig, ...]) -> tuple[OwnerConfig, ...] | None:
+    """`owners`, or when some pools are split (`split_pool_owners`) every owner holding state at
+    its full-context memory, as the runtime then keeps it; None when one of them no longer fits (a
+    workload-sized pool is only for plans whose pools all follow the scheduler's)."""
+    if ev.space.workload is None:
+        return owners
+    k = len(owners)
+    holds = [any(op.state for op in ev.slot(stage_plan, k, i)[2]) for i in range(k)]
+    if not split_pool_owners(owners, stage_plan, holds.__getitem__):
+        return owners
+    pools = {p.gpu.name: i for i, p in enumerate(ev.space.cluster.pools)}
+    out = list(owners)
+    for i in (i for i in range(k) if holds[i]):   # the runtime then keeps every pool at the full context
+        o = owners[i]
+        choice = SlotChoice(pool=pools[o.gpu.name], tp=o.tp, replicas=o.replicas, layout=o.experts)
+        memory = _memory(ev, stage_plan, k, i, choice, batch, n, full_context=True)
+        if memory > o.gpu.usable_memory_bytes:
+            return None
+        out[i] = dataclasses.replace(o, memory_per_gpu=memory)
+    return tuple(out)
 
 
 def owner_configs(ev: Evaluator, stage_plan: StagePlan, k: int, slot: int, batch: int, n: int,

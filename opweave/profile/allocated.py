@@ -83,11 +83,17 @@ def weight_bytes(modules: dict) -> int:
     return sum(seen.values())
 
 
-def allocate_state(modules: dict, program: RankProgram) -> int:
+def allocate_state(modules: dict, program: RankProgram, artifact=None) -> int:
     """Allocates every module's state as the worker does (`RankState.allocate`: full attention in
-    pages); returns its bytes (the block table, int32 per slot and page, is a buffer: not counted)."""
+    pages, as many as `worker.planned_kv_pages` of the artifact's plan gives, without one every
+    slot at the full context); returns its bytes (the block table, int32 per slot and page, is a
+    buffer: not counted)."""
+    from opweave.runtime.worker import planned_kv_pages
+
     rows = program.rows[1] - program.rows[0]
-    RankState.allocate(modules, rows, program.num_microbatches, program.context, META)
+    pages = None if artifact is None else planned_kv_pages(artifact, modules, rows * program.num_microbatches,
+                                                           program.context)
+    RankState.allocate(modules, rows, program.num_microbatches, program.context, META, pages=pages)
     return sum(getattr(m, a).untyped_storage().nbytes() for m in modules.values() for a in m.state_attrs)
 
 
@@ -175,13 +181,15 @@ class MetaRuntime:
     device: the step's ids and positions, received values (this rank's shard), the gathered full
     values of a send; all-reduces in place; no communication."""
 
-    def __init__(self, program: RankProgram, ops: dict, dtype: torch.dtype, width: int):
+    def __init__(self, program: RankProgram, ops: dict, dtype: torch.dtype, width: int, pages: int | None = None):
         self.program, self.ops, self.dtype, self.width = program, ops, dtype, width
         self.rows = program.rows[1] - program.rows[0]
         self._stage = {st.stage: st for st in program.stages}
-        self.state = RankState(ops, self.rows, program.num_microbatches, program.context, META)  # views on meta
-        if self.state.pool is not None:  # every slot at the whole context: attention reads what the plan holds
-            full = ((encode(program.context, START),) * self.rows,) * program.num_microbatches
+        self.state = RankState(ops, self.rows, program.num_microbatches, program.context, META,
+                               pages=pages)  # views on meta
+        if self.state.pool is not None:  # every slot as full as the pool holds: attention reads what the plan holds
+            per_slot = self.state.pool.pages // max(1, self.rows * program.num_microbatches) * PAGE_TOKENS
+            full = ((encode(min(program.context, per_slot), START),) * self.rows,) * program.num_microbatches
             self.state.apply_round(full, 0)
 
     def state_views(self, op: int):
@@ -230,13 +238,15 @@ class MetaRuntime:
         return sample(logits[:, -1], words, positions[:, -1])
 
 
-def activation_peak(modules: dict, program: RankProgram, program_class, dtype: torch.dtype, width: int) -> int:
-    """Peak live bytes of one round of the generated `Program` on meta (state already allocated)."""
+def activation_peak(modules: dict, program: RankProgram, program_class, dtype: torch.dtype, width: int,
+                    pages: int | None = None) -> int:
+    """Peak live bytes of one round of the generated `Program` on meta (state already allocated,
+    its KV pool of `pages` pages)."""
     known = set()
     for m in modules.values():
         for t in list(m.parameters()) + list(m.buffers()) + [getattr(m, a) for a in m.state_attrs]:
             known.add(_storage_key(t))
-    rt = MetaRuntime(program, modules, dtype, width)
+    rt = MetaRuntime(program, modules, dtype, width, pages)
     prog = program_class(rt)
     tracker = LiveBytes(known)
     with torch.no_grad(), tracker:
@@ -263,14 +273,14 @@ class RankMemory:
 
 def planned_pages(plan, graph, owner: int, replica: int) -> int:
     """The KV pages each paged layer (full attention, MLA) of a rank of (owner, replica) holds in
-    the plan: slots x ceil(context / PAGE_TOKENS), or 0 where the owner runs none."""
-    from opweave.passes.lower import replica_rows
-    from opweave.passes.plan_memory import owner_ops
+    the plan: slots x ceil(context / PAGE_TOKENS), or for a plan with a workload whose pools follow
+    the scheduler's the workload-sized pool (`ir.workload.kv_pool_pages`); 0 where the owner runs
+    none."""
+    from opweave.passes.plan_memory import kv_pool, owner_ops
 
     if not any(op.kind in PAGED_KINDS for op in owner_ops(plan, graph, owner)):
         return 0
-    lo, hi = replica_rows(plan.batch // plan.microbatches, plan.owners[owner].replicas)[replica]
-    return plan.microbatches * (hi - lo) * -(-plan.context // PAGE_TOKENS)
+    return kv_pool(plan, graph, owner, replica)
 
 
 def allocated_pages(modules: dict) -> int:
@@ -282,13 +292,14 @@ def allocated_pages(modules: dict) -> int:
 
 
 def measure_rank(cfg, op_names: list[str], program: RankProgram, program_class=None,
-                 width: int = PREFILL_CHUNK, same_as: tuple[MemoryBreakdown, int] | None = None
-                 ) -> tuple[MemoryBreakdown, int]:
+                 width: int = PREFILL_CHUNK, same_as: tuple[MemoryBreakdown, int] | None = None,
+                 artifact=None) -> tuple[MemoryBreakdown, int]:
     """The allocated breakdown of one rank (activations 0 without the generated `Program` class)
     and the KV pages of its full-attention layers' pools (`allocated_pages`).
 
     `same_as`: what a TP peer of this rank measured (same modules, state and step: only the
-    buffers, which leaders alone hold, are measured again)."""
+    buffers, which leaders alone hold, are measured again). `artifact`: the loaded artifact whose
+    plan sizes the KV pool (`allocate_state`)."""
     from opweave.models.ops import torch_dtype
 
     dtype = torch_dtype(cfg)
@@ -297,8 +308,9 @@ def measure_rank(cfg, op_names: list[str], program: RankProgram, program_class=N
         return dataclasses.replace(same_as[0], buffers=buffers), same_as[1]
     modules = build_modules(cfg, op_names, program)
     weights = weight_bytes(modules)
-    state = allocate_state(modules, program)
-    activations = activation_peak(modules, program, program_class, dtype, width) if program_class else 0
+    state = allocate_state(modules, program, artifact)
+    pages = allocated_pages(modules) or None
+    activations = activation_peak(modules, program, program_class, dtype, width, pages) if program_class else 0
     return MemoryBreakdown(weights=weights, state=state, activations=activations, buffers=buffers), \
         allocated_pages(modules)
 
@@ -326,7 +338,7 @@ def artifact_memory(folder: str, activations: bool = True) -> list[RankMemory]:
         width = min(program.prefill_chunk, program.context)
         cls = load_program_source(art, f"rank_{rank:02d}.py").Program if activations else None
         peer = peers.get((program.owner, program.replica))  # a TP peer measured already
-        allocated, pages = measure_rank(cfg, op_names, program, cls, width, same_as=peer)
+        allocated, pages = measure_rank(cfg, op_names, program, cls, width, same_as=peer, artifact=probe)
         peers.setdefault((program.owner, program.replica), (allocated, pages))
         out.append(RankMemory(rank=rank, owner=program.owner, gpu=plan.owners[program.owner].gpu, tp=program.tp,
                               planned=plan_rank_memory(plan, graph, program.owner, program.replica,

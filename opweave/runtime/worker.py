@@ -74,8 +74,9 @@ class Runtime:
         `prefill_budget`: prompt tokens per round and microbatch (default: the program's
         `prefill_chunk`; the launcher checks it against the plan's memory). `prefix_cache`: prompts
         start on the cached KV pages of earlier ones where the model and plan allow it
-        (`prefix_reuse`). `kv_pages`: the pages of each replica's KV pool (default: every slot at
-        the planned context; fewer: the scheduler admits by free pages and preempts, and every rank
+        (`prefix_reuse`). `kv_pages`: the pages of each replica's KV pool (default: the plan's,
+        `planned_kv_pages`: every slot at the planned context, or sized for the plan's workload;
+        fewer: the scheduler admits by free pages and preempts, and every rank
         holding the replica's KV keeps a pool of that size; the launcher checks the plan allows it,
         `checks.check_kv_pages`)."""
         self.program = program
@@ -95,6 +96,8 @@ class Runtime:
         self.kernels = device_kernels(self.device)  # the backend of the fused ops the runtime calls itself
         self.rows = program.rows[1] - program.rows[0]
         m = program.num_microbatches
+        if kv_pages is None:
+            kv_pages = planned_kv_pages(artifact, modules, self.rows * m, program.context)
         self.state = RankState.allocate(self.modules, self.rows, m, program.context, self.device, pages=kv_pages)
         check_placement(self.modules, self.device, op_names, f"rank {program.rank}")  # weights and state
         pack_cpu_gemms(self.modules, self.device)  # CPU: GEMM weights in oneDNN's layout
@@ -426,6 +429,20 @@ def prefix_reuse(artifact: VerifiedArtifact, modules: dict) -> str | None:
     if unpaged:
         return f"the model keeps state outside pages ({', '.join(unpaged)})"
     return split_pools(artifact, modules)
+
+
+def planned_kv_pages(artifact: VerifiedArtifact, modules: dict, slots: int, context: int) -> int | None:
+    """The KV pool the plan planned for a rank of `slots` slots: sized for its workload
+    (`ir.workload.kv_pool_pages`) where the plan has one and the scheduler's copy of the pool is
+    every KV rank's (`split_pools`); None (every slot at the full context) otherwise."""
+    from opweave.ir.plan import PAGE_TOKENS
+    from opweave.ir.workload import Workload, kv_pool_pages
+
+    plan = artifact.json("plan.json")
+    workload = Workload.from_json(plan.get("workload")) if isinstance(plan, dict) else None
+    if workload is None or split_pools(artifact, modules) is not None:
+        return None
+    return kv_pool_pages(slots, context, workload, PAGE_TOKENS)
 
 
 def split_pools(artifact: VerifiedArtifact, modules: dict) -> str | None:
