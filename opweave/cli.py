@@ -180,17 +180,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
         sign_key = read_key(args.sign_key, "--sign-key")
     slo = parse_duration(args.tpot_slo, "--tpot-slo")
-    from opweave.ir.workload import workload_from_flags
+    from opweave.ir.workload import planned_context, workload_from_flags
 
     workload = workload_from_flags(isl=args.isl, osl=args.osl, path=args.workload, ttft_slo=args.ttft_slo,
                                    rate=args.rate, prefill=args.prefill)
-    if args.context is None and workload is None:
-        raise OpWeaveError("--context is required (or give --isl and --osl, or --workload: the context is then "
-                           "the longest sequence of the workload)")
-    context = workload.longest if args.context is None else parse_tokens(args.context)
-    if workload is not None and workload.longest > context:
-        raise OpWeaveError(f"the workload's longest sequence ({workload.max_isl} prompt + {workload.max_osl} output "
-                           f"tokens) exceeds --context {context}")
+    context = planned_context(args.context, workload)
     prefill_chunk = PREFILL_CHUNK if args.prefill_chunk is None else parse_tokens(args.prefill_chunk, "--prefill-chunk")
     catalog = load_catalog(args.catalog, prices=args.prices,
                            warn=_warn)
@@ -229,8 +223,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
         space = plan_space(compiled.graph, compiled.blocks, compiled.inputs)  # the space the compile searched
         fleet = plan_fleet(space, options, first=compiled.result, progress=progress)
+    from opweave.compiler.explain import explain
+
+    why = explain(compiled.inputs, compiled.graph, compiled.blocks, progress) if args.explain else None
     if args.format == "json":
-        data = plan_to_json(compiled.plan)
+        data = plan_to_json(compiled.plan) | ({} if why is None else {"explain": why.to_json()})
         if fleet is not None:
             from opweave.passes.fleet import fleet_to_json
 
@@ -238,6 +235,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=1))
     else:
         print(format_plan(compiled.plan, search_seconds=compiled.result.seconds))
+        if why is not None:
+            print(why.text())
         if fleet is not None:
             from opweave.passes.fleet import format_fleet
 
@@ -293,6 +292,9 @@ def _args_compile(p: argparse.ArgumentParser) -> None:
                    help="also plan the GPUs the plan leaves idle: further plans side by side (a fleet), "
                         "each on what the earlier ones leave, with the idle GPUs reported; the artifact "
                         "holds the first plan (compile the others with the --cluster each one names)")
+    p.add_argument("--explain", action="store_true",
+                   help="also print the best plan of each template family, way of serving prefill and GPU "
+                        "type, and what bounds it")
     p.add_argument("--no-pareto", action="store_true", help="switch off per-owner Pareto pruning (ablation)")
     p.add_argument("--no-bnb", action="store_true", help="switch off branch-and-bound (ablation)")
     p.add_argument("--max-batch", type=int, default=None,

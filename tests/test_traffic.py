@@ -241,3 +241,24 @@ def test_workload_plan_allocates_its_planned_kv_pool(tiny_checkpoint, tmp_path, 
     full = plan["batch"] // plan["owners"][0]["replicas"] * 256 // 16
     assert 0 < ranks[0]["kv_pages"]["planned"] < full
     assert main(["run", out, "--weights", folder, "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]) == 0
+
+
+def test_compile_explain_names_the_best_of_each_part_of_the_space(tmp_path, capsys):
+    """`--explain`: one row per template family and way of serving prefill, one per GPU type; the
+    cheapest row is the compiled plan, and a type with no plan says why."""
+    from opweave.cli import main
+
+    args = ["compile", "llama-3.1-8b", "--cluster", "h100x2+l40sx2", "--tpot-slo", "30ms", "--isl", "512", "--osl",
+            "128", "--explain", "-o", str(tmp_path / "a"), "--quiet"]
+    assert main(args + ["--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = data["explain"]
+    families = {r["family"] for r in rows}
+    assert {"colocated", "afd", "cad"} <= families and {r["gpus"] for r in rows} >= {"h100", "l40s"}
+    assert {r["prefill"] for r in rows if r["family"] == "colocated"} == {"aggregated", "disaggregated"}
+    chosen = [r for r in rows if r["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["cost_per_mtok_usd"] == pytest.approx(data["predicted"]["cost_per_mtok_usd"])
+    assert all(r["plan"] or r["limits"].startswith("no plan:") for r in rows)
+    assert all("memory" in r["limits"] for r in rows if r["plan"])
+    assert main(args + ["--force"]) == 0
+    assert "Plans considered" in capsys.readouterr().out

@@ -20,7 +20,10 @@ made a plan of tens of megabytes); `plan_from_json` still reads it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
+
+from opweave.ir.workload import KV_TAIL_Z, Workload, kv_pool_pages
 
 PREFILL_CHUNK = 128
 PAGE_TOKENS = 16  # positions per KV page of a full-attention layer (`opweave.runtime.pages`)
@@ -237,10 +240,23 @@ def format_traffic(plan: Plan) -> list[str]:
                f"its KV state ({o['kv_bytes'] / 1e6:.3g} MB, {o['kv_transfer_ms']:.3g} ms) to the decode owners; "
                f"the prefill GPUs are among those listed idle (the runtime does not start them yet)")
     lines.append(f"  prefill {how}")
+    first = plan.owners[plan.stages[0].owner]
+    slots = plan.microbatches * -(-plan.batch // (plan.microbatches * first.replicas))
+    pages, full = (kv_pool_pages(slots, plan.context, Workload.from_json(w), PAGE_TOKENS) if w else 0,
+                   kv_pool_pages(slots, plan.context, None, PAGE_TOKENS))
+    if w and pages < full:
+        lines.append(f"  KV pool: {pages:,} pages of {PAGE_TOKENS} tokens per rank of o{first.slot}'s largest replica "
+                     f"({full:,} at the full context): the mean occupancy + {KV_TAIL_Z:g} sigma and one longest "
+                     f"sequence (about {_overflow(KV_TAIL_Z):.2%} of rounds preempt a request)")
     lines.append(f"  under traffic at {pre['load']:.0%} of capacity ({pre['requests_per_s']:.3g} requests/s per set): "
                  f"TTFT {plan.ttft_ms:.4g} ms (p99 {plan.ttft_p99_ms:.4g}), TPOT {plan.predicted.tpot_ms:.3g} ms "
                  f"(longest round {plan.tpot_p99_ms:.3g}); one prompt alone on an idle plan: {plan.ttft_idle_ms:.4g} ms")
     return lines
+
+
+def _overflow(z: float) -> float:
+    """The normal tail beyond `z` standard deviations."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def verify_plan(plan: Plan, num_ops: int | None = None) -> Plan:

@@ -159,6 +159,19 @@ def workload_from_flags(*, isl: str | None, osl: str | None, path: str | None, t
     return Workload(isl=parse_tokens(isl, "--isl"), osl=parse_tokens(osl, "--osl"), **targets)
 
 
+def planned_context(text: str | None, workload: Workload | None) -> int:
+    """`--context` (or without it the workload's longest sequence); a one-line error when neither
+    is given or the workload does not fit the context."""
+    if text is None and workload is None:
+        raise OpWeaveError("--context is required (or give --isl and --osl, or --workload: the context is then "
+                           "the longest sequence of the workload)")
+    context = workload.longest if text is None else parse_tokens(text)
+    if workload is not None and workload.longest > context:
+        raise OpWeaveError(f"the workload's longest sequence ({workload.max_isl} prompt + {workload.max_osl} output "
+                           f"tokens) exceeds --context {context}")
+    return context
+
+
 def _rate(text: str | None) -> float | None:
     if text is None:
         return None
