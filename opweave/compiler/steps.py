@@ -146,7 +146,7 @@ def _traffic_fields(traffic) -> dict:
     if traffic is None:
         return {}
     prefill = {"mode": traffic.mode, "load": traffic.load, "requests_per_s": traffic.requests_per_s,
-               "sets": traffic.sets}
+               "sets": traffic.sets, "tpot_at_load_ms": traffic.tpot_at_load_s * 1e3}
     if traffic.mode == "aggregated":
         prefill.update(token_budget=traffic.token_budget, chunk_share=traffic.chunk_share)
     else:

@@ -107,6 +107,7 @@ class Traffic:
     tpot_p99_s: float
     ttft_s: float                 # mean at the planned load
     ttft_p99_s: float
+    tpot_at_load_s: float         # the mean round at the planned load (fewer rounds carry a chunk)
     load: float                   # the planned load (share of capacity)
     chunk_share: float = 0.0      # aggregated: share of rounds with a chunk at capacity
     sets: int = 1                 # replica sets (with their prefill groups) the cluster holds
@@ -204,7 +205,8 @@ class TrafficModel:
         return Traffic(mode="aggregated", token_budget=budget, requests_per_s=requests,
                        tokens_per_s=requests * w.osl, cost_per_hour=sim.cost_per_hour, tpot_s=mean,
                        tpot_p99_s=tc if share > TAIL else t0, ttft_s=own + wait, ttft_p99_s=own + wait99,
-                       load=load, chunk_share=share, sets=cand.sets)
+                       tpot_at_load_s=load * share * tc + (1 - load * share) * t0, load=load, chunk_share=share,
+                       sets=cand.sets)
 
     # ---- disaggregated
     def prefill_groups(self) -> list[tuple[int, int, float, float]]:
@@ -255,7 +257,8 @@ class TrafficModel:
                                         kv_transfer_s=move, memory_per_gpu=memory)
                     best = (key, Traffic(mode="disaggregated", pool=group, requests_per_s=requests,
                                          tokens_per_s=cand.batch / sim.tpot_s, cost_per_hour=price,
-                                         tpot_s=sim.tpot_s, tpot_p99_s=sim.tpot_s, ttft_s=seconds + tail + wait,
+                                         tpot_s=sim.tpot_s, tpot_p99_s=sim.tpot_s, tpot_at_load_s=sim.tpot_s,
+                                         ttft_s=seconds + tail + wait,
                                          ttft_p99_s=seconds + tail + wait99, load=load, sets=sets))
             if best is not None:
                 out.append(best[1])
