@@ -127,7 +127,7 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
                 return_bytes=problem.return_bytes, return_inter_node=problem.return_inter_node,
                 prefill_chunk=inputs.prefill_chunk, isl=inputs.isl, osl=inputs.osl, ttft_idle_ms=idle_ms,
                 workload=None if inputs.workload is None else inputs.workload.to_json(),
-                **_traffic_fields(traffic))
+                **_traffic_fields(inputs, traffic))
 
 
 def _runs(gpus: list[int]) -> tuple[tuple[int, int], ...]:
@@ -141,12 +141,15 @@ def _runs(gpus: list[int]) -> tuple[tuple[int, int], ...]:
     return tuple((lo, hi) for lo, hi in out)
 
 
-def _traffic_fields(traffic) -> dict:
+def _traffic_fields(inputs: Inputs, traffic) -> dict:
     """plan.json's figures of the way the plan serves prefill (`passes/traffic.py`)."""
     if traffic is None:
         return {}
     prefill = {"mode": traffic.mode, "load": traffic.load, "requests_per_s": traffic.requests_per_s,
                "sets": traffic.sets, "tpot_at_load_ms": traffic.tpot_at_load_s * 1e3}
+    rate = inputs.workload.rate
+    if rate is not None:   # the replica sets that take the rate, each at `load` (`TrafficModel._load`)
+        prefill["fleet_sets"] = round(rate / (traffic.load * traffic.requests_per_s))
     if traffic.mode == "aggregated":
         prefill.update(token_budget=traffic.token_budget, chunk_share=traffic.chunk_share)
     else:

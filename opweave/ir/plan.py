@@ -109,7 +109,7 @@ class Plan:
     osl: int | None = None           # its output tokens (compile --osl)
     ttft_ms: float | None = None     # mean TTFT at the planned load (`passes/traffic.py`)
     ttft_p99_ms: float | None = None
-    tpot_p99_ms: float | None = None  # the longest round: one carrying a full prefill chunk (aggregated)
+    tpot_p99_ms: float | None = None  # the p99 round at the planned load (aggregated: one with its chunks)
     ttft_idle_ms: float | None = None  # one prompt through the stages alone, on an idle plan (`cost.prefill`)
     prefill: dict | None = None      # {"mode": "aggregated", "token_budget": C} | {"mode": "disaggregated", "owners": [...]}
     workload: dict | None = None     # `ir.workload.Workload.to_json`: what the plan was made for
@@ -248,9 +248,12 @@ def format_traffic(plan: Plan) -> list[str]:
         lines.append(f"  KV pool: {pages:,} pages of {PAGE_TOKENS} tokens per rank of o{first.slot}'s largest replica "
                      f"({full:,} at the full context): the mean occupancy + {KV_TAIL_Z:g} sigma and one longest "
                      f"sequence (about {_overflow(KV_TAIL_Z):.2%} of rounds preempt a request)")
+    if "fleet_sets" in pre:
+        lines.append(f"  {w['rate']:g} requests/s take {pre['fleet_sets']} replica set(s) of this plan, each at "
+                     f"{pre['load']:.0%} of its capacity")
     lines.append(f"  under traffic at {pre['load']:.0%} of capacity ({pre['requests_per_s']:.3g} requests/s per set): "
                  f"TTFT {plan.ttft_ms:.4g} ms (p99 {plan.ttft_p99_ms:.4g}), TPOT {plan.predicted.tpot_ms:.3g} ms "
-                 f"(longest round {plan.tpot_p99_ms:.3g}); one prompt alone on an idle plan: {plan.ttft_idle_ms:.4g} ms")
+                 f"(p99 round {plan.tpot_p99_ms:.3g}); one prompt alone on an idle plan: {plan.ttft_idle_ms:.4g} ms")
     return lines
 
 

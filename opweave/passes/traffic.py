@@ -14,18 +14,23 @@ rounds and osl - 1 decode rounds, so at capacity a scheduler's microbatch takes
     lam = min(m / (osl - 1 + R), C / isl)   requests per round,
 
 a share f = lam * isl / C of its rounds carries a chunk, the mean round is
-T = f * T_C + (1 - f) * T_0 (the TPOT the SLO is checked against; its p99 is T_C), and one replica
+T = f * T_C + (1 - f) * T_0 (the TPOT the SLO is checked against; its p99, at the planned load,
+is the round carrying the 99th percentile of Poisson(rho lam R) chunks, at most a full budget, the
+round interpolated between T_0 and T_C), and one replica
 set gives r0 * n * lam * osl / T output tokens/s. TTFT at the planned load rho (`LOAD`, or what
 `--rate` leaves) is half a round, plus the M/D/1 wait for the budget (utilisation rho * f, service
-isl / C rounds' budget), plus the R rounds of the request's own chunks at T_C.
+isl / C rounds' budget) and the Erlang C wait for a free row (the scheduler's rows held
+osl - 1 + R rounds each), plus the R rounds of the request's own chunks, each carrying its chunk and
+the others' mean prompt tokens (rho * lam * isl), the round interpolated between T_0 and T_C.
 
 Disaggregated: the decode plan decodes only (T_0; a row is held osl rounds, the first one for the
 arriving KV), and x TP groups of one GPU type of the cluster prefill prompts one at a time
 (`cost.prefill.prefill_s` at batch 1, as AIConfigurator's disaggregated mode) and send each
 request's KV state over the NICs (`cost.model.transfer_s`, layer group by layer group, so the
 prompt waits only for the last group). x is the fewest groups whose TTFT (the M/D/1 wait, the
-prefill and the last group's transfer) meets the TTFT SLO at the planned load and that keep up
-with the decode plan at capacity; their GPUs join the set's price.
+prefill and the last group's transfer, and the Erlang C wait for a decode row held osl rounds)
+meets the TTFT SLO at the planned load and that keep up with the decode plan at capacity; their
+GPUs join the set's price.
 
 Both are exact over their own grid: a mode's cost is never below the decode plan's (a row gives at
 most one token per round, rounds only grow, prefill GPUs only add), so the search's decode-only
@@ -135,6 +140,36 @@ def md1_wait(utilisation: float, service_s: float) -> tuple[float, float]:
     return mean, tail
 
 
+def poisson_quantile(mean: float, q: float) -> int:
+    """The least k with P(N <= k) >= q for N ~ Poisson(mean)."""
+    k, term = 0, math.exp(-mean)
+    total = term
+    while total < q and k < 1 << 16:
+        k += 1
+        term *= mean / k
+        total += term
+    return k
+
+
+def erlang_c_wait(servers: int, offered: float, service_s: float) -> tuple[float, float]:
+    """(mean, p99) wait for one of `servers` slots at `offered` load (arrival rate x holding time,
+    in slots) with holding time `service_s`: Erlang C's M/M/c probability of waiting C, mean
+    C S / (c - a) and tail P(W > t) = C exp(-(c - a) t / S) at `TAIL`, each halved for a holding
+    time that is fixed rather than exponential (M/D/c is about half M/M/c, as M/D/1 is exactly
+    half M/M/1). Infinite at offered >= servers."""
+    if offered <= 0 or servers < 1:
+        return 0.0, 0.0
+    if offered >= servers:
+        return math.inf, math.inf
+    blocking = 1.0                     # Erlang B by its recursion (stable for thousands of slots)
+    for k in range(1, servers + 1):
+        blocking = offered * blocking / (k + offered * blocking)
+    rho = offered / servers
+    waits = blocking / (1 - rho * (1 - blocking))
+    rate = (servers - offered) / service_s
+    return waits / rate / 2, (math.log(waits / TAIL) / rate / 2 if waits > TAIL else 0.0)
+
+
 class TrafficModel:
     """Prices the plans of one plan space under its workload (memoized per space)."""
 
@@ -201,10 +236,21 @@ class TrafficModel:
         requests = schedulers * cand.microbatches * lam / mean
         load = self._load(requests, cand.sets)
         wait, wait99 = md1_wait(load * share, w.isl / budget * tc)
-        own = rounds * tc + mean / 2
+        # the request's own rounds carry its chunk and the others' mean prompt tokens, the round
+        # growing linearly from T_0 (none) to T_C (a full budget)
+        carried = min(budget, min(budget, w.isl) + load * lam * w.isl)
+        own = rounds * (t0 + (tc - t0) * carried / budget) + mean / 2
+        # a row of the scheduler's microbatches first: each held osl - 1 + R rounds
+        slots = round(rows * cand.microbatches)
+        held = (w.osl - 1 + rounds) * mean
+        row, row99 = erlang_c_wait(slots, load * lam * cand.microbatches / mean * held, held)
+        wait, wait99 = wait + row, wait99 + row99
+        # the p99 round at the load: its chunks arrive as Poisson(rho lam R) per round
+        chunks = poisson_quantile(load * lam * rounds, 1 - TAIL)
+        p99 = t0 + (tc - t0) * min(budget, chunks * min(budget, w.isl)) / budget
         return Traffic(mode="aggregated", token_budget=budget, requests_per_s=requests,
                        tokens_per_s=requests * w.osl, cost_per_hour=sim.cost_per_hour, tpot_s=mean,
-                       tpot_p99_s=tc if share > TAIL else t0, ttft_s=own + wait, ttft_p99_s=own + wait99,
+                       tpot_p99_s=p99, ttft_s=own + wait, ttft_p99_s=own + wait99,
                        tpot_at_load_s=load * share * tc + (1 - load * share) * t0, load=load, chunk_share=share,
                        sets=cand.sets)
 
@@ -237,18 +283,21 @@ class TrafficModel:
         for o in cand.owners:
             used[o.gpu.name] = used.get(o.gpu.name, 0) + o.num_gpus
         kv = space.graph.state_bytes(w.isl)
+        row, row99 = erlang_c_wait(cand.batch, load * requests * w.osl * sim.tpot_s, w.osl * sim.tpot_s)
         blocks = max(1, self.space.blocks.num_blocks)
         out = []
         for p, tp, seconds, memory in self.prefill_groups():
             pool = space.cluster.pools[p]
             move = max(transfer_s(kv / tp, pool.gpu, o.gpu, inter_node=True) for o in cand.owners)
             service, tail = max(seconds, move), move / blocks
+            alone = seconds + tail + row   # with the wait for a decode row
             best = None
             for y in range(1, MAX_SHARING_SETS + 1):
-                found = self._groups(y, requests * y, load, service, seconds + tail, used, pool, tp, cand.sets)
+                found = self._groups(y, requests * y, load, service, alone, used, pool, tp, cand.sets)
                 if found is None:
                     continue
                 x, wait, wait99, sets = found
+                wait, wait99 = wait + row, wait99 + row99
                 price = sim.cost_per_hour + x * tp * pool.gpu.price_per_hour / y
                 meets = seconds + tail + wait <= w.ttft_slo_s
                 key = (not meets, price, y)
