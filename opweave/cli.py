@@ -708,28 +708,29 @@ def _args_estimate(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from opweave.profile.calibrate import calibrate, calibration_to_json, catalog_entries, format_calibration
+    from opweave.profile.calibrate_prefill import calibrate_file
     from opweave.hardware.catalog import load_catalog
     from opweave.outputs import atomic_file, check_output_file
 
     if not args.output.lower().endswith(".json"):
         raise OpWeaveError(f"-o {args.output}: the catalog file must end in .json (--catalog reads it)")
     check_output_file(args.output, "-o", inputs=(args.measurements, args.catalog))
-    result = calibrate(args.measurements, load_catalog(args.catalog), logo=not args.no_logo, engine=args.engine)
+    entries, data, text = calibrate_file(args.measurements, load_catalog(args.catalog), not args.no_logo, args.engine)
     with atomic_file(args.output, flag="-o") as f:
-        json.dump(catalog_entries(result), f, indent=2)
+        json.dump(entries, f, indent=2)
         f.write("\n")
     if args.format == "json":
-        print(json.dumps(calibration_to_json(result), indent=1))
+        print(json.dumps(data, indent=1))
     else:
-        print(format_calibration(result))
+        print(text)
         print(f"wrote {args.output}: use it with --catalog {args.output} (compile, analyze, estimate)")
     return 0
 
 
 def _args_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("measurements", metavar="MEASUREMENTS.csv",
-                   help="columns gpu, model, tp, batch, context, tpot_ms (others ignored; engine groups rows)")
+                   help="columns gpu, model, tp, batch, context, tpot_ms (others ignored; engine groups rows), or "
+                        "gpu, model, tp, batch, isl, prefill_ms (or ttft_ms): the prefill efficiency")
     p.add_argument("-o", "--output", required=True, metavar="CATALOG.json",
                    help="override catalog to write (give it to --catalog of compile, analyze, estimate)")
     p.add_argument("--catalog", metavar="FILE",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -115,3 +116,33 @@ def test_compile_with_a_workload_carries_its_ttft_and_derives_the_context(tmp_pa
     assert main(["compile", "llama-3.1-8b", "--cluster", "h100x2", "--tpot-slo", "50ms", "--isl", "4k", "--osl", "1k",
                  "--context", "2k", "-o", str(tmp_path / "z")]) == 2
     assert "exceeds --context" in capsys.readouterr().err
+
+
+def test_calibrate_fits_the_prefill_efficiency_to_prefill_rows(tmp_path, capsys):
+    """`opweave calibrate` of a file of prefill rows: the published LLM-Inference-Bench prefills
+    give back the catalog's efficiencies; twice the times give about half; bad rows are one line."""
+    from opweave.cli import main
+
+    data = os.path.join(os.path.dirname(__file__), "..", "bench", "data", "prefill-measurements.csv")
+    out = tmp_path / "cat.json"
+    assert main(["calibrate", data, "-o", str(out), "--format", "json"]) == 0
+    fits = {f["gpu"]: f for f in json.loads(capsys.readouterr().out)["prefill"]}
+    catalog = load_catalog()
+    for name in ("h100", "a100"):
+        assert fits[name]["efficiency"] == pytest.approx(catalog[name].prefill_efficiency, rel=0.02)
+        assert all(abs(r["after_ms"] / r["measured_ms"] - 1) < 0.05 for r in fits[name]["rows"])
+    assert json.loads(out.read_text())["h100"]["prefill_efficiency"] == pytest.approx(fits["h100"]["efficiency"])
+    slow = tmp_path / "slow.csv"
+    slow.write_text("gpu,model,tp,batch,isl,ttft_ms\nh100,llama-3.1-8b,1,16,1024,830\nh100,llama-3.1-8b,1,4,2048,500\n")
+    assert main(["calibrate", str(slow), "-o", str(tmp_path / "slow.json"), "--format", "json"]) == 0
+    (fit,) = json.loads(capsys.readouterr().out)["prefill"]
+    assert fit["efficiency"] < 0.7 * catalog["h100"].prefill_efficiency
+    for text, needle in (("gpu,model,tp,batch,prefill_ms\nh100,llama-3.1-8b,1,1,5\n", "missing column"),
+                         ("gpu,model,tp,batch,isl,prefill_ms\nh100,llama-3.1-8b,0,1,8,5\n", "line 2: tp"),
+                         ("gpu,model,tp,batch,isl,prefill_ms\nh100,llama-3.1-8b,1,1,8,-5\n", "positive"),
+                         ("gpu,model,tp,batch,isl,prefill_ms\n", "no measurements")):
+        bad = tmp_path / "bad.csv"
+        bad.write_text(text)
+        assert main(["calibrate", str(bad), "-o", str(tmp_path / "bad.json")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
