@@ -54,7 +54,7 @@ def is_prefill_file(path: str) -> bool:
     try:
         with open(path, newline="", encoding="utf-8") as f:
             header = next(csv.reader(f), [])
-    except OSError:
+    except (OSError, UnicodeDecodeError, csv.Error):   # the decode reader names what is wrong with it
         return False
     return any(t in header for t in TIMES) and "tpot_ms" not in header
 
