@@ -16,7 +16,7 @@ from opweave.compiler.inputs import Inputs, plan_space
 from opweave.cost.prefill import PrefillStage, plan_prefill_s
 from opweave.errors import OpWeaveError
 from opweave.ir.graph import OpGraph
-from opweave.ir.plan import PLAN_FORMAT, Plan, PlanOwner, PlanStage, Predicted, plan_to_json
+from opweave.ir.plan import PLAN_FORMAT, Plan, PlanOwner, PlanStage, Predicted, gpu_runs, plan_to_json
 from opweave.ir.program import RankProgram
 from opweave.models.registry import ModelSource
 from opweave.passes import placement as placement_pass
@@ -107,9 +107,9 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
     rate = sim.cost_per_hour if traffic is None else traffic.cost_per_hour
     idle = where.idle
     if traffic is not None and traffic.sets < sets:   # the prefill groups take the GPUs of the sets past them
-        idle = _runs(sorted({g for lo, hi in where.idle for g in range(lo, hi)}
-                            | {g for k in range(traffic.sets, sets) for group in where.replica_set(k)
-                               for replica in group for g in replica}))
+        idle = gpu_runs({g for lo, hi in where.idle for g in range(lo, hi)}
+                        | {g for k in range(traffic.sets, sets) for group in where.replica_set(k)
+                           for replica in group for g in replica})
         sets = traffic.sets
     predicted = Predicted(
         tpot_ms=cand.tpot_s * 1e3, tokens_per_s=per_set * sets, tokens_per_s_per_set=per_set,
@@ -128,17 +128,6 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
                 prefill_chunk=inputs.prefill_chunk, isl=inputs.isl, osl=inputs.osl, ttft_idle_ms=idle_ms,
                 workload=None if inputs.workload is None else inputs.workload.to_json(),
                 **_traffic_fields(inputs, traffic))
-
-
-def _runs(gpus: list[int]) -> tuple[tuple[int, int], ...]:
-    """Sorted GPU indices as runs [lo, hi)."""
-    out: list[list[int]] = []
-    for g in gpus:
-        if out and out[-1][1] == g:
-            out[-1][1] = g + 1
-        else:
-            out.append([g, g + 1])
-    return tuple((lo, hi) for lo, hi in out)
 
 
 def _traffic_fields(inputs: Inputs, traffic) -> dict:

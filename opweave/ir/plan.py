@@ -149,7 +149,7 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
-def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
+def gpu_runs(indices) -> tuple[tuple[int, int], ...]:
     """Sorted indices -> runs [lo, hi) of consecutive ones."""
     runs: list[list[int]] = []
     for i in sorted(indices):
@@ -163,7 +163,7 @@ def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
 def _from_old_format(data: dict[str, Any]) -> dict[str, Any]:
     """A format-1 plan as format 2: replica set 0's GPUs, idle GPUs as runs."""
     owners = [{**o, "gpus": o["gpus"][0]} for o in data["owners"]]
-    return {**data, "format": PLAN_FORMAT, "owners": owners, "idle_gpus": _runs(data["idle_gpus"])}
+    return {**data, "format": PLAN_FORMAT, "owners": owners, "idle_gpus": gpu_runs(data["idle_gpus"])}
 
 
 def plan_from_json(data: dict[str, Any]) -> Plan:

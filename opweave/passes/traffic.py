@@ -176,7 +176,6 @@ class TrafficModel:
     def __init__(self, ev: Evaluator, workload: Workload, tp_degrees: tuple[int, ...] = (1, 2, 4, 8)):
         self.ev, self.workload, self.tp_degrees = ev, workload, tp_degrees
         self.space = ev.space
-        self._pool_index = {p.gpu.name: i for i, p in enumerate(self.space.cluster.pools)}
         self._extra: dict[tuple, float] = {}
         self._pools: list[tuple[int, int, float, float]] | None = None
 
