@@ -541,8 +541,15 @@ def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy sampling: [B, V] logits -> [B] int64 ids (the first index among equal maxima), or
     `NON_FINITE_TOKEN` for a row whose logits are not all finite."""
-    ids = torch.argmax(logits, dim=-1)
-    return torch.where(torch.isfinite(logits).all(dim=-1), ids, NON_FINITE_TOKEN)
+    best, ids = logits.max(dim=-1)  # first index of the maximum; NaN propagates to `best`
+    return torch.where(all_finite(logits, best), ids, NON_FINITE_TOKEN)
+
+
+def all_finite(logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """[B] bool: whether each row of [B, V] logits is all finite, given its maximum `best` (a NaN
+    or +inf anywhere shows in the maximum, a -inf in the minimum): two vectorised reductions
+    instead of a [B, V] mask (a 16-row decode round's sampler on one CPU thread: 1.9 to 0.3 ms)."""
+    return torch.isfinite(best) & torch.isfinite(logits.amin(dim=-1))
 
 
 # ---------------------------------------------------------------------------------------------- MLA (DeepSeek-V3)

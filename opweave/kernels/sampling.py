@@ -48,7 +48,7 @@ NUCLEUS_CANDIDATES = 64    # top_k, top_p and min_p choose among at most this ma
 MAX_TOP_K = NUCLEUS_CANDIDATES
 CHUNK = 8192               # vocabulary ids the sampler walks at a time (bounds its workspace)
 WORKSPACE_BYTES_PER_ID = 48  # peak workspace per row and id of a chunk (`workspace_bytes`; 38 measured)
-GREEDY_BYTES_PER_ID = 8      # ... and per id of the whole slice (the greedy answer every row also gets)
+GREEDY_BYTES_PER_ID = 4      # ... and per id of the whole slice (the greedy answer every row also gets)
 _M32 = 0xFFFFFFFF
 
 
@@ -223,6 +223,6 @@ def ban_columns(eos_ids, vocab_offset: int, vocab_slice: int, device) -> torch.T
 def workspace_bytes(rows: int, vocab_slice: int) -> int:
     """An upper bound of the sampler's peak workspace on one rank (beyond its logits input): a
     few [rows, CHUNK] tensors of the hash (int64) and of the scores (float32), and the greedy
-    path's pass over the whole slice (a float32 copy and a finiteness mask); measured on meta
+    path's pass over the whole slice (a float32 copy; its finiteness is two reductions); measured on meta
     against `sample` by tests/test_sampling.py."""
     return rows * (min(CHUNK, vocab_slice) * WORKSPACE_BYTES_PER_ID + vocab_slice * GREEDY_BYTES_PER_ID)

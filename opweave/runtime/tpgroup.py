@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from opweave.kernels.reference import NON_FINITE_TOKEN
+from opweave.kernels.reference import NON_FINITE_TOKEN, all_finite
 from opweave.ir.tp import Layout, Split
 
 
@@ -108,7 +108,7 @@ class TPGroup:
         rank gives NON_FINITE_TOKEN (like `ops.Sample`; decided on the device, no host sync)."""
         last = logits[:, -1, :].float()
         best, idx = last.max(dim=-1)
-        best = torch.where(torch.isfinite(last).all(dim=-1), best, float("nan"))
+        best = torch.where(all_finite(last, best), best, float("nan"))
         idx = idx + self.tp_rank * last.shape[-1]
         mine = torch.stack([best.double(), idx.double()])  # vocabulary ids are exact in float64
         gathered = [mine]
