@@ -18,7 +18,7 @@ from opweave.errors import OpWeaveError
 _OFF = ("", "0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 BOOLEAN_FLAGS = ("OPWEAVE_VERIFY", "OPWEAVE_DEBUG", "OPWEAVE_CHECK_SYNC", "OPWEAVE_CUDA_GRAPHS",
-                 "OPWEAVE_REGEN_GOLDEN")
+                 "OPWEAVE_REGEN_GOLDEN", "OPWEAVE_CPU_KERNELS")
 FAULT_VARIABLES = ("OPWEAVE_FAULT_KILL", "OPWEAVE_FAULT_STALL", "OPWEAVE_FAULT_RAISE", "OPWEAVE_FAULT_SLOW_OP")
 
 
@@ -88,6 +88,25 @@ def cuda_graphs_enabled() -> bool:
     """OPWEAVE_CUDA_GRAPHS=0: CUDA ranks run every round eagerly instead of replaying a captured
     decode round (`runtime.graphs`). On by default."""
     return _flag("OPWEAVE_CUDA_GRAPHS", default="1")
+
+
+def cpu_kernels_enabled() -> bool:
+    """OPWEAVE_CPU_KERNELS=0: CPU ranks attend their paged caches with the torch reference kernels
+    instead of the C kernels (`opweave.kernels.cpu`). On by default."""
+    return _flag("OPWEAVE_CPU_KERNELS", default="1")
+
+
+def c_compiler() -> str | None:
+    """CC (the usual variable, read here like every other): the C compiler that builds the CPU
+    kernels; None: look for `cc`, then `gcc`, on PATH."""
+    return os.environ.get("CC") or None
+
+
+def cache_root() -> str:
+    """Where OpWeave keeps what it builds for this machine: $XDG_CACHE_HOME/opweave, else
+    ~/.cache/opweave."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "opweave")
 
 
 KERNEL_BACKENDS = ("triton", "torch")

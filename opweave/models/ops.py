@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opweave.kernels import paged as PK
+from opweave.kernels import cpu as CPUK
 from opweave.kernels import reference as K
 from opweave.kernels.paged import PagedKV
 from opweave.kernels.reference import NON_FINITE_TOKEN  # noqa: F401  (re-exported)
@@ -351,9 +351,10 @@ class Attention(OpModule):
 
 
 def paged_attention(op: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    kv: PagedKV, kernels=PK) -> torch.Tensor:
+                    kv: PagedKV, kernels=CPUK) -> torch.Tensor:
     """Full attention `op` over its paged cache `kv` (`opweave.kernels.paged`; `kernels`: the module
-    of the paged kernels, the Triton ones on CUDA): a one-token step writes, then attends; a chunk
+    of the paged kernels, the Triton ones on CUDA, by default `opweave.kernels.cpu`: its C kernels on
+    CPU tensors, the torch reference elsewhere): a one-token step writes, then attends; a chunk
     attends the cache and itself, then writes. `op.sinks`, where the layer has them (GPT-OSS)."""
     c = op.cfg
     b, t = positions.shape

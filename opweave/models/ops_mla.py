@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opweave.kernels import cpu as CPUK
 from opweave.kernels import paged as PK
 from opweave.kernels import reference as K
 from opweave.kernels.paged import PagedKV
@@ -183,17 +184,18 @@ class MLAAttention(OpModule):
 def _paged_mla(op: MLAAttention, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
                state: PagedKV, kernels=PK) -> torch.Tensor:
     """Latent attention over paged latent rows (`opweave.kernels.paged`; `kernels`: the backend
-    whose `paged_mla_decode_attention` runs a one-token step, where it has one). Returns [B, T, H, R]."""
+    whose `paged_mla_decode_attention` runs a one-token step, where it has one; elsewhere, and for
+    the writes, `opweave.kernels.cpu`: its C kernels on CPU tensors). Returns [B, T, H, R]."""
     cfg, rank = op.cfg, op.cfg.mla.kv_lora_rank
     pages = state.k_pages                                                             # [N, P, R + Dr]
     if positions.shape[1] == 1:
-        PK.paged_mla_cache_write(pages, state.table, kv, positions)
-        decode = getattr(kernels, "paged_mla_decode_attention", PK.paged_mla_decode_attention)
+        CPUK.paged_mla_cache_write(pages, state.table, kv, positions)
+        decode = getattr(kernels, "paged_mla_decode_attention", CPUK.paged_mla_decode_attention)
         return decode(q[:, 0].contiguous(), pages, state.table, positions[:, 0], cfg.attn_scale, rank,
                       state.span)[:, None]
     out = PK.paged_mla_chunk_attention(q, kv, pages, state.table, positions, cfg.attn_scale, rank,
                                        state.chunk_span)
-    PK.paged_mla_cache_write(pages, state.table, kv, positions)
+    CPUK.paged_mla_cache_write(pages, state.table, kv, positions)
     return out
 
 
