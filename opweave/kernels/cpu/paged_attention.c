@@ -12,6 +12,21 @@
 
 #define MAX_PAGE 64  /* positions per page this kernel takes (the loader checks) */
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* sum of a[i] * b[i], i < n: one 16-lane accumulator, reduced once */
+static inline float dot(const float *restrict a, const float *restrict b, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    float s = _mm512_reduce_add_ps(acc);
+    for (; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+}
+#else
 /* sum of a[i] * b[i], i < n: 16 independent partial sums, so the compiler vectorises it without
  * reassociating one running sum (no -ffast-math) */
 static inline float dot(const float *restrict a, const float *restrict b, int n) {
@@ -28,13 +43,35 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
         s += a[i] * b[i];
     return s;
 }
+#endif
+
+/* exp(x) for x <= 0 (x < -87 gives 0): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-7
+ * Taylor polynomial (relative error below 2e-7, a few float ulps); branch-free, so the compiler
+ * vectorises a loop of it (glibc's expf is a call per element). */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
+    return x <= -87.0f ? 0.0f : p * scale.f;
+}
 
 /* One query token per row over its pages (GQA: the G = hq / hkv query heads of a kv head share
- * its keys). q[b, h, :] at q + b * q_row + h * d; pools [pages, page, hkv, d] contiguous; the
- * value of a position is its pool row's first dv entries (dv <= d: MLA's latent part); table[b, j]
- * at table + b * table_row + j, j < table_width; row b attends positions 0..pos[b * pos_stride]
- * (a negative position is padding: zeros; none past the table's last page). sinks: [hq] logits or NULL (one more softmax term with a zero
- * value). out [b, hq, dv] contiguous. threads > 1: OpenMP over (row, kv head). */
+ * its keys, and are scored, exponentiated and accumulated together, a page at a time).
+ * q[b, h, :] at q + b * q_row + h * d; pools [pages, page, hkv, d] contiguous; the value of a
+ * position is its pool row's first dv entries (dv <= d: MLA's latent part); table[b, j] at
+ * table + b * table_row + j, j < table_width; row b attends positions 0..pos[b * pos_stride]
+ * (a negative position is padding: zeros; none past the table's last page). sinks: [hq] logits
+ * or NULL (one more softmax term with a zero value). out [b, hq, dv] contiguous. threads > 1:
+ * OpenMP over (row, kv head). */
 void opw_paged_decode_f32(const float *q, int64_t q_row, const float *k_pool, const float *v_pool,
                           const int32_t *table, int64_t table_row, const int64_t *pos, int64_t pos_stride,
                           const float *sinks, float *out, int rows, int hq, int hkv, int d, int dv,
@@ -48,43 +85,48 @@ void opw_paged_decode_f32(const float *q, int64_t q_row, const float *k_pool, co
         int64_t last = pos[b * pos_stride];
         if (last >= (int64_t)table_width * page)
             last = (int64_t)table_width * page - 1;
-        if (last < 0) {
-            memset(o, 0, sizeof(float) * (size_t)g * dv);
+        memset(o, 0, sizeof(float) * (size_t)g * dv);
+        if (last < 0)
             continue;
-        }
-        float m[g], l[g], s[MAX_PAGE];
+        const float *qh = q + b * q_row + (int64_t)h * g * d;
+        float m[g], l[g], s[g][MAX_PAGE];
         for (int i = 0; i < g; i++) {
             m[i] = sinks ? sinks[h * g + i] : -INFINITY;
             l[i] = sinks ? 1.0f : 0.0f;
         }
-        memset(o, 0, sizeof(float) * (size_t)g * dv);
         for (int64_t start = 0; start <= last; start += page) {
             const int n = (int)(last - start + 1 < page ? last - start + 1 : page);
             const int64_t base = ((int64_t)table[b * table_row + start / page] * page) * tok + (int64_t)h * d;
             const float *kb = k_pool + base, *vb = v_pool + base;
+            for (int t = 0; t < n; t++)
+                for (int i = 0; i < g; i++)
+                    s[i][t] = dot(qh + (int64_t)i * d, kb + t * tok, d) * scale;
             for (int i = 0; i < g; i++) {
-                const float *qi = q + b * q_row + (int64_t)(h * g + i) * d;
-                float *oi = o + (int64_t)i * dv;
                 float mx = m[i];
+                for (int t = 0; t < n; t++)
+                    mx = s[i][t] > mx ? s[i][t] : mx;
+                const float corr = m[i] == -INFINITY ? 0.0f : exp_neg(m[i] - mx);
+                float sum = 0.0f;
                 for (int t = 0; t < n; t++) {
-                    s[t] = dot(qi, kb + t * tok, d) * scale;
-                    mx = s[t] > mx ? s[t] : mx;
+                    s[i][t] = exp_neg(s[i][t] - mx);
+                    sum += s[i][t];
                 }
-                const float corr = m[i] == -INFINITY ? 0.0f : expf(m[i] - mx);
                 if (corr != 1.0f) {
+                    float *oi = o + (int64_t)i * dv;
                     for (int j = 0; j < dv; j++)
                         oi[j] *= corr;
                 }
-                float sum = l[i] * corr;
-                for (int t = 0; t < n; t++) {
-                    const float p = expf(s[t] - mx);
-                    const float *vt = vb + t * tok;
-                    sum += p;
+                m[i] = mx;
+                l[i] = l[i] * corr + sum;
+            }
+            for (int t = 0; t < n; t++) {
+                const float *vt = vb + t * tok;
+                for (int i = 0; i < g; i++) {
+                    const float p = s[i][t];
+                    float *oi = o + (int64_t)i * dv;
                     for (int j = 0; j < dv; j++)
                         oi[j] += p * vt[j];
                 }
-                m[i] = mx;
-                l[i] = sum;
             }
         }
         for (int i = 0; i < g; i++) {
