@@ -1,6 +1,9 @@
-"""The C kernels of CPU ranks (`opweave.kernels.cpu`) against the torch reference (`kernels.paged`):
-paged decode attention (GQA, MHA, MLA's shared latent rows, sinks, padding rows, scattered pages,
-rows ending on page edges) and paged cache writes (strided inputs, padding), and the fallbacks."""
+"""The C kernels of CPU ranks (`opweave.kernels.cpu`) against the torch reference (`kernels.paged`,
+`kernels.reference`): paged decode attention (GQA, MHA, MLA's shared latent rows, sinks, padding
+rows, scattered pages, rows ending on page edges), paged cache writes (strided inputs, padding),
+the row kernels (RMSNorm with and without the residual add and the offset, RoPE full and
+partial, silu(gate) * up; strided inputs as the fused projections give them), a first chunk's
+causal attention, and the fallbacks."""
 
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ import torch
 
 from opweave.kernels import cpu as CPUK
 from opweave.kernels import paged as PK
+from opweave.kernels import reference as K
+from opweave.models.config import RopeSpec
+from opweave.models.ops import rope_inv_freq
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                               reason="no C compiler on this machine")
@@ -111,6 +117,90 @@ def test_paged_mla_write_matches_reference():
     assert torch.equal(pool, ref)
 
 
+# ---------------------------------------------------------------- row kernels
+
+@needs_cc
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("shape", [(1, 37, 1024), (16, 1, 72), (2, 3, 4, 24)])
+def test_rms_norm_matches_reference(shape, offset):
+    """[..., H] rows, a hidden size with a tail past 16 lanes, QK-norm's per-head rows; the sum
+    of the residual add is bit-exact, the norm equal to float rounding (summation order)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x, res = torch.randn(*shape, generator=g) * 3, torch.randn(*shape, generator=g)
+    w = torch.randn(shape[-1], generator=g)
+    torch.testing.assert_close(CPUK.rms_norm(x, w, 1e-6, offset), K.rms_norm(x, w, 1e-6, offset),
+                               rtol=1e-5, atol=1e-5)
+    normed, summed = CPUK.add_rms_norm(x, res, w, 1e-5, offset)
+    ref_normed, ref_summed = K.add_rms_norm(x, res, w, 1e-5, offset)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, rtol=1e-5, atol=1e-5)
+    assert CPUK.status() == "on"
+
+
+@needs_cc
+def test_rms_norm_of_a_strided_view():
+    """A column block of a wider tensor (rows one stride apart) and a transposed one."""
+    g = torch.Generator().manual_seed(2)
+    wide, w = torch.randn(1, 9, 200, generator=g), torch.randn(64, generator=g)
+    for x in (wide[..., 100:164], wide[0, :, :64].t()[:, :9].t()):
+        torch.testing.assert_close(CPUK.rms_norm(x, w, 1e-6, False), K.rms_norm(x, w, 1e-6, False),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@needs_cc
+@pytest.mark.parametrize("rot_frac,factor", [(1.0, 1.0), (0.5, 1.0), (1.0, 1.25)])
+def test_rope_matches_reference_exactly(rot_frac, factor):
+    """The reference's cos, sin, products and sums: the same bits. q and k as the fused q/k/v
+    projection gives them (views with a token stride), padding positions acting as 0."""
+    g = torch.Generator().manual_seed(int(rot_frac * 10 + factor * 100))
+    hq, hkv, d, t = 8, 2, 64, 21
+    qkv = torch.randn(1, t, (hq + 2 * hkv) * d, generator=g)
+    q = qkv[..., : hq * d].view(1, t, hq, d)
+    k = qkv[..., hq * d: (hq + hkv) * d].view(1, t, hkv, d)
+    pos = torch.arange(t)[None] + 100
+    pos[0, 3] = -1
+    spec = RopeSpec(theta=10000.0, partial_rotary_factor=rot_frac)
+    inv, rot = rope_inv_freq(spec, d), int(d * rot_frac)
+    out, ref = CPUK.rope(q, k, pos, inv, rot, factor), K.rope(q, k, pos, inv, rot, factor)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@needs_cc
+@pytest.mark.parametrize("shape", [(1, 144, 2816), (16, 1, 100), (3, 7)])
+def test_silu_mul_matches_reference(shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    both = torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 6  # gate | up, as the fused GEMM gives them
+    gate, up = both.split(shape[-1], dim=-1)
+    gate[..., :4] = torch.tensor([0.0, -0.0, -90.0, 90.0])  # exp's clamp and both signs of zero
+    out, ref = CPUK.gated_act(gate, up, "silu"), K.gated_act(gate, up, "silu")
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+    # gelu (Gemma) is not a C kernel: the reference, exactly
+    assert torch.equal(CPUK.gated_act(gate, up, "gelu_pytorch_tanh"), K.gated_act(gate, up, "gelu_pytorch_tanh"))
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 4), (4, 4)])
+def test_first_chunk_causal_attention_matches_paged_reference(hq, hkv):
+    """A prompt's first chunk (nothing cached): torch's fused causal attention gives what the
+    paged reference's blocks and merges give."""
+    g = torch.Generator().manual_seed(hq)
+    t, d, page = 70, 32, 16
+    q, k, v = (torch.randn(1, t, h, d, generator=g) for h in (hq, hkv, hkv))
+    k_pages, v_pages = torch.zeros(9, page, hkv, d), torch.zeros(9, page, hkv, d)
+    table = torch.arange(8, dtype=torch.int32)[None]
+    pos = torch.arange(t)[None]
+    ref = PK.paged_chunk_attention(q, k, v, k_pages, v_pages, table, pos, 0.17, 5)
+    torch.testing.assert_close(CPUK.causal_attention(q, k, v, 0.17), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_first_chunk_is_known_from_the_host_count():
+    kv = PK.PagedKV(torch.zeros(3, 16, 1, 8), torch.zeros(3, 16, 1, 8), torch.zeros(2, 2, dtype=torch.int32),
+                    lengths=[40, 16], base=0)
+    assert kv.rows(1, 2).first_chunk(16)            # the row holds just this chunk
+    assert not kv.rows(0, 1).first_chunk(16)        # 24 positions cached before it
+    assert not kv.first_chunk(16)                   # two rows: not one chunk
+    assert not PK.PagedKV(kv.k_pages, kv.v_pages, kv.table[:1]).first_chunk(16)  # no host count
+
+
 def test_off_by_flag_runs_the_reference(monkeypatch):
     monkeypatch.setenv("OPWEAVE_CPU_KERNELS", "0")
     assert CPUK.status() == "off (OPWEAVE_CPU_KERNELS=0)"
@@ -120,6 +210,9 @@ def test_off_by_flag_runs_the_reference(monkeypatch):
     pos = torch.tensor([3, 40])
     assert torch.equal(CPUK.paged_decode_attention(q, k, v, table, pos, 0.25, 3),
                        PK.paged_decode_attention(q, k, v, table, pos, 0.25, 3))
+    x, w = torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
+    assert torch.equal(CPUK.rms_norm(x, w, 1e-6, False), K.rms_norm(x, w, 1e-6, False))
+    assert torch.equal(CPUK.gated_act(x, w.expand(3, 40), "silu"), K.gated_act(x, w.expand(3, 40), "silu"))
 
 
 def test_other_dtypes_run_the_reference():
@@ -130,6 +223,10 @@ def test_other_dtypes_run_the_reference():
     pos = torch.tensor([3, 40])
     assert torch.equal(CPUK.paged_decode_attention(q, k, v, table, pos, 0.25, 3),
                        PK.paged_decode_attention(q, k, v, table, pos, 0.25, 3))
+    x, w = torch.randn(3, 40, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
+    assert torch.equal(CPUK.rms_norm(x, w, 1e-6, True), K.rms_norm(x, w, 1e-6, True))
+    assert torch.equal(CPUK.add_rms_norm(x, x, w, 1e-6, False)[0], K.add_rms_norm(x, x, w, 1e-6, False)[0])
+    assert torch.equal(CPUK.gated_act(x, x, "silu"), K.gated_act(x, x, "silu"))
 
 
 def test_a_compiler_that_fails_leaves_the_reference(monkeypatch, tmp_path):

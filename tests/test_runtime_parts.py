@@ -380,7 +380,8 @@ def test_assemble_joins_peers_and_views_a_single_peer():
 @pytest.mark.parametrize("tied", [False, True])
 def test_cpu_gemm_weights_are_packed_and_compute_what_f_linear_does(tiny_checkpoint, tied):
     """On CPU the runtime packs the dense GEMMs' weights for oneDNN (`pack_cpu_gemms`): every
-    `linear_weights` entry becomes a oneDNN tensor of the same shape, the ops' outputs agree with the
+    `linear_weights` entry becomes a oneDNN tensor of the same shape, or, for the GEMMs of one input
+    (q/k/v, gate/up), one oneDNN tensor of their rows stacked; the ops' outputs agree with the
     unpacked ones to float rounding, and a weight the embedding shares (a tied LM head) stays."""
     from opweave.kernels.reference import can_pack_linear
     from opweave.models.registry import resolve
@@ -394,10 +395,18 @@ def test_cpu_gemm_weights_are_packed_and_compute_what_f_linear_does(tiny_checkpo
     n = pack_cpu_gemms(ops, torch.device("cpu"))
     want = sum(len(m.linear_weights) for m in ops.values()) - (1 if tied else 0)
     assert n == want > 0
+    fused = 0
     for m in ops.values():
+        if m.fused_weight is not None:  # q/k/v and gate/up: one packed GEMM, its rows theirs
+            parts = [getattr(m, name) for name in m.fuse_weights]
+            assert m.fused_weight.is_mkldnn and all(w.is_meta for w in parts), m.kind
+            assert tuple(m.fused_weight.shape) == (sum(w.shape[0] for w in parts), parts[0].shape[1])
+            fused += 1
+            continue
         for name in m.linear_weights:
             w = getattr(m, name)
             assert w.is_mkldnn != (tied and m.kind.value == "lm_head"), (m.kind, name)
+    assert fused == 4  # two layers' q/k/v and gate/up
     ids = torch.tensor([[5, 6, 7, 8]])
     positions = torch.arange(4)[None]
     for model in (plain, packed):

@@ -172,5 +172,11 @@ class PagedKV:
         longest = max(self.lengths[self.base:self.base + self.table.shape[0]], default=0)
         return max(1, -(-longest // self.k_pages.shape[1]))
 
+    def first_chunk(self, tokens: int) -> bool:
+        """Whether these rows are one row whose chunk of `tokens` tokens is all it holds (the host's
+        count; nothing cached before it): its attention is causal attention within the chunk."""
+        return (self.lengths is not None and self.table.shape[0] == 1
+                and self.lengths[self.base] == tokens)
+
     def rows(self, lo: int, hi: int) -> "PagedKV":
         return PagedKV(self.k_pages, self.v_pages, self.table[lo:hi], self.lengths, self.base + lo, self.whole)

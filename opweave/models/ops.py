@@ -59,6 +59,15 @@ class OpModule(nn.Module):
     state_attrs: tuple[str, ...] = ()  # per-sequence state tensors, batch-major (set by allocate_state)
     paged = False  # keeps its state in KV pages (`allocate_pages`, `opweave.runtime.pages`), not per slot
     linear_weights: tuple[str, ...] = ()  # 2-D weights read only through `K.linear` (packable on CPU)
+    # `linear_weights` that take the same input, as one GEMM where the runtime fuses them (CPU:
+    # `kernel_ops.pack_cpu_gemms` sets `fused_weight`, their rows stacked, and `fused_bias`)
+    fuse_weights: tuple[str, ...] = ()
+    fuse_biases: tuple[str, ...] = ()
+
+    def fused_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The `fuse_weights` GEMMs of `x` as one (`fused_weight`), split back into theirs (views)."""
+        sizes = [getattr(self, name).shape[0] for name in self.fuse_weights]
+        return K.linear(x, self.fused_weight, self.fused_bias).split(sizes, dim=-1)
 
     def __init__(self, cfg: ModelConfig, layer: int | None):
         super().__init__()
@@ -66,6 +75,8 @@ class OpModule(nn.Module):
         self.layer = layer
         self.weight_keys: dict[str, str] = {}
         self.tied: dict[str, str] = {}  # parameter -> checkpoint key it shares storage with
+        self.register_buffer("fused_weight", None, persistent=False)  # see `fuse_weights`
+        self.register_buffer("fused_bias", None, persistent=False)
 
     def _param(self, attr: str, key: str, *shape: int) -> None:
         setattr(self, attr, nn.Parameter(torch.empty(*shape, dtype=torch_dtype(self.cfg)), requires_grad=False))
@@ -134,7 +145,7 @@ class RMSNorm(OpModule):
         self._param("weight", key, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.cfg.rms_norm_eps, self.cfg.norm_offset)
+        return CPUK.rms_norm(x, self.weight, self.cfg.rms_norm_eps, self.cfg.norm_offset)
 
     def facts(self) -> OpFacts:
         return OpFacts(flops_per_token=4 * self.cfg.hidden_size)
@@ -155,7 +166,8 @@ class QKVProj(OpModule):
     Returns (q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], gate [B,T,Hq*D] or None)."""
 
     kind = OpKind.QKV_PROJ
-    linear_weights = ("q_weight", "k_weight", "v_weight")
+    linear_weights = fuse_weights = ("q_weight", "k_weight", "v_weight")
+    fuse_biases = ("q_bias", "k_bias", "v_bias")
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -175,14 +187,18 @@ class QKVProj(OpModule):
     def forward(self, x: torch.Tensor):
         cfg = self.cfg
         b, t, _ = x.shape
-        q = K.linear(x, self.q_weight, self.q_bias)
+        if self.fused_weight is not None:
+            q, k, v = self.fused_outputs(x)
+        else:
+            q, k, v = (K.linear(x, self.q_weight, self.q_bias), K.linear(x, self.k_weight, self.k_bias),
+                       K.linear(x, self.v_weight, self.v_bias))
         gate = None
         if cfg.attn_output_gate:  # per head: [q (D) | gate (D)]
             q, gate = q.view(b, t, cfg.num_heads, 2 * cfg.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(b, t, cfg.num_heads * cfg.head_dim)
         q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = K.linear(x, self.k_weight, self.k_bias).view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = K.linear(x, self.v_weight, self.v_bias).view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
         return q, k, v, gate
 
     def facts(self) -> OpFacts:
@@ -206,7 +222,7 @@ class QKNorm(OpModule):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor):
         eps, off = self.cfg.rms_norm_eps, self.cfg.norm_offset
-        return rms_norm(q, self.q_weight, eps, off), rms_norm(k, self.k_weight, eps, off)
+        return CPUK.rms_norm(q, self.q_weight, eps, off), CPUK.rms_norm(k, self.k_weight, eps, off)
 
     def facts(self) -> OpFacts:
         c = self.cfg
@@ -270,7 +286,7 @@ class Rope(OpModule):
         self.inv_freq = rope_inv_freq(self.spec, self.cfg.head_dim).to(self.inv_freq.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        return K.rope(q, k, positions, self.inv_freq.float(), self.rot_dim, self.spec.attention_factor)
+        return CPUK.rope(q, k, positions, self.inv_freq.float(), self.rot_dim, self.spec.attention_factor)
 
     def facts(self) -> OpFacts:
         c = self.cfg
@@ -355,7 +371,9 @@ def paged_attention(op: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """Full attention `op` over its paged cache `kv` (`opweave.kernels.paged`; `kernels`: the module
     of the paged kernels, the Triton ones on CUDA, by default `opweave.kernels.cpu`: its C kernels on
     CPU tensors, the torch reference elsewhere): a one-token step writes, then attends; a chunk
-    attends the cache and itself, then writes. `op.sinks`, where the layer has them (GPT-OSS)."""
+    attends the cache and itself, then writes (a row's first chunk, where `kernels` has
+    `causal_attention`, attends itself alone: nothing is cached before it). `op.sinks`, where the
+    layer has them (GPT-OSS)."""
     c = op.cfg
     b, t = positions.shape
     sinks = getattr(op, "sinks", None)
@@ -364,8 +382,11 @@ def paged_attention(op: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         out = kernels.paged_decode_attention(q[:, 0], kv.k_pages, kv.v_pages, kv.table, positions[:, 0],
                                              c.attn_scale, kv.span, sinks)
     else:
-        out = kernels.paged_chunk_attention(q, k, v, kv.k_pages, kv.v_pages, kv.table, positions, c.attn_scale,
-                                            kv.chunk_span, sinks)
+        if sinks is None and b == 1 and kv.first_chunk(t) and hasattr(kernels, "causal_attention"):
+            out = kernels.causal_attention(q, k, v, c.attn_scale)  # a prompt's first chunk: itself only
+        else:
+            out = kernels.paged_chunk_attention(q, k, v, kv.k_pages, kv.v_pages, kv.table, positions, c.attn_scale,
+                                                kv.chunk_span, sinks)
         kernels.paged_cache_write(kv.k_pages, kv.v_pages, kv.table, k, v, positions)
     return out.reshape(b, t, c.num_heads * c.head_dim)
 
@@ -403,7 +424,7 @@ class MLPGateUp(OpModule):
     """Fused gate/up projection of a dense gated MLP: returns (gate, up)."""
 
     kind = OpKind.MLP_GATE_UP
-    linear_weights = ("gate_weight", "up_weight")
+    linear_weights = fuse_weights = ("gate_weight", "up_weight")
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -412,6 +433,8 @@ class MLPGateUp(OpModule):
         self._param("up_weight", p + "up_proj.weight", cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor):
+        if self.fused_weight is not None:
+            return self.fused_outputs(x)
         return K.linear(x, self.gate_weight), K.linear(x, self.up_weight)
 
     def facts(self) -> OpFacts:
@@ -427,7 +450,7 @@ class Act(OpModule):
     kind = OpKind.ACT
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return K.gated_act(gate, up, self.cfg.hidden_act)
+        return CPUK.gated_act(gate, up, self.cfg.hidden_act)
 
     def facts(self) -> OpFacts:
         return OpFacts(flops_per_token=8 * self.cfg.intermediate_size, tp_rule=TPRule.COLUMN,

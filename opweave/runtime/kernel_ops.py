@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opweave import config
+from opweave.kernels import cpu as CPUK
 from opweave.kernels import get_backend
 from opweave.kernels import paged as PK
 from opweave.kernels.paged import PagedKV
@@ -101,8 +102,13 @@ KERNEL_KINDS = (OpKind.NORM, OpKind.FINAL_NORM, OpKind.QK_NORM, OpKind.ROPE, OpK
 
 
 def device_kernels(device: torch.device):
-    """The kernel backend module the runtime uses on `device` (resolved once per rank)."""
-    return get_backend(kernel_backend(device))
+    """The kernel backend module the runtime uses on `device` (resolved once per rank): on a CPU
+    rank of the torch backend, `opweave.kernels.cpu` (its C kernels where they apply, the torch
+    reference for the rest)."""
+    name = kernel_backend(device)
+    if name == "torch" and device.type == "cpu":
+        return CPUK
+    return get_backend(name)
 
 
 def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, kernels
@@ -116,8 +122,9 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, kernels
 def pack_cpu_gemms(ops: dict[int, OpModule], device: torch.device) -> int:
     """On the CPU's torch backend, each operator's `linear_weights` in oneDNN's packed layout
     (`reference.pack_linear`, as vLLM's CPU backend packs its weights): the same bytes, faster
-    decode GEMMs. A weight another module shares (a tied LM head) stays as it is. Returns how
-    many weights were packed (0 elsewhere, or without oneDNN)."""
+    decode GEMMs; those of one input (`fuse_weights`: q/k/v, gate/up) as one GEMM (`_fuse`).
+    A weight another module shares (a tied LM head) stays as it is. Returns how many weights
+    were packed (0 elsewhere, or without oneDNN)."""
     if device.type != "cpu" or kernel_backend(device) != "torch" or not can_pack_linear():
         return 0
     shared: dict[int, int] = {}  # by storage: a TP shard of a tied weight is a view at an offset
@@ -128,6 +135,7 @@ def pack_cpu_gemms(ops: dict[int, OpModule], device: torch.device) -> int:
     dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
     packed = 0
     for m in ops.values():
+        packed += _fuse(m, dtypes, shared)
         for name in m.linear_weights:
             w = m._parameters.get(name)
             if (w is None or w.dim() != 2 or w.dtype not in dtypes or w.is_meta
@@ -141,6 +149,32 @@ def pack_cpu_gemms(ops: dict[int, OpModule], device: torch.device) -> int:
             m.register_buffer(name, weight, persistent=False)
             packed += 1
     return packed
+
+
+def _fuse(m: OpModule, dtypes: tuple, shared: dict[int, int]) -> int:
+    """An operator's `fuse_weights` (GEMMs of one input: q/k/v, gate/up) as one packed GEMM: their
+    rows stacked into `fused_weight` (and their biases into `fused_bias`); each is left as a meta
+    tensor of its shape, so the module's bytes stay what the plan counted. Returns how many weights
+    it took (0: none, when any of them cannot be packed)."""
+    ws = [m._parameters.get(name) for name in m.fuse_weights]
+    if not ws or any(w is None or w.dim() != 2 or w.dtype not in dtypes or w.is_meta or w.dtype != ws[0].dtype
+                     or w.shape[1] != ws[0].shape[1] or shared.get(w.untyped_storage().data_ptr(), 0) > 1
+                     for w in ws):
+        return 0
+    biases = [getattr(m, name, None) for name in m.fuse_biases]
+    if any(b is not None for b in biases) and any(b is None for b in biases):
+        return 0
+    try:
+        weight = pack_linear(torch.cat([w.detach() for w in ws]))
+    except RuntimeError:  # this CPU lacks what oneDNN needs for the dtype: keep them apart
+        return 0
+    if biases and biases[0] is not None:
+        m.fused_bias = torch.cat([b.detach() for b in biases])
+    for name, w in zip(m.fuse_weights, ws):
+        del m._parameters[name]
+        m.register_buffer(name, torch.empty(w.shape, dtype=w.dtype, device="meta"), persistent=False)
+    m.fused_weight = weight
+    return len(ws)
 
 
 def with_kernels(ops: dict[int, OpModule], device: torch.device) -> dict[int, nn.Module]:

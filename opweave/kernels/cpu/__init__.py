@@ -29,11 +29,15 @@ import tempfile
 import threading
 
 import torch
+import torch.nn.functional as F
 
 from opweave import config
 from opweave.kernels import paged as PK
+from opweave.kernels import reference as K
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.c")
+_DIR = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = tuple(os.path.join(_DIR, name) for name in ("paged_attention.c", "rows.c"))
+_HEADERS = (os.path.join(_DIR, "opw_math.h"),)
 MAX_PAGE = 64  # positions per page the C kernels take (paged_attention.c's MAX_PAGE)
 
 _lock = threading.Lock()
@@ -78,7 +82,8 @@ def _compile(compiler: str, target: str) -> str | None:
     """Builds the shared library at `target` (written beside it, then renamed: ranks that build at
     once each get a whole file). Returns None, or the compiler's complaint."""
     tmp = f"{target}.{os.getpid()}.tmp"
-    base = [compiler, "-O3", "-march=native", "-fPIC", "-shared", "-std=c11", _SOURCE, "-o", tmp, "-lm"]
+    base = [compiler, "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-I", _DIR,
+            *_SOURCES, "-o", tmp, "-lm"]
     for flags in (["-fopenmp"], []):  # without OpenMP where its runtime is missing: one thread
         proc = subprocess.run(base[:1] + flags + base[1:], capture_output=True, text=True)
         if proc.returncode == 0:
@@ -99,11 +104,13 @@ def _load() -> ctypes.CDLL | None:
         if compiler is None:
             _why = "no C compiler (cc or gcc) on PATH"
             return None
-        with open(_SOURCE, "rb") as f:
-            source = f.read()
+        source = b""
+        for path in _SOURCES + _HEADERS:
+            with open(path, "rb") as f:
+                source += f.read()
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
         key = hashlib.sha256(source + version.encode() + _cpu_key().encode()).hexdigest()[:16]
-        target = os.path.join(_cache_dir(), f"paged_attention-{key}.so")
+        target = os.path.join(_cache_dir(), f"opweave-cpu-{key}.so")
         if not os.path.exists(target):
             err = _compile(compiler, target)
             if err is not None:
@@ -115,6 +122,11 @@ def _load() -> ctypes.CDLL | None:
         lib.opw_paged_decode_f32.restype = None
         lib.opw_paged_write_f32.argtypes = [_P, _P, _P, _I64, _P, _P, _I64, _P, _INT, _INT, _I64, _INT, _INT, _I64]
         lib.opw_paged_write_f32.restype = None
+        lib.opw_rms_norm_f32.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _INT, ctypes.c_float, _INT, _INT]
+        lib.opw_silu_mul_f32.argtypes = [_P, _I64, _P, _I64, _P, _I64, _INT, _INT]
+        lib.opw_rope_f32.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _INT, _INT, _INT, _INT]
+        for fn in (lib.opw_rms_norm_f32, lib.opw_silu_mul_f32, lib.opw_rope_f32):
+            fn.restype = None
         _lib = lib
         return lib
 
@@ -193,6 +205,105 @@ def paged_cache_write(k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch
 
 
 paged_chunk_attention = PK.paged_chunk_attention
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prompt's first chunk attending itself, causally (what `paged_chunk_attention` computes for
+    a row with nothing cached): q [1, T, Hq, D], k and v [1, T, Hkv, D] -> [1, T, Hq, D]. One call
+    of torch's fused attention with its causal mask (GQA without copies), instead of the paged
+    reference's key blocks, explicit masks and softmax merges."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+# the rest of the kernel interface (`opweave.kernels.KERNEL_NAMES`): the torch reference
+decode_attention = K.decode_attention
+gdn_step = K.gdn_step
+moe_route = K.moe_route
+moe_experts = K.moe_experts
+moe_experts_swiglu = K.moe_experts_swiglu
+argmax = K.argmax
+mla_decode_attention = K.mla_decode_attention
+
+
+# ---------------------------------------------------------------------------------------------- row kernels
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """`x` [..., H] as [rows, H] rows one stride apart with unit steps within a row (a view where
+    the layout allows one), or None when it has no elements."""
+    if x.numel() == 0:
+        return None
+    r = x.reshape(-1, x.shape[-1])
+    return r if r.stride(-1) == 1 else r.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """`reference.rms_norm` (same arguments and result) in one pass (`rows.c`)."""
+    lib = library() if _usable(x, weight) else None
+    rows = _rows(x) if lib is not None else None
+    if rows is None or weight.shape != (x.shape[-1],):
+        return K.rms_norm(x, weight, eps, offset)
+    w = weight.detach().contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.opw_rms_norm_f32(rows.data_ptr(), rows.stride(0), None, 0, None, w.data_ptr(), out.data_ptr(), rows.shape[0],
+                         rows.shape[1], float(eps), int(bool(offset)), torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.add_rms_norm`: (normed, summed), the add and the norm in one pass (`rows.c`)."""
+    lib = library() if _usable(x, residual, weight) and x.shape == residual.shape else None
+    rows = _rows(x) if lib is not None else None
+    if rows is None or weight.shape != (x.shape[-1],):
+        return K.add_rms_norm(x, residual, weight, eps, offset)
+    res = _rows(residual)
+    w = weight.detach().contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    summed = torch.empty(x.shape, dtype=x.dtype)
+    lib.opw_rms_norm_f32(rows.data_ptr(), rows.stride(0), res.data_ptr(), res.stride(0), summed.data_ptr(),
+                         w.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1], float(eps), int(bool(offset)),
+                         torch.get_num_threads())
+    return out, summed
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    """`reference.gated_act`: silu(gate) * up in one pass (`rows.c`); other activations: the reference."""
+    lib = library() if kind == "silu" and _usable(gate, up) and gate.shape == up.shape else None
+    g = _rows(gate) if lib is not None else None
+    if g is None:
+        return K.gated_act(gate, up, kind)
+    u = _rows(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    lib.opw_silu_mul_f32(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(), g.shape[0], g.shape[1],
+                         torch.get_num_threads())
+    return out
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+         rot_dim: int, attention_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rope` (same arguments and result): the cos and sin of the positions' frequencies
+    by torch, as the reference computes them, then q's and k's heads rotated in one pass each
+    (`rows.c`), the same products and sums."""
+    lib = library() if _usable(q, k) and rot_dim % 2 == 0 and q.shape[:-2] == positions.shape else None
+    if lib is None or k.shape[:-2] != positions.shape or q.shape[-1] != k.shape[-1] or q.numel() == 0 or k.numel() == 0:
+        return K.rope(q, k, positions, inv_freq, rot_dim, attention_factor)
+    freqs = positions.reshape(-1).clamp(min=0)[:, None].float() * inv_freq.float()  # [n, rot / 2]
+    cos, sin = freqs.cos(), freqs.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    n, d = freqs.shape[0], q.shape[-1]
+    outs = []
+    for x in (q, k):
+        heads = x.shape[-2]
+        v = x.reshape(n, heads, d)  # a view where the layout allows (a fused projection's columns)
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype)
+        lib.opw_rope_f32(v.data_ptr(), v.stride(0), v.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), n,
+                         heads, d, rot_dim, torch.get_num_threads())
+        outs.append(out)
+    return outs[0], outs[1]
 
 
 def paged_mla_decode_attention(q: torch.Tensor, kv_pages: torch.Tensor, table: torch.Tensor,
