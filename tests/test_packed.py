@@ -27,6 +27,27 @@ def test_layout_segments_offsets_and_last_tokens():
     assert pad.tokens == 1 and pad.real == 0 and pad.segments == (Segment(0, 1, 0, 1),)
 
 
+def test_the_lm_head_projects_the_live_rows_only_on_the_cpu():
+    """Idle rows' logits are zeros, not computed; each live row's are its last token's, exactly
+    what the projection of every row gives it; a padding round (no live row) projects its row."""
+    calls = []
+
+    def head(x):
+        calls.append(x.shape[0])
+        return x @ weight.t()
+
+    weight = torch.randn(11, 6)
+    layout = Layout((1, 0, 3, 0, 1))
+    x = torch.randn(1, layout.tokens, 6)
+    out = Packed(head, lambda: layout, last=True)(x)
+    assert calls == [3] and out.shape == (5, 1, 11)
+    want = x[0, [0, 3, 4]] @ weight.t()
+    assert torch.equal(out[[0, 2, 4], 0], want) and not out[[1, 3]].any()
+    assert Layout((1, 1)).live == (0, 1) and Packed(head, lambda: Layout((1, 1)), last=True)(x[:, :2]).shape[0] == 2
+    pad = Layout((0, 0), pad=True)
+    assert Packed(head, lambda: pad, last=True)(x[:, :1]).shape == (2, 1, 11) and calls[-2:] == [2, 2]
+
+
 def _requests(prompts, n=3):
     return [Request(index=i, prompt=list(p), max_new_tokens=n) for i, p in enumerate(prompts)]
 

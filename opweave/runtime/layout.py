@@ -15,7 +15,8 @@ ATTN class: KV caches, Gated-DeltaNet's recurrent state) and the LM head do, thr
     joined back in token order. The math per row is what the op computes for that row alone.
   - the LM head takes each row's last token only (`last`): `[rows, 1, H]`, so a prompt chunk's
     other tokens never reach the vocabulary projection, and the sampler sees one row per row of
-    the replica, as it always did (idle rows give a token nobody reads).
+    the replica, as it always did (idle rows give a token nobody reads; on the CPU their logits
+    are zeros, not computed: the projection takes the live rows alone).
 
 A microbatch with no token in a round, in any row of any replica, is not run at all: no op, no
 message. When it runs, every replica runs it; a replica none of whose rows has a token this round
@@ -110,6 +111,11 @@ class Layout:
         """`last_rows` as an index tensor on `device` (made once per layout and device)."""
         return _index(self.last_rows, device)
 
+    @functools.cached_property
+    def live(self) -> tuple[int, ...]:
+        """The rows with a token this round."""
+        return tuple(r for r, c in enumerate(self.counts) if c)
+
 
 
 @functools.lru_cache(maxsize=4096)
@@ -169,6 +175,14 @@ class Packed:
         layout = self._layout()
         if self._last:
             x = args[0]
+            live = layout.live
+            if x.device.type == "cpu" and 0 < len(live) < len(layout.counts):
+                # a CPU GEMM costs what its rows do: the live rows' logits only, the idle rows'
+                # zeros (a token nobody reads). A CUDA decode graph keeps every row's shape.
+                tokens = _index(tuple(layout.last_rows[r] for r in live), x.device)
+                logits = self.op(x[0].index_select(0, tokens)[:, None], *args[1:])
+                out = logits.new_zeros((len(layout.counts), *logits.shape[1:]))
+                return out.index_copy_(0, _index(live, x.device), logits)
             rows = x[0].index_select(0, layout.last(x.device))
             return self.op(rows[:, None], *args[1:])
         if state is None:

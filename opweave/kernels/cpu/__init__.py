@@ -1,20 +1,26 @@
 """CPU kernels in C: paged decode attention and paged cache writes that read each row's pages in
-place (`paged_attention.c`).
+place (`paged_attention.c`), and the row-wise operators of a layer in one pass each (`rows.c`:
+RMSNorm with and without its residual add, RoPE, silu(gate) * up).
 
 The torch reference (`opweave.kernels.paged`) gathers a decode row's pages into a scratch copy
 with `index_select`, then attends the copy with the CPU's fused attention kernel: every key and
 value crosses memory three times, and a round of the CPU serving benchmark's model spent more
 time there than in the attention itself. These kernels walk each row's block table and read
 every key and value once (the layout and math of `paged.py`; OpenMP over rows and KV heads when
-the rank has more than one thread). Prefill chunks keep the torch path (their attention is a
-matmul the fused kernel does well).
+the rank has more than one thread). The reference's norms, RoPE and activation are five to twenty
+tensor operations each, whose fixed costs dominate a small decode round and whose passes over
+memory weigh on a prefill chunk. A prompt's first chunk attends itself with one causal call of
+torch's fused attention (`causal_attention`); later chunks keep the torch path.
 
-The C source is compiled once per source, compiler and CPU by the system C compiler (`cc`,
-`-O3 -march=native`) into the user's cache (`$XDG_CACHE_HOME/opweave`, else `~/.cache/opweave`;
-a temporary folder where that cannot be written) and loaded with ctypes. Where no compiler is
-found or it fails, or with OPWEAVE_CPU_KERNELS=0, or for anything but contiguous float32 pools
-on the CPU, every function here runs the torch reference: results agree to float rounding either
-way (`tests/test_cpu_kernels.py`). `status()` says which and why.
+This module is the kernel interface (`opweave.kernels.KERNEL_NAMES`) of a CPU rank on the torch
+backend: the C kernels where they apply, the reference for the rest. The C sources are compiled
+together once per source, compiler and CPU by the system C compiler (`cc`, `-O3 -march=native`,
+no floating-point contraction) into the user's cache (`$XDG_CACHE_HOME/opweave`, else
+`~/.cache/opweave`; a temporary folder where that cannot be written) and loaded with ctypes.
+Where no compiler is found or it fails, or with OPWEAVE_CPU_KERNELS=0, or for anything but
+float32 on the CPU (contiguous pools for the attention), every function here runs the torch
+reference: results agree to float rounding either way, RoPE and the writes bit for bit
+(`tests/test_cpu_kernels.py`). `status()` says which and why.
 """
 
 from __future__ import annotations
