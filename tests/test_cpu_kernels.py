@@ -105,6 +105,23 @@ def test_paged_write_matches_reference(rows, t):
 
 
 @needs_cc
+def test_paged_write_of_a_decode_segment_view():
+    """A packed round's decode rows: [1, T] tokens of the fused q/k/v output seen as [T, 1, Hkv, D]
+    (the size-1 step axis has its own stride): written in place, as the reference writes them."""
+    g = torch.Generator().manual_seed(11)
+    k_ref, v_ref, table, g = _pool(4, 2, 16, 2, 8, seed=11)
+    k_c, v_c = k_ref.clone(), v_ref.clone()
+    qkv = torch.randn(1, 4, 8 * 8, generator=g)
+    k = qkv[..., 32:48].view(1, 4, 2, 8).reshape(4, 1, 2, 8)
+    v = qkv[..., 48:].view(1, 4, 2, 8).reshape(4, 1, 2, 8)
+    assert k.stride(0) != k.stride(1)
+    pos = torch.tensor([[3], [20], [-1], [7]])
+    PK.paged_cache_write(k_ref, v_ref, table, k, v, pos)
+    CPUK.paged_cache_write(k_c, v_c, table, k, v, pos)
+    assert torch.equal(k_c, k_ref) and torch.equal(v_c, v_ref)
+
+
+@needs_cc
 def test_paged_mla_write_matches_reference():
     g = torch.Generator().manual_seed(9)
     pool = torch.randn(9, 16, 80, generator=g)

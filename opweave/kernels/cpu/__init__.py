@@ -196,17 +196,22 @@ def paged_cache_write(k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch
             or positions.dtype != torch.int64 or k.shape != v.shape or k.shape[2:] != k_pages.shape[2:]):
         return PK.paged_cache_write(k_pages, v_pages, table, k, v, positions)
     width = k_pages.shape[2] * k_pages.shape[3]
+
+    def step(x: torch.Tensor) -> int:  # floats between consecutive tokens (row-major over B, T)
+        return x.stride(1) if t > 1 else x.stride(0)
+
     rows = []
     for x in (k, v):  # [B, T, Hkv, D] as rows of `width` floats, one stride apart
-        if not (x.stride(3) == 1 and x.stride(2) == x.shape[3] and (b == 1 or x.stride(0) == t * x.stride(1))):
+        if not (x.stride(3) == 1 and x.stride(2) == x.shape[3]
+                and (b == 1 or t == 1 or x.stride(0) == t * x.stride(1))):
             x = x.contiguous()
         rows.append(x)
     k, v = rows
-    if k.stride(1) != v.stride(1):
+    if step(k) != step(v):
         k, v = k.contiguous(), v.contiguous()
     positions = positions.contiguous()
     lib.opw_paged_write_f32(k_pages.data_ptr(), v_pages.data_ptr(), table.data_ptr(), table.stride(0), k.data_ptr(),
-                            v.data_ptr(), k.stride(1), positions.data_ptr(), b, t, width, k_pages.shape[1],
+                            v.data_ptr(), step(k), positions.data_ptr(), b, t, width, k_pages.shape[1],
                             table.shape[1], k_pages.shape[0] - 1)
 
 
