@@ -114,6 +114,26 @@ def test_the_aggregated_round_follows_the_flows():
     assert t.tokens_per_s < cand.sim.tokens_per_s
 
 
+def test_ttft_counts_the_rounds_until_the_host_learns_the_first_token(monkeypatch):
+    """The runtime's host learns a token HOST_TOKEN_LAG rounds after the round that sampled it: the
+    aggregated TTFT (mean and p99) carries that many rounds at the load."""
+    from opweave.hardware.cluster import parse_cluster
+    from opweave.ir.plan import HOST_TOKEN_LAG
+    from opweave.passes import traffic
+    from opweave.passes.space import Evaluator
+
+    cluster = parse_cluster("h100x4", load_catalog())
+    space = _space(cluster, 1.0, 2048, isl=1000, osl=100)
+    cand = search(space, SearchOptions(**SMALL, templates="colocated")).best
+    model = TrafficModel(Evaluator(space), space.workload)
+    with_lag = model.aggregated(cand, 512)
+    monkeypatch.setattr(traffic, "HOST_TOKEN_LAG", 0)
+    without = model.aggregated(cand, 512)
+    assert HOST_TOKEN_LAG == 2
+    assert with_lag.ttft_s - without.ttft_s == pytest.approx(HOST_TOKEN_LAG * with_lag.tpot_at_load_s)
+    assert with_lag.ttft_p99_s - without.ttft_p99_s == pytest.approx(HOST_TOKEN_LAG * with_lag.tpot_at_load_s)
+
+
 def test_a_tight_ttft_moves_prefill_to_its_own_gpus(tmp_path, capsys):
     """Llama-3.1-70B on 16 H100s, ISL/OSL 1024/1024: without a TTFT target prefill shares the decode
     rounds; at 100 ms (below what a round with a prompt's chunk allows at the load) prefill moves to

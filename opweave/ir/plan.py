@@ -26,7 +26,6 @@ from typing import Any
 from opweave.ir.workload import KV_TAIL_Z, Workload, kv_pool_pages
 
 PREFILL_CHUNK = 128
-PAGE_TOKENS = 16  # positions per KV page of a full-attention layer (`opweave.runtime.pages`)
 """Default prefill budget (a planned figure carried by each rank program): at most this many prompt
 tokens per round and microbatch, beside the decoding rows' one token each; a longer prompt is
 prefilled over several rounds, and several short ones share a round (`opweave.runtime.scheduler`).
@@ -34,6 +33,15 @@ prefilled over several rounds, and several short ones share a round (`opweave.ru
 step) while a round mixing prefill and decode stays a few decode steps long, so a new request
 delays the decoding rows by at most its own chunk's compute. The planner's memory bound is wider:
 rows x 128 tokens per microbatch (`passes/plan_memory.py`)."""
+
+PAGE_TOKENS = 16  # positions per KV page of a full-attention layer (`opweave.runtime.pages`)
+
+HOST_TOKEN_LAG = 2
+"""Rounds after the round that samples a token until the host learns it: the runtime copies each
+round's sampled ids to the host without waiting for them (`opweave.runtime.inputs.TokenCopies`),
+so the ids sampled in round r reach the scheduler, and the server's streams, at the end of round
+r + 2. A request's first token reaches its client two rounds after its last prompt chunk; the
+traffic model adds them to TTFT (`passes/traffic.py`)."""
 
 PLAN_FORMAT = "opweave-plan/3"
 _OLD_FORMAT = "opweave-plan/1"  # every replica set's GPUs, idle GPUs one by one

@@ -21,7 +21,8 @@ set gives r0 * n * lam * osl / T output tokens/s. TTFT at the planned load rho (
 `--rate` leaves) is half a round, plus the M/D/1 wait for the budget (utilisation rho * f, service
 isl / C rounds' budget) and the Erlang C wait for a free row (the scheduler's rows held
 osl - 1 + R rounds each), plus the R rounds of the request's own chunks, each carrying its chunk and
-the others' mean prompt tokens (rho * lam * isl), the round interpolated between T_0 and T_C.
+the others' mean prompt tokens (rho * lam * isl), the round interpolated between T_0 and T_C, plus
+the `HOST_TOKEN_LAG` rounds (at the load) after which the host learns the first token.
 
 Disaggregated: the decode plan decodes only (T_0; a row is held osl rounds, the first one for the
 arriving KV), and x TP groups of one GPU type of the cluster prefill prompts one at a time
@@ -46,6 +47,7 @@ from opweave.cost.memory import Footprint
 from opweave.cost.model import boundary_s, transfer_s
 from opweave.cost.prefill import prefill_s, round_extra_s
 from opweave.hardware.catalog import GPUSpec
+from opweave.ir.plan import HOST_TOKEN_LAG
 from opweave.ir.tp import legal_tp
 from opweave.ir.workload import Workload
 from opweave.passes.simulate import simulate
@@ -247,11 +249,13 @@ class TrafficModel:
         # the p99 round at the load: its chunks arrive as Poisson(rho lam R) per round
         chunks = poisson_quantile(load * lam * rounds, 1 - TAIL)
         p99 = t0 + (tc - t0) * min(budget, chunks * min(budget, w.isl)) / budget
+        # the host learns the first token HOST_TOKEN_LAG rounds after the round that sampled it
+        at_load = load * share * tc + (1 - load * share) * t0
+        own += HOST_TOKEN_LAG * at_load
         return Traffic(mode="aggregated", token_budget=budget, requests_per_s=requests,
                        tokens_per_s=requests * w.osl, cost_per_hour=sim.cost_per_hour, tpot_s=mean,
                        tpot_p99_s=p99, ttft_s=own + wait, ttft_p99_s=own + wait99,
-                       tpot_at_load_s=load * share * tc + (1 - load * share) * t0, load=load, chunk_share=share,
-                       sets=cand.sets)
+                       tpot_at_load_s=at_load, load=load, chunk_share=share, sets=cand.sets)
 
     # ---- disaggregated
     def prefill_groups(self) -> list[tuple[int, int, float, float]]:
