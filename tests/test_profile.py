@@ -227,7 +227,9 @@ def test_cpu_gpu_spec_from_measurement(table):
     base = load_catalog()["cpu"]
     spec = cpu_gpu_spec(table, base)
     assert 1e6 < spec.effective_flops < 1e13 and 1e6 < spec.effective_bandwidth < 1e13
-    assert spec.gemm_efficiency == spec.mem_efficiency == 1.0
+    assert spec.mem_efficiency == 1.0 and 0 < spec.gemm_efficiency <= 1.0
+    assert table.prefill_flops and spec.prefill_flops == pytest.approx(table.prefill_flops)  # timed at a chunk's rows
+    assert max(spec.effective_flops, spec.prefill_flops) == pytest.approx(spec.peak_flops)
     assert spec.launch_overhead == table.dispatch_s
     assert spec.intra_link_latency == table.transfer_latency_s
     assert intra_bandwidth(spec) == pytest.approx(table.transfer_bandwidth)
@@ -238,12 +240,23 @@ def test_cpu_gpu_spec_from_measurement(table):
 
 
 def test_cpu_gpu_spec_synthetic_figures(graph):
+    from opweave.profile.table import table_from_json
+
     table = _synthetic(graph, latency=lambda b, s: 1e-4 * b)
     spec = cpu_gpu_spec(table, load_catalog()["cpu"])
     largest = max((op for op in graph.ops if op.cls == OpClass.GEMM), key=lambda op: op.flops_per_token)
     assert spec.peak_flops == pytest.approx(4 * largest.flops_per_token / (4e-4 - 2e-6))
     heavy = max((op for op in graph.ops if op.cls == OpClass.GEMM), key=lambda op: op.weight_bytes)
     assert spec.mem_bandwidth == pytest.approx(heavy.weight_bytes / (1e-4 - 2e-6))
+    assert spec.gemm_efficiency == 1.0 and spec.prefill_efficiency is None  # no prefill figure: as before
+
+    # a prefill GEMM faster than the decode batch's: the peak is its figure, decode math keeps its rate
+    fast = dataclasses.replace(table, prefill_flops=3 * spec.peak_flops)
+    both = cpu_gpu_spec(fast, load_catalog()["cpu"])
+    assert both.peak_flops == pytest.approx(3 * spec.peak_flops)
+    assert both.effective_flops == pytest.approx(spec.effective_flops)
+    assert both.prefill_flops == pytest.approx(3 * spec.peak_flops) and both.prefill_efficiency == 1.0
+    assert table_from_json(fast.to_json()).prefill_flops == fast.prefill_flops
 
 
 def test_cost_model_marks_measured_ops(table, graph):

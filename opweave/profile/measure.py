@@ -45,6 +45,9 @@ from opweave.profile.signature import graph_hash, is_replicated, op_signature
 from opweave.profile.table import OpEntry, ProfileTable
 
 
+PREFILL_ROWS = 256
+"""Rows (prompt tokens) at which `profile` times the model's largest GEMM once more: the FLOP/s a
+prefill chunk's GEMMs reach, which on a CPU can be several times a decode batch's."""
 DISPATCH_CALLS = 1000
 DISPATCH_ROUNDS = 7
 
@@ -130,6 +133,7 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
             entries = _measure_ops(fe.source, graph.dtype, graph, groups, torch.device(device), batches, contexts,
                                    tp_degrees, say, busy_cores)
             dispatch_s = _measure_dispatch()
+            prefill_flops = _measure_prefill_flops(fe.source, graph.dtype, graph, torch.device(device))
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
         if not _out_of_memory(e):
             raise
@@ -138,6 +142,8 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
     finally:
         torch.set_num_threads(threads)
     say(f"dispatch overhead {dispatch_s * 1e6:.2f} us per module call")
+    if prefill_flops:
+        say(f"largest GEMM at {PREFILL_ROWS} rows: {prefill_flops / 1e9:.1f} GFLOP/s")
     return ProfileTable(
         model=graph.model, graph_hash=graph_hash(graph), gpu=catalog_key(device), device_name=device_name(device),
         dtype=graph.dtype, torch_version=torch.__version__, opweave_version=__version__,
@@ -147,7 +153,7 @@ def profile(model: str, device: str = "cpu", batches=(1, 2, 4, 8), contexts=(64,
                   "warmup_steps": SEQUENCE_WARMUP, "rotate_factor": ROTATE_FACTOR,
                   "busy_cores": busy_cores, "min_reps": MIN_REPS, "max_reps": MAX_REPS,
                   "target_point_s": TARGET_POINT_S, "statistic": "median", "device": device},
-        entries=tuple(entries), dispatch_s=dispatch_s,
+        entries=tuple(entries), dispatch_s=dispatch_s, prefill_flops=prefill_flops,
         transfer_latency_s=links.p2p.latency_s if links else None,
         transfer_bandwidth=links.p2p.bandwidth if links else None,
         transfer_samples=links.p2p.samples if links else (),
@@ -386,6 +392,43 @@ def _entry_line(e: OpEntry) -> str:
     else:
         grid = " ".join(us(x) for x in e.latency_s[0])
     return f"{e.kind} x{e.num_ops} (tp {e.tp}, {e.example}): {grid} us at batch {','.join(map(str, e.batches))}"
+
+
+def _measure_prefill_flops(source, dtype: str, graph, device: torch.device) -> float | None:
+    """FLOP/s of the model's largest GEMM (TP 1) at `PREFILL_ROWS` rows, its weights as a rank holds
+    them (on CPU: one packed oneDNN GEMM of its stacked weights, `kernel_ops.pack_cpu_gemms`); None
+    where it has no dense GEMM of 2-D weights."""
+    from opweave.kernels.reference import can_pack_linear, linear, pack_linear
+
+    modules = dict(_meta_step(source, dtype, 1).named_modules())
+    gemms = [op for op in graph.ops if op.cls == OpClass.GEMM and op.flops_per_token > 0
+             and getattr(modules.get(op.name), "linear_weights", ())]
+    if not gemms:
+        return None
+    op = max(gemms, key=lambda o: o.flops_per_token)
+    shapes = [tuple(getattr(modules[op.name], name).shape) for name in modules[op.name].linear_weights]
+    if any(len(s) != 2 or s[1] != shapes[0][1] for s in shapes):
+        return None
+    n, k = sum(s[0] for s in shapes), shapes[0][1]
+    torch_dtype = getattr(torch, dtype)
+    weight = torch.randn(n, k, dtype=torch_dtype, device=device) * 0.02
+    if device.type == "cpu" and can_pack_linear():
+        try:
+            weight = pack_linear(weight)
+        except RuntimeError:
+            pass
+    x = torch.randn(PREFILL_ROWS, k, dtype=torch_dtype, device=device)
+    times = []
+    for i in range(2 + MIN_REPS):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        linear(x, weight)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:  # after two warm-up calls
+            times.append(time.perf_counter() - t0)
+    return 2.0 * PREFILL_ROWS * n * k / statistics.median(times)
 
 
 class _NoOp(nn.Module):

@@ -91,6 +91,7 @@ class ProfileTable:
     settings: dict[str, Any]      # warm-up, repetitions, grids (for the record)
     entries: tuple[OpEntry, ...]
     dispatch_s: float             # one no-op module call from Python
+    prefill_flops: float | None = None        # the largest GEMM's FLOP/s at `measure.PREFILL_ROWS` rows
     transfer_latency_s: float | None = None   # point-to-point, fitted: latency + bytes / bandwidth
     transfer_bandwidth: float | None = None   # bytes/s
     transfer_samples: tuple[tuple[int, float], ...] = ()  # (bytes, one-way seconds)
@@ -254,7 +255,7 @@ def table_from_json(data: dict[str, Any], where: str = "profile") -> ProfileTabl
             device_name=str(data["device_name"]), dtype=str(data["dtype"]), torch_version=str(data["torch_version"]),
             opweave_version=str(data["opweave_version"]), python_version=str(data["python_version"]),
             date=str(data["date"]), num_threads=int(data["num_threads"]), settings=dict(data.get("settings", {})),
-            entries=entries, dispatch_s=float(data["dispatch_s"]),
+            entries=entries, dispatch_s=float(data["dispatch_s"]), prefill_flops=opt("prefill_flops"),
             transfer_latency_s=opt("transfer_latency_s"), transfer_bandwidth=opt("transfer_bandwidth"),
             transfer_samples=samples("transfer_samples"), allreduce_latency_s=opt("allreduce_latency_s"),
             allreduce_bandwidth=opt("allreduce_bandwidth"), allreduce_samples=samples("allreduce_samples"),
@@ -340,7 +341,10 @@ def cpu_gpu_spec(table: ProfileTable, base: GPUSpec) -> GPUSpec:
     - launch_overhead: `dispatch_s`;
     - link figures: the measured point-to-point latency and bandwidth, the bandwidths divided by
       the cost model's link efficiencies so the cost model's effective bandwidth is the measured one;
-    - gemm_efficiency = mem_efficiency = 1.0 (the figures are achieved ones);
+    - gemm_efficiency = mem_efficiency = 1.0 (the figures are achieved ones); where the profile
+      timed the largest GEMM at a prefill chunk's rows (`prefill_flops`), peak_flops is the larger
+      of the two figures, gemm_efficiency the decode batch's share of it and prefill_efficiency
+      the prefill's, so decode math and prefill math each run at their measured rate;
     - memory, usable fraction, node size and price stay `base`'s.
     """
     from opweave.cost.model import INTER_LINK_EFFICIENCY, INTRA_LINK_EFFICIENCY
@@ -364,6 +368,14 @@ def cpu_gpu_spec(table: ProfileTable, base: GPUSpec) -> GPUSpec:
         "kv_efficiency": f"{measured}: 1.0, mem_bandwidth is an achieved figure",
         "launch_overhead": f"{measured}: median no-op module call",
     }
+    if table.prefill_flops:  # a prefill's GEMMs: the largest one timed at a prompt chunk's rows
+        peak = max(flops, table.prefill_flops)
+        values |= {"peak_flops": peak, "gemm_efficiency": flops / peak, "prefill_efficiency": table.prefill_flops / peak}
+        sources |= {
+            "peak_flops": f"{measured}: the larger of its largest GEMM's FLOP/s at batch {b} and at a prefill's rows",
+            "gemm_efficiency": f"{measured}: {big.example} ({big.kind}) at batch {b}, FLOPs / (latency - dispatch), "
+                               "over peak_flops",
+            "prefill_efficiency": f"{measured}: the largest GEMM at a prefill chunk's rows, FLOP/s over peak_flops"}
     if table.transfer_latency_s is not None and table.transfer_bandwidth is not None:
         link = f"{measured}: torch.distributed send/recv between two ranks, median round trip / 2, fitted"
         values |= {"intra_link_latency": table.transfer_latency_s, "inter_link_latency": table.transfer_latency_s,
