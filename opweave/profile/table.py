@@ -370,7 +370,8 @@ def cpu_gpu_spec(table: ProfileTable, base: GPUSpec) -> GPUSpec:
     }
     if table.prefill_flops:  # a prefill's GEMMs: the largest one timed at a prompt chunk's rows
         peak = max(flops, table.prefill_flops)
-        values |= {"peak_flops": peak, "gemm_efficiency": flops / peak, "prefill_efficiency": table.prefill_flops / peak}
+        values |= {"peak_flops": peak, "gemm_efficiency": flops / peak,
+                   "prefill_efficiency": table.prefill_flops / peak}
         sources |= {
             "peak_flops": f"{measured}: the larger of its largest GEMM's FLOP/s at batch {b} and at a prefill's rows",
             "gemm_efficiency": f"{measured}: {big.example} ({big.kind}) at batch {b}, FLOPs / (latency - dispatch), "

@@ -88,8 +88,8 @@ def _compile(compiler: str, target: str) -> str | None:
     """Builds the shared library at `target` (written beside it, then renamed: ranks that build at
     once each get a whole file). Returns None, or the compiler's complaint."""
     tmp = f"{target}.{os.getpid()}.tmp"
-    base = [compiler, "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-I", _DIR,
-            *_SOURCES, "-o", tmp, "-lm"]
+    base = [compiler, "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fPIC", "-shared",
+            "-std=c11", "-I", _DIR, *_SOURCES, "-o", tmp, "-lm"]
     for flags in (["-fopenmp"], []):  # without OpenMP where its runtime is missing: one thread
         proc = subprocess.run(base[:1] + flags + base[1:], capture_output=True, text=True)
         if proc.returncode == 0:
@@ -226,6 +226,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                          scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
+
 
 # the rest of the kernel interface (`opweave.kernels.KERNEL_NAMES`): the torch reference
 decode_attention = K.decode_attention
