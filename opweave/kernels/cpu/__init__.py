@@ -14,7 +14,7 @@ torch's fused attention (`causal_attention`); later chunks keep the torch path.
 
 This module is the kernel interface (`opweave.kernels.KERNEL_NAMES`) of a CPU rank on the torch
 backend: the C kernels where they apply, the reference for the rest. The C sources are compiled
-together once per source, compiler and CPU by the system C compiler (`cc`, `-O3 -march=native`,
+together once per source, flags, compiler and CPU by the system C compiler (`cc`, `-O3 -march=native`,
 no floating-point contraction) into the user's cache (`$XDG_CACHE_HOME/opweave`, else
 `~/.cache/opweave`; a temporary folder where that cannot be written) and loaded with ctypes.
 Where no compiler is found or it fails, or with OPWEAVE_CPU_KERNELS=0, or for anything but
@@ -45,6 +45,7 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = tuple(os.path.join(_DIR, name) for name in ("paged_attention.c", "rows.c"))
 _HEADERS = (os.path.join(_DIR, "opw_math.h"),)
 MAX_PAGE = 64  # positions per page the C kernels take (paged_attention.c's MAX_PAGE)
+_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -88,8 +89,7 @@ def _compile(compiler: str, target: str) -> str | None:
     """Builds the shared library at `target` (written beside it, then renamed: ranks that build at
     once each get a whole file). Returns None, or the compiler's complaint."""
     tmp = f"{target}.{os.getpid()}.tmp"
-    base = [compiler, "-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fPIC", "-shared",
-            "-std=c11", "-I", _DIR, *_SOURCES, "-o", tmp, "-lm"]
+    base = [compiler, *_FLAGS, "-I", _DIR, *_SOURCES, "-o", tmp, "-lm"]
     for flags in (["-fopenmp"], []):  # without OpenMP where its runtime is missing: one thread
         proc = subprocess.run(base[:1] + flags + base[1:], capture_output=True, text=True)
         if proc.returncode == 0:
@@ -115,7 +115,8 @@ def _load() -> ctypes.CDLL | None:
             with open(path, "rb") as f:
                 source += f.read()
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256(source + version.encode() + _cpu_key().encode()).hexdigest()[:16]
+        facts = " ".join(_FLAGS) + version + _cpu_key()
+        key = hashlib.sha256(source + facts.encode()).hexdigest()[:16]
         target = os.path.join(_cache_dir(), f"opweave-cpu-{key}.so")
         if not os.path.exists(target):
             err = _compile(compiler, target)
