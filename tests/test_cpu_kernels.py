@@ -108,7 +108,6 @@ def test_paged_write_matches_reference(rows, t):
 def test_paged_write_of_a_decode_segment_view():
     """A packed round's decode rows: [1, T] tokens of the fused q/k/v output seen as [T, 1, Hkv, D]
     (the size-1 step axis has its own stride): written in place, as the reference writes them."""
-    g = torch.Generator().manual_seed(11)
     k_ref, v_ref, table, g = _pool(4, 2, 16, 2, 8, seed=11)
     k_c, v_c = k_ref.clone(), v_ref.clone()
     qkv = torch.randn(1, 4, 8 * 8, generator=g)

@@ -64,11 +64,6 @@ class OpModule(nn.Module):
     fuse_weights: tuple[str, ...] = ()
     fuse_biases: tuple[str, ...] = ()
 
-    def fused_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The `fuse_weights` GEMMs of `x` as one (`fused_weight`), split back into theirs (views)."""
-        sizes = [getattr(self, name).shape[0] for name in self.fuse_weights]
-        return K.linear(x, self.fused_weight, self.fused_bias).split(sizes, dim=-1)
-
     def __init__(self, cfg: ModelConfig, layer: int | None):
         super().__init__()
         self.cfg = cfg
@@ -77,6 +72,11 @@ class OpModule(nn.Module):
         self.tied: dict[str, str] = {}  # parameter -> checkpoint key it shares storage with
         self.register_buffer("fused_weight", None, persistent=False)  # see `fuse_weights`
         self.register_buffer("fused_bias", None, persistent=False)
+
+    def fused_outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The `fuse_weights` GEMMs of `x` as one (`fused_weight`), split back into theirs (views)."""
+        sizes = [getattr(self, name).shape[0] for name in self.fuse_weights]
+        return K.linear(x, self.fused_weight, self.fused_bias).split(sizes, dim=-1)
 
     def _param(self, attr: str, key: str, *shape: int) -> None:
         setattr(self, attr, nn.Parameter(torch.empty(*shape, dtype=torch_dtype(self.cfg)), requires_grad=False))

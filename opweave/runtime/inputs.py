@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from opweave.ir.plan import HOST_TOKEN_LAG
 from opweave.kernels.sampling import GREEDY
 from opweave.runtime.layout import Layout
 from opweave.runtime.scheduler import StepPlan
@@ -100,7 +101,8 @@ class TokenCopies:
     with an event; the host reads it at the end of the next round (`read`), when it has long
     completed."""
 
-    LAG = 2  # host buffers: a round's copy is read at the end of the next round
+    LAG = HOST_TOKEN_LAG  # host buffers: a round's copy is read at the end of the next round, so the
+    # tokens sampled in round r reach the host at the end of round r + 2 (what the traffic model counts)
 
     def __init__(self, rows: int, num_microbatches: int, device: torch.device):
         pin = device.type == "cuda"

@@ -388,9 +388,10 @@ class Runtime:
             self._serve_io()
         if self.scheduler is not None:
             self.copies.round_done(r)
-            if r >= 2:  # the copies of round r - 1 hold the tokens sampled in round r - 2
-                for mb, tokens in enumerate(self.copies.read(r - 1)):
-                    self.scheduler.learn(r - 2, mb, tokens)
+            lag = self.copies.LAG  # the copies of round r - 1 hold the tokens sampled in round r - 2
+            if r >= lag:
+                for mb, tokens in enumerate(self.copies.read(r - lag + 1)):
+                    self.scheduler.learn(r - lag, mb, tokens)
         more, counts = self.transport.complete_round(self.has_work, self._ahead())
         self._mark("sync")
         self.round_index += 1
