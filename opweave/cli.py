@@ -500,8 +500,8 @@ def _budget(text: str) -> int:
 def _run_stats(stats: dict) -> dict:
     """Rank 0's rounds (median wall ms over all rounds and over the decode rounds after the first
     two), every rank's CUDA-graph use and the prompt tokens the prefix caches were asked for and
-    held (`prefix_cache`: queried, hit), and the requests preempted when KV pages ran short, for
-    `run --json`."""
+    held (`prefix_cache`: queried, hit), the requests preempted when KV pages ran short, and each
+    rank's bytes collapsed into huge pages (`huge_pages`, CPU ranks), for `run --json`."""
     import statistics
 
     rounds = stats.get("round_s", [])
@@ -509,7 +509,7 @@ def _run_stats(stats: dict) -> dict:
     return {"rounds": len(rounds), "round_ms_median": 1e3 * statistics.median(rounds) if rounds else None,
             "steady_round_ms_median": 1e3 * statistics.median(steady) if steady else None,
             "graphs": stats.get("graphs"), "prefix_cache": stats.get("prefix_cache"),
-            "preemptions": stats.get("preemptions", 0)}
+            "preemptions": stats.get("preemptions", 0), "huge_pages": stats.get("huge_pages")}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

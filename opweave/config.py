@@ -18,7 +18,7 @@ from opweave.errors import OpWeaveError
 _OFF = ("", "0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 BOOLEAN_FLAGS = ("OPWEAVE_VERIFY", "OPWEAVE_DEBUG", "OPWEAVE_CHECK_SYNC", "OPWEAVE_CUDA_GRAPHS",
-                 "OPWEAVE_REGEN_GOLDEN", "OPWEAVE_CPU_KERNELS")
+                 "OPWEAVE_REGEN_GOLDEN", "OPWEAVE_CPU_KERNELS", "OPWEAVE_HUGE_PAGES")
 FAULT_VARIABLES = ("OPWEAVE_FAULT_KILL", "OPWEAVE_FAULT_STALL", "OPWEAVE_FAULT_RAISE", "OPWEAVE_FAULT_SLOW_OP")
 
 
@@ -94,6 +94,13 @@ def cpu_kernels_enabled() -> bool:
     """OPWEAVE_CPU_KERNELS=0: CPU ranks attend their paged caches with the torch reference kernels
     instead of the C kernels (`opweave.kernels.cpu`). On by default."""
     return _flag("OPWEAVE_CPU_KERNELS", default="1")
+
+
+def huge_pages_enabled() -> bool:
+    """OPWEAVE_HUGE_PAGES=0: CPU ranks leave their weights and KV pool in the pages the allocator
+    gave them instead of collapsing them into transparent huge pages (`opweave.runtime.hugepages`).
+    On by default."""
+    return _flag("OPWEAVE_HUGE_PAGES", default="1")
 
 
 def c_compiler() -> str | None:

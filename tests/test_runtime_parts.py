@@ -414,3 +414,25 @@ def test_cpu_gemm_weights_are_packed_and_compute_what_f_linear_does(tiny_checkpo
     with torch.no_grad():
         torch.testing.assert_close(packed(ids, positions), plain(ids, positions), rtol=1e-5, atol=1e-5)
     assert pack_cpu_gemms(ops, torch.device("meta")) == 0
+
+
+def test_round_reports_leave_idle_rounds_out(monkeypatch):
+    """An idle server's empty rounds (every IDLE_WAIT_S) are not round times: /metrics'
+    opweave_round_seconds quantiles are those of rounds that computed something."""
+    import queue
+
+    from opweave.runtime import worker
+    from opweave.runtime.channel import RoundReport
+
+    monkeypatch.setattr(worker, "ROUND_REPORT_S", 0.0)  # report at every round
+    box = queue.Queue()
+    reports = worker.RoundReports(box, replica_set=0, rank=0)
+    reports.add(0.080, 17, 17)
+    reports.add(None)
+    reports.add(None)
+    reports.add(0.075, 16, 16)
+    sent = [box.get_nowait() for _ in range(box.qsize())]
+    assert all(isinstance(r, RoundReport) for r in sent)
+    times = [t for r in sent for t in r.seconds]
+    assert times == [0.080, 0.075]
+    assert sum(r.computed for r in sent) == 33

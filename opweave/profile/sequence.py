@@ -109,6 +109,7 @@ def measure_sequence(graph, groups: dict[str, list[Op]], full_modules: dict, spe
     """
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     copies, sequence = _sequence(graph, groups, full_modules, tp, device, max(batches), max(contexts))
+    _huge_pages(device)
     samples: dict[str, dict[tuple[int, int], list[float]]] = {sig: {} for sig in groups}
     has_attn = any(ops[0].cls == OpClass.ATTN for ops in groups.values())
     for context in (contexts if has_attn else (contexts[0],)):
@@ -164,6 +165,7 @@ def _busy_loop(graph, groups, full_modules, specs, batch: int, context: int, sto
     cpu = torch.device("cpu")
     with torch.no_grad():
         copies, sequence = _sequence(graph, groups, full_modules, 1, cpu, batch, context)
+        _huge_pages(cpu)
         calls = _calls_at(copies, sequence, groups, specs, batch, context, cpu)
         while not stop.is_set():
             _run_sequence(calls, lambda: None)
@@ -191,6 +193,14 @@ def _run_sequence(calls, sync) -> list[float]:
         sync()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def _huge_pages(device: torch.device) -> None:
+    """The copies' weights in huge pages, as a CPU rank keeps its own (`runtime.hugepages`)."""
+    if device.type == "cpu":
+        from opweave.runtime.hugepages import back_with_huge_pages
+
+        back_with_huge_pages()
 
 
 def _materialize_copies(meta_module: OpModule, index: int, tp: int, device: torch.device,

@@ -40,6 +40,7 @@ from opweave.runtime.channel import (IDLE_WAIT_S, ROUND_REPORT_S, Add, Cancel, R
 from opweave.runtime import heartbeat
 from opweave.runtime.heartbeat import DeviceBeats, Phase, pulse, report
 from opweave.runtime.inputs import RowInputs, TokenCopies
+from opweave.runtime.hugepages import back_with_huge_pages
 from opweave.runtime.kernel_ops import add_norm, device_kernels, pack_cpu_gemms, with_kernels
 from opweave.runtime.layout import Layout, Packed
 from opweave.artifact import VerifiedArtifact, load_artifact, load_program_source, rank_files
@@ -101,6 +102,7 @@ class Runtime:
         self.state = RankState.allocate(self.modules, self.rows, m, program.context, self.device, pages=kv_pages)
         check_placement(self.modules, self.device, op_names, f"rank {program.rank}")  # weights and state
         pack_cpu_gemms(self.modules, self.device)  # CPU: GEMM weights in oneDNN's layout
+        self.huge_pages = back_with_huge_pages() if self.device.type == "cpu" else None  # ... in 2 MiB pages
         self.scheduler = None
         if program.scheduler and program.tp_rank == 0:
             self.scheduler = Scheduler(requests, m, self.rows, program.context, cfg.eos_token_ids,
@@ -555,7 +557,8 @@ class _Rounds:
         self.wall.append(wall)
         self.host.append(host)
         if self.reports is not None:
-            self.reports.add(wall, *self.rt.round_tokens(), cache=self.rt.cache_stats())
+            live = any(self.rt.transport.live(mb) for mb in range(self.rt.program.num_microbatches))
+            self.reports.add(wall if live else None, *self.rt.round_tokens(), cache=self.rt.cache_stats())
             self.wall, self.host = self.wall[-self.KEEP:], self.host[-self.KEEP:]
 
     def after(self) -> None:
@@ -579,7 +582,8 @@ def _outputs(rt: Runtime, runner: RoundRunner, rounds: _Rounds, rank: int, trace
     done = rt.scheduler.done if rt.scheduler is not None else []
     spans = rt.timeline.to_rows() if rt.timeline is not None else None
     gathered = _gather_json({"done": [dataclasses.asdict(r) for r in done], "spans": spans, "checked": rounds.checked,
-                             "graphs": runner.stats, "cache": rt.cache_stats()},
+                             "graphs": runner.stats, "cache": rt.cache_stats(),
+                             "huge_pages": dataclasses.asdict(rt.huge_pages) if rt.huge_pages else None},
                             rank, rt.program.world_size, rt.device)
     if rank != 0:
         return None
@@ -587,7 +591,8 @@ def _outputs(rt: Runtime, runner: RoundRunner, rounds: _Rounds, rank: int, trace
     stats = {"round_s": rounds.wall, "host_s": rounds.host, "checked_rounds": [part["checked"] for part in gathered],
              "graphs": [part["graphs"] for part in gathered],
              "prefix_cache": {"queried": sum(p["cache"][0] for p in gathered), "hit": sum(p["cache"][1] for p in gathered)},
-             "preemptions": sum(p["cache"][3] for p in gathered)}
+             "preemptions": sum(p["cache"][3] for p in gathered),
+             "huge_pages": [part["huge_pages"] for part in gathered]}
     if trace:
         stats["spans"] = {r: part["spans"] for r, part in enumerate(gathered)}
     return sorted(out, key=lambda r: r.index), stats
@@ -625,12 +630,13 @@ class RoundReports:
         self._reported = (0, 0, 0)  # prefix tokens looked up / found, preemptions, as of the last report
         self._last = time.monotonic()
 
-    def add(self, seconds: float, computed: int = 0, used: int = 0,
+    def add(self, seconds: float | None, computed: int = 0, used: int = 0,
             cache: tuple[int, int, float, int] = (0, 0, 0.0, 0)) -> None:
-        """One round: its wall time, tokens computed and used, and `cache`: the leader's prefix
-        lookups so far (tokens looked up, found), the KV pages' share held now and its preemptions
-        so far."""
-        self._pending.append(seconds)
+        """One round: its wall time (None: an idle round, which computed nothing and is not a
+        round time), tokens computed and used, and `cache`: the leader's prefix lookups so far
+        (tokens looked up, found), the KV pages' share held now and its preemptions so far."""
+        if seconds is not None:
+            self._pending.append(seconds)
         self._computed += computed
         self._used += used
         now = time.monotonic()
