@@ -37,6 +37,10 @@ CASES = [  # rows, query heads, kv heads, head dim, page, table width, sinks
     (2, 16, 2, 128, 16, 3, False),
     (4, 6, 3, 40, 8, 7, True),        # a head dim with a tail past 16 lanes, small pages
     (1, 4, 1, 576, 16, 2, False),     # MLA's latent rows: one shared "head" of 512 + 64
+    (3, 4, 2, 48, 16, 4, True),       # 2 query heads per kv head: 8 keys a block of 16 dot products
+    (2, 32, 2, 64, 8, 5, False),      # 16 query heads per kv head: one key a block; pages of 8
+    (2, 8, 1, 64, 64, 2, False),      # the largest page the kernel takes
+    (5, 12, 4, 64, 16, 3, False),     # 3 query heads per kv head: the portable scores
 ]
 
 
