@@ -390,7 +390,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("\n".join(torchrun_commands(args.artifact, args.weights, args.prompts, args.max_new_tokens,
                                           extra=extra)))
         return 0
-    requests = read_requests(args.prompts, args.prompt_ids, args.max_new_tokens)
+    from opweave.runtime.run_io import print_outputs, run_tokenizer
+    from opweave.serve.tokenizer import Tokenizer
+
+    tokenizer = run_tokenizer(args.tokenizer, args.weights, Tokenizer.from_folder)
+    requests = read_requests(args.prompts, args.prompt_ids, args.max_new_tokens, tokenizer)
     verify_key = None
     if args.verify_key:
         from opweave.artifact import read_key
@@ -406,14 +410,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     prefill_budget=args.prefill_budget, prefix_cache=not args.no_prefix_cache,
                     kv_pages=args.kv_pages)
     outputs, stats = run_detailed(cfg)
-    if args.json:
-        print(json.dumps({"outputs": [{"prompt_ids": r.prompt, "token_ids": r.output}
-                                      | ({"error": r.error} if r.error else {}) for r in outputs],
-                          "stats": _run_stats(stats)}))
-    else:
-        for r in outputs:
-            shown = f"error: {r.error}" if r.error else " ".join(map(str, r.output))
-            print(f"[{r.index}] {len(r.prompt)} prompt tokens -> {shown}")
+    print_outputs(outputs, tokenizer, args.json, _run_stats(stats))
     if args.trace:
         from opweave.runtime.timeline import write_trace
 
@@ -426,11 +423,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("artifact", help="folder written by opweave compile")
     p.add_argument("--weights", required=True, help="Hugging Face checkpoint folder, or 'random'")
-    p.add_argument("--prompts", metavar="FILE.jsonl", help='one {"prompt_ids": [...]} per line')
+    p.add_argument("--prompts", metavar="FILE.jsonl",
+                   help='one {"prompt_ids": [...]}, {"prompt": "text"} or {"messages": [...]} per line')
     p.add_argument("--prompt-ids", help="one prompt as comma-separated token ids")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--device", default="cpu", help="cpu (one process per planned GPU) or cuda")
-    p.add_argument("--json", action="store_true", help='print {"outputs": [{"prompt_ids", "token_ids"}], "stats": {rounds, round times, CUDA graphs}}')
+    p.add_argument("--json", action="store_true", help='print {"outputs": [{"prompt_ids", "token_ids", "text"}], "stats": {rounds, round times, CUDA graphs}}')
+    p.add_argument("--tokenizer", metavar="FOLDER", help="folder with tokenizer.json / tokenizer_config.json, for "
+                   "text prompts and output text (default: the --weights folder, when it has one)")
     p.add_argument("--torchrun", action="store_true", help="print the torchrun command for each node instead")
     p.add_argument("--replica-sets", default="1", metavar="N|all",
                    help="run N of the plan's replica sets at once (requests dealt round-robin; default 1)")
@@ -565,7 +565,7 @@ def _args_serve(p: argparse.ArgumentParser) -> None:
     from opweave.serve import guard  # the standard library only
 
     p.add_argument("--api-key", type=guard.parse_api_key, default=config.api_key(),
-                   help="require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                   help="require 'Authorization: Bearer KEY' on every path but /health, /ping and /metrics "
                         "(default: $OPWEAVE_API_KEY; none when unset)")
     p.add_argument("--allowed-hosts", type=guard.parse_hosts, default=[], metavar="NAME,...|*",
                    help="Host header names accepted besides localhost, 127.0.0.1 and ::1 ('*': any). Bound to "

@@ -311,7 +311,7 @@ def test_prompt_file_lines_are_checked(tmp_path, line, message):
 
 def test_good_prompts_keep_their_source(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt_ids": [5, 6]}\n{"prompt_ids": [7], "max_new_tokens": 2, "id": "x"}\n')
+    path.write_text('{"prompt_ids": [5, 6]}\n{"prompt_ids": [7], "max_new_tokens": 2}\n')
     reqs = read_requests(str(path), "1, 2,3", 4)
     assert [(r.index, r.prompt, r.max_new_tokens) for r in reqs] == [(0, [1, 2, 3], 4), (1, [5, 6], 4), (2, [7], 2)]
     assert [r.source for r in reqs] == ["--prompt-ids", f"--prompts {path}: line 1", f"--prompts {path}: line 2"]

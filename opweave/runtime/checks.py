@@ -3,10 +3,11 @@
 A rank that fails on bad input fails after its peers have started, loaded weights and joined the
 process group; the same fault found here costs nothing and names the file and line concerned:
 
-- prompts (`parse_prompt_line`, `parse_prompt_ids`, `check_vocabulary`): each line of a prompts
-  file is UTF-8 JSON holding an object with `prompt_ids`, a non-empty list of whole numbers (JSON
-  `true` is not one, although Python counts it an int; `1.0` is not one either) that fit int64
-  and lie in the model's vocabulary, and an optional `max_new_tokens`, a positive whole number;
+- prompts (`check_token_ids`, `check_max_new_tokens`, `parse_prompt_ids`, `check_vocabulary`;
+  a prompts file's lines are read by `opweave.runtime.run_io`): token ids are a non-empty list of
+  whole numbers (JSON `true` is not one, although Python counts it an int; `1.0` is not one
+  either) that fit int64 and lie in the model's vocabulary, and `max_new_tokens` a positive whole
+  number;
 - the checkpoint (`check_checkpoint`): its own `config.json` describes the model the artifact was
   compiled for (a checkpoint with an extra layer or another `rms_norm_eps` would otherwise run
   with the artifact's figures and give wrong tokens without a word), and its weight files open
@@ -226,44 +227,6 @@ def check_max_new_tokens(value, where: str) -> int:
     if type(value) is not int or value <= 0:  # type(True) is bool: a boolean is refused
         raise OpWeaveError(f"{where}: max_new_tokens must be a positive whole number, got {json.dumps(value)[:40]}")
     return value
-
-
-def parse_prompt_line(raw: bytes, where: str, max_new_tokens: int) -> Request | None:
-    """One line of a prompts file as a Request (index 0), or None for a blank line."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise OpWeaveError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
-    if not text.strip():
-        return None
-    try:
-        item = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise OpWeaveError(f"{where}: not JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(item, dict):
-        raise OpWeaveError(f'{where}: expected an object like {{"prompt_ids": [1, 2, 3]}}, got {_kind(item)}')
-    if "prompt_ids" not in item:
-        raise OpWeaveError(f"{where}: no 'prompt_ids' (the prompt's token ids)")
-    ids = check_token_ids(item["prompt_ids"], where)
-    new = check_max_new_tokens(item["max_new_tokens"], where) if "max_new_tokens" in item else max_new_tokens
-    return Request(index=0, prompt=ids, max_new_tokens=new, source=where)
-
-
-def read_prompts_file(path: str, max_new_tokens: int) -> list[Request]:
-    """Every non-blank line of a JSONL prompts file, checked (see the module docstring)."""
-    out = []
-    try:
-        with open(path, "rb") as f:
-            for n, raw in enumerate(iter(lambda: f.readline(MAX_PROMPT_LINE_BYTES + 1), b""), 1):
-                where = f"--prompts {path}: line {n}"
-                if len(raw) > MAX_PROMPT_LINE_BYTES:
-                    raise OpWeaveError(f"{where}: longer than {MAX_PROMPT_LINE_BYTES >> 20} MiB")
-                request = parse_prompt_line(raw, where, max_new_tokens)
-                if request is not None:
-                    out.append(request)
-    except OSError as e:
-        raise OpWeaveError(f"--prompts {path}: cannot read ({e.strerror})") from None
-    return out
 
 
 def parse_prompt_ids(text: str, max_new_tokens: int) -> Request:

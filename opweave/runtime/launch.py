@@ -42,7 +42,8 @@ from opweave.errors import OpWeaveError
 from opweave.runtime import heartbeat
 from opweave.runtime.heartbeat import Heartbeat, Phase, StallWatch
 from opweave.artifact import VerifiedArtifact, load_artifact
-from opweave.runtime.checks import check_inputs, parse_prompt_ids, read_prompts_file
+from opweave.runtime.checks import check_inputs, parse_prompt_ids
+from opweave.runtime.run_io import RunTokenizer, read_prompts
 from opweave.runtime.scheduler import Request
 from opweave.signals import deferred
 
@@ -582,16 +583,18 @@ def _kill_left_ranks() -> None:
 atexit.register(_kill_left_ranks)
 
 
-def read_requests(prompts_file: str | None, prompt_ids: str | None, max_new_tokens: int) -> tuple[Request, ...]:
-    """Requests from one id list (`--prompt-ids 1,2,3`) and a JSONL file (one
-    {"prompt_ids": [...], "max_new_tokens": N} per line), checked line by line before any rank
-    starts (`opweave.runtime.checks`; the vocabulary is checked against the artifact by
-    `check_inputs`). Each request remembers its source (file and line) for later messages."""
+def read_requests(prompts_file: str | None, prompt_ids: str | None, max_new_tokens: int,
+                  tokenizer: RunTokenizer | None = None) -> tuple[Request, ...]:
+    """Requests from one id list (`--prompt-ids 1,2,3`) and a JSONL file (one object per line:
+    token ids, text or a chat, and an optional max_new_tokens; `opweave.runtime.run_io`), checked
+    line by line before any rank starts (`opweave.runtime.checks`; the vocabulary is checked
+    against the artifact by `check_inputs`). `tokenizer`: what turns text lines into ids (without
+    one they are refused). Each request remembers its source (file and line) for later messages."""
     if type(max_new_tokens) is not int or max_new_tokens <= 0:
         raise OpWeaveError(f"--max-new-tokens must be a positive whole number, got {max_new_tokens!r}")
     requests: list[Request] = []
     if prompt_ids is not None:
         requests.append(parse_prompt_ids(prompt_ids, max_new_tokens))
     if prompts_file:
-        requests += read_prompts_file(prompts_file, max_new_tokens)
+        requests += read_prompts(prompts_file, max_new_tokens, tokenizer or RunTokenizer())
     return tuple(dataclasses.replace(r, index=i) for i, r in enumerate(requests))
