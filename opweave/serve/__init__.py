@@ -3,7 +3,8 @@
     engine.py     the plan's ranks, started once, with continuous batching
     tokenizer.py  the checkpoint's tokenizer and chat template; tokens -> text deltas, stop strings
     protocol.py   request validation, OpenAI response and error bodies
-    metrics.py    Prometheus metrics
+    metrics.py    Prometheus metrics (vllm_metrics.py: vLLM's metric set under the `opweave:` prefix)
+    extra.py      /tokenize, /detokenize, /version, /ping
     app.py        the FastAPI app (`make_app`) and its uvicorn runner (`run_server`)
     guard.py      HTTP hardening: Host, API key, body limits, head timeout, connection cap, generic 5xx
 

@@ -1,10 +1,13 @@
 """The HTTP front end: an OpenAI-compatible FastAPI app over a running `Engine`, and its uvicorn runner.
 
-    POST /v1/completions        prompt as text or token ids; streaming (SSE) or not
+    POST /v1/completions        prompt as text or token ids; streaming (SSE) or not; `echo`
     POST /v1/chat/completions   messages through the checkpoint's chat template
     GET  /v1/models             the one served model
     GET  /health                200 while every rank runs, else 503 with the engine's error
     GET  /metrics               Prometheus text (`metrics.py`)
+    POST /tokenize, /detokenize vLLM's tokenizer endpoints (`extra.py`)
+    GET  /version               opweave's version
+    GET|POST /ping              as /health (vLLM's and SageMaker's probe)
 
 A request is validated (`protocol.py`), tokenized, checked against the plan's context, and submitted
 to the engine, whose events arrive on an engine thread and are handed to the request's asyncio queue.
@@ -30,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from opweave.errors import OpWeaveError
-from opweave.serve import guard, protocol
+from opweave.serve import extra, guard, protocol
 from opweave.serve.engine import QueueFull, Sampling, SamplingError
 from opweave.serve.metrics import CONTENT_TYPE, Metrics
 from opweave.serve.protocol import ApiError
@@ -51,7 +54,7 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None,
     the accepted Host names (None: any).
     """
     name = served_model_name or engine.model
-    metrics = Metrics(engine)
+    metrics = Metrics(engine, name)
     app = FastAPI(title="OpWeave", docs_url=None, redoc_url=None, openapi_url=None)
     created = protocol.now()
 
@@ -90,20 +93,21 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None,
     async def generate(http: HttpRequest, parse) -> Response:
         arrival = time.monotonic()
         req = parse(protocol.load_json(await http.body()))
-        if req.model != name:
-            raise ApiError(404, f"the model '{req.model}' does not exist: this server serves '{name}'",
-                           param="model", code="model_not_found")
+        protocol.check_model(req.model, name)
         ids = _prompt_ids(req, tokenizer)
         sampling = _sampling(req, len(ids), engine.context, getattr(tokenizer, "sampling_defaults", (0.0, 1.0)),
                              engine.vocab_size)
+        echo = ""
+        if req.echo:  # the prompt as given, or a token-id prompt decoded (as OpenAI and vLLM do)
+            echo = req.text if req.text is not None else extra.decode_prompt(tokenizer, ids)
         run = _Run(engine, metrics, tokenizer, req, len(ids), arrival)
         run.submit(ids, sampling)
         if req.stream:
-            return _EventStream(_stream(run, guard.request_id(http.scope)), run.close,
+            return _EventStream(_stream(run, guard.request_id(http.scope), echo), run.close,
                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         watch = asyncio.create_task(_cancel_on_disconnect(http, run))
         try:
-            text = "".join([piece async for piece in run.pieces()])
+            text = echo + "".join([piece async for piece in run.pieces()])
         finally:
             watch.cancel()
             run.close()
@@ -119,6 +123,7 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None,
     async def chat_completions(http: HttpRequest):
         return await generate(http, protocol.parse_chat)
 
+    extra.add_routes(app, engine, tokenizer, name, health)
     app.add_middleware(guard.Guard, max_request_bytes=max_request_bytes, body_timeout_s=body_timeout_s,
                        api_key=api_key, allowed_hosts=allowed_hosts, on_error=count_error)
     app.state.metrics = metrics
@@ -240,17 +245,17 @@ class _Run:
 
     def _token(self) -> None:
         now = time.monotonic()
+        self.metrics.token(arrival=self.arrival, previous=self.last, now=now, prompt_tokens=self.prompt_tokens)
         self.first = self.first or now
         self.last = now
         self.tokens += 1
-        self.metrics.token()
 
     def _end(self, reason: str, status: int = 500, error: str | None = None) -> None:
         if self.done:
             return
         self.done, self.finish = True, reason
         self.error, self.error_status = error, status
-        self.metrics.finished(reason, self.arrival, self.first, self.last, self.tokens)
+        self.metrics.finished(reason, self.arrival, self.first, self.last, self.tokens, self.prompt_tokens)
 
     def close(self) -> None:
         """The response is over or abandoned: a request still in the engine is cancelled."""
@@ -262,10 +267,13 @@ class _Run:
         return protocol.usage(self.prompt_tokens, self.tokens)
 
 
-async def _stream(run: _Run, rid: str):
+async def _stream(run: _Run, rid: str, echo: str = ""):
+    """The response's server-sent events; `echo` (the prompt's text) is the first completion chunk."""
     req = run.req
     if req.kind == "chat":
         yield protocol.sse(protocol.chunk(req, run.rid, run.created, None, None, role=True))
+    if echo:
+        yield protocol.sse(protocol.chunk(req, run.rid, run.created, echo, None))
     async for piece in run.pieces():
         yield protocol.sse(protocol.chunk(req, run.rid, run.created, piece, None))
     if run.error is not None:

@@ -32,7 +32,7 @@ MAX_REQUEST_BYTES = 4 << 20   # a request body above this is a 413
 BODY_TIMEOUT_S = 30.0         # the whole body must arrive within this after the request head
 HEADER_TIMEOUT_S = 10.0       # the request head must arrive within this after the connection or its first byte
 MAX_CONNECTIONS = 1024        # open connections; more are answered 503 and closed
-OPEN_PATHS = frozenset({"/health", "/metrics"})   # reachable without the API key (as in vLLM)
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # reachable without the API key (as in vLLM)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 REQUEST_ID = "opweave.request_id"                 # the scope key holding the request id
 

@@ -5,6 +5,8 @@ output token (the request's mean gap between tokens after the first), prompt and
 counts, and the finish reason. The engine's own figures (requests running and waiting, queue
 rejections, recent round times of every rank) are read from `engine.stats()` at each scrape.
 `opweave_generation_tokens_per_second` is the generated-token rate over the last `RATE_WINDOW_S`.
+Beside these, the same events feed vLLM's metric set under the `opweave:` prefix (`vllm_metrics.py`),
+so dashboards written for vLLM work on OpWeave.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from opweave.serve.vllm_metrics import VllmMetrics
+
 RATE_WINDOW_S = 10.0
 # Buckets in seconds, from a sub-millisecond round on a GPU to a slow CPU prefill.
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -25,8 +29,11 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Metrics:
-    def __init__(self, engine):
+    def __init__(self, engine, model_name: str | None = None):
+        """Metrics of the server over `engine`; `model_name` (the served name, default the engine's
+        model) labels the vLLM-named set."""
         self.registry = CollectorRegistry()
+        self.vllm = VllmMetrics(self.registry, model_name or engine.model, engine.context)
         self.ttft = Histogram("opweave_time_to_first_token_seconds", "Time from a request's arrival to its first token",
                               buckets=_TTFT_BUCKETS, registry=self.registry)
         self.tpot = Histogram("opweave_time_per_output_token_seconds",
@@ -43,13 +50,23 @@ class Metrics:
         self._lock = threading.Lock()
         self.registry.register(_EngineCollector(engine, self))
 
-    def token(self, n: int = 1) -> None:
+    def token(self, n: int = 1, *, arrival: float | None = None, previous: float | None = None,
+              now: float | None = None, prompt_tokens: int = 0) -> None:
+        """`n` tokens generated. Given the request's `arrival`, this is one token of that request at
+        `now`, its previous token having come at `previous` (None: this is its first, with a prompt of
+        `prompt_tokens`): the vLLM-named set observes time to first token and inter-token gaps from them."""
+        now = time.monotonic() if now is None else now
         self.generation_tokens.inc(n)
         with self._lock:
-            self._recent.append((time.monotonic(), n))
+            self._recent.append((now, n))
+        if arrival is not None:
+            self.vllm.token(arrival, previous, now, prompt_tokens)
 
-    def finished(self, reason: str, arrival: float, first: float | None, last: float | None, tokens: int) -> None:
-        """One request ended (times from `time.monotonic`)."""
+    def finished(self, reason: str, arrival: float, first: float | None, last: float | None, tokens: int,
+                 prompt_tokens: int = 0, now: float | None = None) -> None:
+        """One request ended (times from `time.monotonic`; `now`: when, default now)."""
+        self.vllm.finished(reason, arrival, first, last, tokens, prompt_tokens,
+                           time.monotonic() if now is None else now)
         self.requests.labels(reason).inc()
         if first is not None:
             self.ttft.observe(first - arrival)
@@ -75,6 +92,7 @@ class _EngineCollector:
 
     def collect(self):
         stats = self._engine.stats()
+        yield from self._metrics.vllm.engine_families(stats)
         yield GaugeMetricFamily("opweave_requests_running", "Requests generating tokens", value=stats["running"])
         yield GaugeMetricFamily("opweave_requests_waiting", "Requests waiting for their first token",
                                 value=stats["waiting"])

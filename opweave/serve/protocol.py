@@ -1,10 +1,11 @@
 """The OpenAI wire format: request validation, response bodies, and error bodies.
 
 `parse_completion` and `parse_chat` read a request's JSON body into a `Request` (prompt not yet
-tokenized) or raise `ApiError`, whose `body()` is an OpenAI-style error object
+tokenized), `parse_tokenize` and `parse_detokenize` the bodies of vLLM's /tokenize and
+/detokenize, or raise `ApiError`, whose `body()` is an OpenAI-style error object
 (`{"error": {"message", "type", "param", "code"}}`) and `status` its HTTP status. Every field has
 its documented effect (docs/serve.md) or is refused with a 400 naming it: fields the server
-cannot honour (n > 1, logprobs, echo, penalties, logit_bias) are accepted only at their neutral
+cannot honour (n > 1, logprobs, penalties, logit_bias) are accepted only at their neutral
 value, and a field this module does not know is refused.
 
 `temperature` and `top_p` left out of a request are None here: the server then uses the
@@ -70,6 +71,7 @@ class Request:
     min_p: float = 0.0                         # 0: off
     min_tokens: int = 0                        # EOS is banned before this many output tokens
     ignore_eos: bool = False                   # the model's EOS ids do not end the request
+    echo: bool = False                         # completions: the prompt's text comes before the output
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[dict, ...] | None = None
@@ -169,12 +171,16 @@ def parse_completion(body: dict) -> Request:
         raise ApiError(400, "one prompt per request is supported, got a batch of prompts", param="prompt")
     else:
         raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", param="prompt")
-    for name, default in (("echo", False), ("suffix", None), ("logprobs", None)):
+    echo = _flag(body, "echo", False)
+    if echo and body.get("logprobs") is not None:  # logprobs would cover the prompt's tokens too
+        raise ApiError(400, "'echo' with 'logprobs' is not supported (logprobs are not computed yet)",
+                       param="logprobs")
+    for name, default in (("suffix", None), ("logprobs", None)):
         if body.get(name, default) not in (default, 0):
             raise ApiError(400, f"'{name}' is not supported", param=name)
     if body.get("best_of", 1) not in (1, None):
         raise ApiError(400, "'best_of' must be 1 (one sequence per request)", param="best_of")
-    return Request(kind="completion", text=text, token_ids=ids, **_common(body))
+    return Request(kind="completion", text=text, token_ids=ids, echo=echo, **_common(body))
 
 
 def parse_chat(body: dict) -> Request:
@@ -306,8 +312,90 @@ def _number(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
+def _flag(body: dict, name: str, default: bool) -> bool:
+    """A true/false field; null or absent is `default`."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false", param=name)
+    return value
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_model(model: str | None, served: str) -> None:
+    """404 (OpenAI's `model_not_found`) when a request names a model this server does not serve."""
+    if model is not None and model != served:
+        raise ApiError(404, f"the model '{model}' does not exist: this server serves '{served}'",
+                       param="model", code="model_not_found")
+
+
+# ---------------------------------------------------------------- /tokenize and /detokenize (vLLM's shapes)
+@dataclasses.dataclass(frozen=True)
+class TokenizeRequest:
+    """A validated /tokenize body: exactly one of `text` and `messages` is set."""
+
+    model: str | None
+    add_special_tokens: bool                   # default: true for a prompt, false for messages
+    return_token_strs: bool
+    add_generation_prompt: bool = True         # messages only
+    text: str | None = None
+    messages: tuple[dict, ...] | None = None
+
+
+TOKENIZE_PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
+TOKENIZE_CHAT_FIELDS = frozenset({"model", "messages", "add_generation_prompt", "add_special_tokens",
+                                  "return_token_strs"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    """`{"prompt": str}` or `{"messages": [...]}`, each with its own optional flags (as vLLM's
+    TokenizeCompletionRequest and TokenizeChatRequest)."""
+    if "prompt" in body and "messages" in body:
+        raise ApiError(400, "give either 'prompt' or 'messages', not both", param="messages")
+    chat = "messages" in body
+    if not chat and "add_generation_prompt" in body:
+        raise ApiError(400, "'add_generation_prompt' applies only to 'messages'", param="add_generation_prompt")
+    _known_fields(body, TOKENIZE_CHAT_FIELDS if chat else TOKENIZE_PROMPT_FIELDS)
+    model = _optional_model(body)
+    common = dict(model=model, add_special_tokens=_flag(body, "add_special_tokens", not chat),
+                  return_token_strs=_flag(body, "return_token_strs", False))
+    if chat:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        return TokenizeRequest(messages=tuple(_message(m, i) for i, m in enumerate(messages)),
+                               add_generation_prompt=_flag(body, "add_generation_prompt", True), **common)
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' or 'messages' is required", param="prompt")
+    if not isinstance(body["prompt"], str):
+        raise ApiError(400, "'prompt' must be a string", param="prompt")
+    return TokenizeRequest(text=body["prompt"], **common)
+
+
+def parse_detokenize(body: dict) -> tuple[str | None, tuple[int, ...]]:
+    """(model or None, token ids) of a /detokenize body; ids are checked against the vocabulary later."""
+    _known_fields(body, DETOKENIZE_FIELDS)
+    model = _optional_model(body)
+    tokens = body.get("tokens")
+    if tokens is None:
+        raise ApiError(400, "'tokens' is required", param="tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
+    if tokens and min(tokens) < 0:
+        raise ApiError(400, f"'tokens' holds a negative token id ({min(tokens)})", param="tokens")
+    return model, tuple(tokens)
+
+
+def _optional_model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", param="model")
+    return model
 
 
 # ---------------------------------------------------------------- responses
