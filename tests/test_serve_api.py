@@ -36,8 +36,9 @@ def tokenizer(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(engine, tokenizer, name="tiny"):
-    """A live server over `engine` in a thread; yields its base URL."""
+def serving(engine, tokenizer, name="tiny", **app_kwargs):
+    """A live server over `engine` in a thread, serving it as `name` (`app_kwargs` go to
+    `make_app`); yields its base URL."""
     import uvicorn
 
     from opweave.serve.app import make_app
@@ -45,7 +46,7 @@ def serving(engine, tokenizer, name="tiny"):
     engine.start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(make_app(engine, tokenizer, name), log_level="warning", lifespan="off",
+    config = uvicorn.Config(make_app(engine, tokenizer, name, **app_kwargs), log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

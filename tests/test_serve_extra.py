@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
-import time
 
 import pytest
 
@@ -22,7 +19,7 @@ for _module in ("fastapi", "uvicorn", "prometheus_client"):
     pytest.importorskip(_module)
 openai = pytest.importorskip("openai")
 
-from test_serve_api import PROMPT, client, expected, http  # noqa: E402
+from test_serve_api import PROMPT, client, expected, http, serving  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
 
@@ -32,34 +29,6 @@ def tokenizer(tmp_path_factory):
     from opweave.serve.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(write_tokenizer(str(tmp_path_factory.mktemp("tok"))))
-
-
-@contextlib.contextmanager
-def serving(engine, tokenizer, **app_kwargs):
-    """A live server over `engine` in a thread (`app_kwargs` go to `make_app`); yields its base URL."""
-    import uvicorn
-
-    from opweave.serve.app import make_app
-
-    engine.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(make_app(engine, tokenizer, "tiny", **app_kwargs), log_level="warning",
-                            lifespan="off", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.started
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        engine.stop(timeout_s=5)
-        sock.close()
 
 
 @pytest.fixture

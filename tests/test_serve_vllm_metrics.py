@@ -10,12 +10,10 @@ dashboard must parse and query only metrics that /metrics has.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import socket
-import threading
 import urllib.request
 
 import pytest
@@ -25,6 +23,8 @@ from serve_fixtures import FakeEngine, wait_until, write_tokenizer
 for _module in ("fastapi", "uvicorn", "prometheus_client"):
     pytest.importorskip(_module)
 openai = pytest.importorskip("openai")
+
+from test_serve_api import serving  # noqa: E402
 
 MODEL = "tiny"
 DASHBOARD = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "grafana", "opweave-dashboard.json")
@@ -60,30 +60,6 @@ def tokenizer(tmp_path_factory):
     from opweave.serve.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(write_tokenizer(str(tmp_path_factory.mktemp("tok"))))
-
-
-@contextlib.contextmanager
-def serving(engine, tokenizer):
-    """A live server over `engine` in a thread, serving it as MODEL; yields its base URL."""
-    import uvicorn
-
-    from opweave.serve.app import make_app
-
-    engine.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(make_app(engine, tokenizer, MODEL), log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    assert wait_until(lambda: server.started)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        engine.stop(timeout_s=5)
-        sock.close()
 
 
 def scrape(url: str) -> dict:
