@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                 from opweave.cost.analysis import analyze
 
                 gpus = [p.gpu for p in clusters[spec].pools]
-                cache[key] = analyze(fe.graph, gpus, [context]).points[0].g_het
+                cache[key] = analyze(fe.graph, gpus, [context]).points[0].g_het_ideal
             predicted = cache[key]
         key = (model, spec, context, slo_ms, "fixed_tp")
         if key not in cache:

@@ -199,9 +199,12 @@ GOOD_HEADER = "gpu,model,tp,batch,context,tpot_ms\n"
 def test_bad_measurement_files_are_one_line_exit_2(tmp_path, capsys, text, message):
     path = tmp_path / "bad.csv"
     path.write_text(text)
-    assert main(["calibrate", str(path), "-o", str(tmp_path / "out.json")]) == 2
+    assert main(["calibrate", str(path), "-o", str(tmp_path / "out.json"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert main(["calibrate", str(path), "-o", str(tmp_path / "out.json")]) == 2  # progress lines, then the error
+    err = capsys.readouterr().err.splitlines()
+    assert message in err[-1] and all(line.startswith("  ... ") for line in err[:-1])
     assert not (tmp_path / "out.json").exists()
 
 

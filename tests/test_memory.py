@@ -179,3 +179,44 @@ def test_colocated_tp_ranks_allocate_what_is_planned(front_ends):
                            context=2048, activations=False):
         for what in ("weights", "state", "buffers"):
             assert getattr(r.allocated, what) == pytest.approx(getattr(r.planned, what), rel=0.01, abs=1), (r.rank, what)
+
+
+@pytest.mark.parametrize("family", ("llama", "gemma3", "qwen3_next"))
+@pytest.mark.slow
+def test_a_few_key_blocks_reach_the_whole_contexts_peak(tiny_checkpoint, monkeypatch, family):
+    """The measured round's paged attention reads MEASURED_KEY_BLOCKS key blocks per row, not the
+    whole context (8 blocks here): the same activation peak. One block alone peaks lower, so the
+    attention blocks are what this compares."""
+    from opweave.profile import allocated
+
+    fe = run_front_end(tiny_checkpoint(family))
+
+    def peaks(blocks):
+        monkeypatch.setattr(allocated, "MEASURED_KEY_BLOCKS", blocks)
+        return [r.allocated.activations for r in _pinned(fe, 1, 2048, activations=True)]
+
+    whole = peaks(None)
+    assert peaks(allocated.MEASURED_KEY_BLOCKS) == whole
+    assert any(one < w for one, w in zip(peaks(1), whole))
+
+
+@pytest.mark.slow
+def test_artifact_memory_measures_each_kind_of_rank_once(tiny_checkpoint, tmp_path):
+    """TP peers and the replicas of one owner are measured once (`same_work`), with the figures of
+    measuring every rank alone; each rank's buffers are its own."""
+    from opweave.compiler.compile import write_artifact
+    from opweave.compiler.pinned import pinned_plan
+    from opweave.profile.allocated import artifact_memory, unbounded_cluster
+
+    fe = run_front_end(tiny_checkpoint("llama"))
+    template, owners = _two_owner_template(fe), [("h100", 2, 1), ("h100", 2, 2)]
+    compiled = pinned_plan(fe, unbounded_cluster("h100", 8), template, owners, batch=8, microbatches=2, context=64)
+    write_artifact(str(tmp_path / "art"), compiled)
+    lines = []
+    ranks = artifact_memory(str(tmp_path / "art"), progress=lines.append)
+    alone = pinned_memory(fe, template, owners, batch=8, microbatches=2, context=64)
+    assert len(ranks) == 6
+    figures = [(r.planned, r.allocated, r.kv_pages) for r in ranks]
+    assert figures == [(r.planned, r.allocated, r.kv_pages) for r in alone]
+    assert sum("building" in line for line in lines) == 2      # one rank of each owner
+    assert sum(" as rank " in line for line in lines) == 4     # its TP peer, the other replica's two ranks

@@ -254,8 +254,9 @@ def test_a_compile_killed_during_the_search(tmp_path, signum, code):
     proc = subprocess.Popen([sys.executable, "-m", "opweave", "compile", *SLOW_SEARCH, "-o", str(out)],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        first = proc.stderr.readline()  # handlers are installed and the search is under way
-        assert first.startswith("  ... templates"), first
+        steps = [proc.stderr.readline() for _ in range(4)]  # the steps before it, then the search under way
+        assert [line.split(":")[0] for line in steps[:3]] == ["  ... trace", "  ... blocks", "  ... search"], steps
+        assert steps[3].startswith("  ... templates"), steps
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
     finally:

@@ -8,7 +8,7 @@ from opweave.cli import main
 from opweave.ir.program import program_from_json
 from opweave.runtime.launch import RunConfig, run_detailed
 from opweave.runtime.scheduler import Request
-from opweave.runtime.timeline import KINDS, Span, chrome_trace, from_rows, per_round
+from opweave.runtime.timeline import KINDS, Span, chrome_trace, from_rows, other_device, per_round, write_trace
 from test_runtime import LAYERS, compile_pinned, reference
 
 
@@ -68,4 +68,24 @@ def test_run_trace_flag_writes_a_chrome_trace(tiny_checkpoint, tmp_path, capsys)
     names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert {"rank 0", "rank 1"} <= names and any(n.startswith("simulated o") for n in names)
     assert "simulated schedule beside it" in captured.err and "TPOT: predicted" in captured.err
+    # a plan for GPUs, run on CPU ranks: the two TPOTs are not compared as if they were one machine's
+    assert "the prediction is for l40s+h100; these ranks ran on this machine's CPU" in captured.err
+    assert "predicted/measured" not in captured.err
     assert main(["run", out, "--weights", folder, "--prompt-ids", "1", "--trace", str(tmp_path / "no" / "t.json")]) == 2
+
+
+def test_predicted_tpot_is_compared_only_on_the_device_it_is_for(tiny_checkpoint, tmp_path):
+    """The TPOT line of `run --trace`: a percentage when the ranks ran on the kind of device the plan
+    is for, otherwise a note naming both (CPU ranks of a plan for h100 and l40s)."""
+    folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
+    out = str(tmp_path / "art")
+    compile_pinned(folder, "afd", out)
+    stats = {"spans": {0: [(kind, r, 0, 0, r + 0.0, r + 0.5) for r in range(8) for kind in ("compute",)]},
+             "round_s": [0.5] * 8}
+    on_cpu = "\n".join(write_trace(stats, str(tmp_path / "cpu.json"), out, device="cpu"))
+    assert "TPOT: predicted" in on_cpu and "predicted/measured" not in on_cpu
+    assert "the prediction is for h100+l40s; these ranks ran on this machine's CPU" in on_cpu
+    on_cuda = "\n".join(write_trace(stats, str(tmp_path / "cuda.json"), out, device="cuda"))
+    assert "predicted/measured - 1 = " in on_cuda and "prediction is for" not in on_cuda
+    assert other_device(("cpu",), "cpu") is None and other_device(("h100",), None) is None
+    assert "ran on CUDA devices" in other_device(("cpu",), "cuda")

@@ -6,6 +6,7 @@ progress lines on stderr."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from opweave.errors import OpWeaveError
@@ -53,6 +54,17 @@ def quiet_arg(p: argparse.ArgumentParser) -> None:
 def examples(*lines: str) -> str:
     """A subcommand's epilog: realistic command lines, printed as written."""
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def folder(path: str) -> str:
+    """A folder as printed: normalised, with one trailing separator (`out/` whether the user
+    wrote `out`, `out/` or `out//`)."""
+    return os.path.join(os.path.normpath(path), "")
+
+
+def count(n: int, word: str, plural: str | None = None) -> str:
+    """`n` and `word`, plural unless `n` is 1: "1 rank module", "18 rank modules"."""
+    return f"{n:,} {word if n == 1 else plural or word + 's'}"
 
 
 def warn(message: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from opweave.cli.common import (MODEL_HELP, catalog_args, device_arg, format_arg, progress_printer, quiet_arg,
@@ -16,7 +17,10 @@ from opweave.errors import OpWeaveError
 ANALYZE_EXAMPLES = (
     "opweave analyze gemma-3-27b --gpus h100 --context 8k,32k,128k",
     "opweave analyze qwen3-next-80b-a3b --gpus h100,l40s --context 1k..128k --plot g.png",
+    "opweave analyze llama-3.1-8b --gpus h100,a100 --context 8k --tpot-slo 100ms --plan",
 )
+PLAN_GPUS_PER_TYPE = 16
+"""`analyze --plan` without --cluster searches this many GPUs of each --gpus type (two nodes of 8)."""
 ESTIMATE_EXAMPLES = (
     "opweave estimate llama-3.1-8b --gpu h100 --tp 1,2 --batch 1,16,64 --context 1536,32k",
     "opweave estimate llama-3.1-70b --gpu h100 --tp 4,8 --batch 16 --context 8k --isl 1024 --format json",
@@ -27,46 +31,157 @@ CALIBRATE_EXAMPLES = (
 )
 PROFILE_EXAMPLES = (
     "opweave profile --device cpu --model tiny-gemma3 -o profile.json",
-    "opweave compile tiny-gemma3 --cluster cpux2 --tpot-slo 500ms --context 256 --profile profile.json -o out/",
+    "opweave compile tiny-gemma3 --cluster cpux2 --tpot-slo 500ms --context 256 --profile profile.json --max-batch 8 "
+    "-o out/",
 )
 
 
 def args_analyze(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--gpus", default="h100", help="comma-separated GPU types from the catalog (default %(default)s)")
+    p.add_argument("--gpus", default=None,
+                   help="comma-separated GPU types from the catalog (default: h100, or the --cluster's types)")
     p.add_argument("--context", default="1k..128k",
                    help="context lengths: 32k, 4k,32k,128k, or a doubling range such as 1k..32k "
                         "(default %(default)s)")
+    p.add_argument("--tpot-slo", default=None, metavar="DURATION",
+                   help="time per output token target, e.g. 100ms: the two-type split's bound counts only plans "
+                        "that meet it, and --plan searches for it (default: none, no latency limit; --plan needs it)")
+    p.add_argument("--cluster", default=None,
+                   help="the GPU pools, e.g. h100x16+a100x16@aws-p4de: their types (and each pool's network) "
+                        f"are analysed, and --plan searches them (default: {PLAN_GPUS_PER_TYPE} of each --gpus type, "
+                        "each on its catalog network)")
+    p.add_argument("--plan", action="store_true",
+                   help="also run opweave compile's search on the cluster at each context and TPOT SLO, and print "
+                        "the best plan's gain over the best colocated plan beside the split's bound (seconds to "
+                        "minutes per context) (default: no search)")
     format_arg(p)
     p.add_argument("--plot", metavar="FILE.png",
                    help="write cost and gain against context length to FILE.png (default: none, no plot)")
     catalog_args(p)
 
 
+def _analyze_gpus(args: argparse.Namespace, catalog: dict):
+    """(GPU specs to analyse, the cluster --plan searches or None): from --cluster (its pools, with
+    their networks) or --gpus."""
+    from opweave.hardware.catalog import get_gpu
+    from opweave.hardware.cluster import parse_cluster
+    from opweave.units import names
+
+    cluster = parse_cluster(args.cluster, catalog) if args.cluster is not None else None
+    if cluster is not None:
+        gpus = [pool.gpu for pool in cluster.pools]
+        if args.gpus is not None and {get_gpu(n, catalog).name for n in names(args.gpus)} != {g.name for g in gpus}:
+            raise OpWeaveError(f"--gpus {args.gpus} names other GPU types than --cluster {args.cluster}; give one")
+        return gpus, cluster
+    gpu_names = names(args.gpus if args.gpus is not None else "h100")
+    if not gpu_names:
+        raise OpWeaveError("--gpus needs at least one GPU type, e.g. --gpus h100,l40s")
+    gpus = [get_gpu(n, catalog) for n in gpu_names]
+    if len({g.name for g in gpus}) != len(gpus):
+        raise OpWeaveError(f"--gpus lists a GPU type twice: {args.gpus}")
+    if args.plan:
+        cluster = parse_cluster("+".join(f"{g.name}x{PLAN_GPUS_PER_TYPE}" for g in gpus), catalog)
+    return gpus, cluster
+
+
+SPLIT_TEMPLATES = ("cad", "afd")
+"""The two-owner splits whose bound `analyze` reports: core attention | the rest, attention half | FFN half."""
+
+
+def planner_splits(fe, templates: tuple[str, ...] = SPLIT_TEMPLATES) -> list:
+    """The planner's own view of each named template on two owner slots (`SplitSpec`): its stages
+    (`passes/templates.py`), round-robin slots and what the carry rule sends at each boundary
+    (`passes/carry.py`), as the search costs them. A template the model has no cut for is left out."""
+    from opweave.cost.split import SplitSpec
+    from opweave.passes.carry import round_robin, send_bytes_per_token
+    from opweave.passes.templates import build_stages, template_by_name
+
+    out = []
+    for name in templates:
+        plan = build_stages(fe.blocks, template_by_name(fe.blocks, name))
+        if plan.stages_per_block % 2 or len(plan.stages) < 2:
+            continue
+        owners = round_robin(plan, 2)
+        out.append(SplitSpec.from_stages(name, fe.graph, [(st.first, st.last) for st in plan.stages], owners,
+                                         send_bytes_per_token(plan, owners)))
+    return out
+
+
+def _describe_plan(plan) -> str:
+    """e.g. "cad: hbm tp1 x3 + flop tp4 x1" (template family: each owner's GPU type, TP, replicas)."""
+    return f"{plan.template_family}: " + " + ".join(f"{o.gpu} tp{o.tp} x{o.replicas}" for o in plan.owners)
+
+
+def _search(args: argparse.Namespace, fe, cluster, slo_s: float, context: int):
+    """The best plan and the best colocated plan of opweave compile's search (`compile_model`, the
+    entry point `opweave compile` uses) at `context`, as a `SearchedPlan`."""
+    from opweave.compiler.compile import compile_model
+    from opweave.cost.report import SearchedPlan
+    from opweave.passes.search import SearchOptions
+
+    found = {}
+    progress = progress_printer(False)
+    for templates in ("all", "colocated"):
+        if templates == "colocated" and not isinstance(found["all"], str) \
+                and found["all"].template_family == "colocated":
+            found[templates] = found["all"]  # the best plan is the best colocated one
+            continue
+        progress(f"searching {templates} templates at context {context} on {cluster.spec}")
+        try:
+            plan = compile_model(args.model, cluster, slo_s, context, SearchOptions(templates=templates),
+                                 front_end=fe, allow_long_context=True, warn=warn).plan
+            found[templates] = plan
+        except OpWeaveError as e:
+            found[templates] = str(e)
+    best, col = found["all"], found["colocated"]
+    return SearchedPlan(context=context, cost=None if isinstance(best, str) else best.predicted.cost_per_mtok_usd,
+                        plan="" if isinstance(best, str) else _describe_plan(best),
+                        gpu_types=() if isinstance(best, str) else tuple(dict.fromkeys(o.gpu for o in best.owners)),
+                        colocated_cost=None if isinstance(col, str) else col.predicted.cost_per_mtok_usd,
+                        colocated_plan="" if isinstance(col, str) else _describe_plan(col),
+                        error="; ".join(f"{t}: {v}" for t, v in found.items() if isinstance(v, str)))
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     from opweave.compiler.frontend import run_front_end
-    from opweave.cost.analysis import analyze
-    from opweave.cost.report import analysis_to_json, format_analysis, plot_analysis
-    from opweave.hardware.catalog import get_gpu, load_catalog
-    from opweave.units import names, parse_contexts
+    from opweave.cost.analysis import TP_SCAN, analyze
+    from opweave.cost.report import analysis_to_json, format_analysis, format_searched, plot_analysis, \
+        searched_to_json
+    from opweave.cost.split import SplitLimits
+    from opweave.hardware.catalog import load_catalog
+    from opweave.passes.search import DEFAULT_MAX_BATCH, SearchOptions
+    from opweave.units import parse_contexts, parse_duration
 
     if args.plot is not None:
         from opweave.outputs import check_output_file
 
         check_output_file(args.plot, "--plot", inputs=(args.model, args.catalog))
     contexts = parse_contexts(args.context)
+    slo = parse_duration(args.tpot_slo, "--tpot-slo") if args.tpot_slo is not None else math.inf
     catalog = load_catalog(args.catalog, prices=args.prices, warn=warn)
-    gpu_names = names(args.gpus)
-    if not gpu_names:
-        raise OpWeaveError("--gpus needs at least one GPU type, e.g. --gpus h100,l40s")
-    gpus = [get_gpu(n, catalog) for n in gpu_names]
-    if len({g.name for g in gpus}) != len(gpus):
-        raise OpWeaveError(f"--gpus lists a GPU type twice: {args.gpus}")
+    gpus, cluster = _analyze_gpus(args, catalog)
+    if args.plan and math.isinf(slo):
+        raise OpWeaveError("--plan needs --tpot-slo (the search plans for a TPOT target), e.g. --tpot-slo 100ms")
+    if args.plan and len(gpus) < 2:
+        raise OpWeaveError("--plan compares the search with the two-type split's bound: give two GPU types, "
+                           "e.g. --gpus h100,a100")
+    grid = SearchOptions()  # the bound covers the search's own grid
+    limits = SplitLimits(tpot_slo_s=slo, microbatches=grid.microbatches, max_rows=DEFAULT_MAX_BATCH,
+                         max_replicas=max(grid.replicas), tp_degrees=TP_SCAN)
     fe = run_front_end(args.model)
-    result = analyze(fe.graph, gpus, contexts)
+    result = analyze(fe.graph, gpus, contexts, limits=limits, splits=planner_splits(fe) if len(gpus) >= 2 else ())
+    searched = [_search(args, fe, cluster, slo, s) for s in contexts] if args.plan else None
     if args.plot:
         plot_analysis(result, args.plot)
-    print(json.dumps(analysis_to_json(result), indent=1) if args.format == "json" else format_analysis(result))
+    if args.format == "json":
+        data = analysis_to_json(result)
+        if searched is not None:
+            data["searched"] = searched_to_json(result, searched, cluster.spec)
+        print(json.dumps(data, indent=1))
+    else:
+        print(format_analysis(result))
+        if searched is not None:
+            print(format_searched(result, searched, cluster.spec))
     if args.plot and args.format != "json":
         print(f"plot written to {args.plot}")
     return 0
@@ -122,6 +237,7 @@ def args_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-logo", action="store_true",
                    help="skip the leave-one-group-out check (faster) (default: the check runs)")
     format_arg(p)
+    quiet_arg(p)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -132,7 +248,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not args.output.lower().endswith(".json"):
         raise OpWeaveError(f"-o {args.output}: the catalog file must end in .json (--catalog reads it)")
     check_output_file(args.output, "-o", inputs=(args.measurements, args.catalog))
-    entries, data, text = calibrate_file(args.measurements, load_catalog(args.catalog), not args.no_logo, args.engine)
+    entries, data, text = calibrate_file(args.measurements, load_catalog(args.catalog), not args.no_logo, args.engine,
+                                         progress=progress_printer(args.quiet))
     with atomic_file(args.output, flag="-o") as f:
         json.dump(entries, f, indent=2)
         f.write("\n")

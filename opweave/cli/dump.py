@@ -8,12 +8,13 @@ import argparse
 import json
 import os
 
-from opweave.cli.common import format_arg
+from opweave.cli.common import format_arg, progress_printer, quiet_arg
 from opweave.errors import OpWeaveError
 
 EXAMPLES = (
     "opweave dump qwen3-next-80b-a3b --what ir",
     "opweave dump out/ --what plan --trace t.json --gantt g.png",
+    "opweave dump out/ --what memory --quiet",
 )
 
 
@@ -33,6 +34,7 @@ def args_dump(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gantt", metavar="FILE", default=None,
                    help="with --what plan: simulate the plan's schedule again and draw its Gantt chart (PNG) in FILE "
                         "(default: none)")
+    quiet_arg(p)
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -58,13 +60,14 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def _dump_memory(args: argparse.Namespace) -> int:
-    """Per rank of an artifact: planned bytes and the bytes its modules allocate (built on meta)."""
+    """Per rank of an artifact: planned bytes and the bytes its modules allocate (built on meta),
+    with a progress line on stderr per rank (a large model's ranks take seconds each)."""
     from opweave.profile.allocated import artifact_memory, format_memory
 
     if not os.path.isdir(args.model) or not os.path.isfile(os.path.join(args.model, "plan.json")):
         raise OpWeaveError(f"{args.model}: no plan.json (give an artifact folder written by opweave compile)")
     try:
-        ranks = artifact_memory(args.model)
+        ranks = artifact_memory(args.model, progress=progress_printer(args.quiet))
     except OpWeaveError:
         raise
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:

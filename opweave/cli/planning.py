@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-from opweave.cli.common import MODEL_HELP, catalog_args, format_arg, progress_printer, quiet_arg, warn
+from opweave.cli.common import (MODEL_HELP, catalog_args, count, folder, format_arg, progress_printer, quiet_arg,
+                                warn)
 from opweave.errors import OpWeaveError
 from opweave.ir.plan import PREFILL_CHUNK
 
@@ -116,11 +117,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
     context = planned_context(args.context, workload)
     prefill_chunk = PREFILL_CHUNK if args.prefill_chunk is None else parse_tokens(args.prefill_chunk, "--prefill-chunk")
     catalog = load_catalog(args.catalog, prices=args.prices, warn=warn)
+    progress = progress_printer(args.quiet)
     table = front_end = None
     if args.profile:  # the profile is checked against the traced graph, which the compile then reuses
         from opweave.compiler.frontend import run_front_end
         from opweave.profile import cpu_gpu_spec, load_profile
 
+        progress("trace: tracing the decode step (torch.fx), to check the profile against it")
         front_end = run_front_end(args.model)
         table = load_profile(args.profile, graph=front_end.graph)
         for w in table.warnings:
@@ -134,7 +137,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
                             objective=args.objective,
                             **({} if args.max_batch is None else {"max_batch": args.max_batch}))
 
-    progress = progress_printer(args.quiet)
     from opweave.cost.model import CostModel
 
     compiled = compile_model(args.model, cluster, slo, context, options, cost_model=CostModel(profile=table),
@@ -169,9 +171,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
             from opweave.passes.fleet import format_fleet
 
             print(format_fleet(fleet))
-        print(f"wrote {args.output}/ (plan.json, plan.txt, ir.txt, trace.json, gantt.png, "
-              f"{compiled.plan.gpus_used // max(compiled.plan.replica_sets, 1)} rank modules, manifest.json, "
-              "compile-info.json)")
+        modules = count(compiled.plan.gpus_used // max(compiled.plan.replica_sets, 1), "rank module")
+        print(f"wrote {folder(args.output)} (plan.json, plan.txt, ir.txt, trace.json, gantt.png, {modules}, "
+              "manifest.json, compile-info.json)")
     return 0
 
 
@@ -203,7 +205,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     compiled = compile_model("gemma-3-27b", parse_cluster("h100x32", catalog), 0.1, 131072)
     write_artifact(big, compiled)
     print(format_plan(compiled.plan))
-    print(f"   artifact: {big}/ ({compiled.plan.gpus_used} rank modules, trace.json, gantt.png)\n", flush=True)
+    print(f"   artifact: {folder(big)} ({count(compiled.plan.gpus_used, 'rank module')}, trace.json, gantt.png)\n",
+          flush=True)
 
     tiny = os.path.join(args.out, "tiny-gemma3")
     print("== 2. tiny-gemma3 (built-in, random weights) on h100x2+l40sx2, run on CPU ranks", flush=True)
@@ -217,5 +220,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
     outputs = run(RunConfig(artifact=tiny, weights="random", device="cpu", requests=requests))
     for r in outputs:
         print(f"   prompt {r.prompt} -> generated {r.output}")
-    print(f"   artifact: {tiny}/ — rerun with: opweave run {tiny} --weights random --prompt-ids 1,2,3")
+    print(f"   artifact: {folder(tiny)} — rerun with: opweave run {folder(tiny)} --weights random --prompt-ids 1,2,3")
     return 0

@@ -118,7 +118,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from opweave.runtime.timeline import write_trace
 
         sys.stdout.flush()
-        for line in write_trace(stats, args.trace, args.artifact):
+        for line in write_trace(stats, args.trace, args.artifact, device=args.device):
             print(line, file=sys.stderr)
     return 0
 

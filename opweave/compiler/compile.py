@@ -91,6 +91,8 @@ def write_artifact(out_dir: str, compiled: Compiled, *, force: bool = False, sig
     """
     target = check_artifact_dir(out_dir, force=force, inputs=(compiled.source.path,))
     done = pipeline.run(compiled, first="lower", last="render")
+    if compiled.inputs.progress is not None:
+        compiled.inputs.progress("writing the artifact (plan, rank modules, trace.json, gantt.png, manifest)")
     try:
         tmp = tempfile.mkdtemp(prefix=".opweave-", dir=os.path.dirname(target))
     except OSError as e:

@@ -86,6 +86,7 @@ class Step:
     makes: tuple[str, ...]
     printer: Callable[[Compiled], str]
     verifier: Callable[[Compiled], Any] | None
+    doing: str = ""                        # the progress line said as it starts (`Inputs.progress`)
 
 
 def _verify_search(c: Compiled) -> None:
@@ -109,21 +110,23 @@ def _print_plan(c: Compiled) -> str:
 
 STEPS: tuple[Step, ...] = (
     Step("trace", steps.trace_model, ("inputs",), ("source", "graph"),
-         lambda c: format_graph(c.graph), lambda c: verify(c.graph)),
+         lambda c: format_graph(c.graph), lambda c: verify(c.graph), "tracing the decode step (torch.fx)"),
     Step("blocks", find_blocks, ("graph",), ("blocks",),
-         lambda c: format_blocks(c.blocks), lambda c: verify_blocks(c.blocks)),
+         lambda c: format_blocks(c.blocks), lambda c: verify_blocks(c.blocks), "finding the partition blocks"),
     Step("search", steps.search_plans, ("inputs", "source", "graph", "blocks"), ("result",),
-         lambda c: format_search(c.result), _verify_search),
+         lambda c: format_search(c.result), _verify_search, "searching templates, owners and batches"),
     Step("place", steps.place_best, ("inputs", "result"), ("placement",),
-         lambda c: format_placement(c.placement), lambda c: verify_placement(c.placement, c.inputs.cluster)),
+         lambda c: format_placement(c.placement), lambda c: verify_placement(c.placement, c.inputs.cluster),
+         "placing the replica sets on the nodes"),
     Step("plan", steps.make_plan, ("inputs", "graph", "result", "placement"), ("plan",),
-         _print_plan, lambda c: verify_plan(c.plan, len(c.graph.ops))),
+         _print_plan, lambda c: verify_plan(c.plan, len(c.graph.ops)),
+         "assembling the plan (stages, owners, predicted figures)"),
     Step("lower", steps.lower_plan, ("source", "graph", "blocks", "plan"), ("plan_text", "programs"),
          lambda c: "\n\n".join(format_program(p) for p in c.programs) or "(no rank programs: a model.py model)",
-         lambda c: verify_programs(c.programs)),
+         lambda c: verify_programs(c.programs), "lowering the plan to rank programs"),
     Step("render", steps.render_modules, ("graph", "plan", "programs"), ("modules",),
          lambda c: "\n".join(f"# ==== {name}\n{text}" for name, text in c.modules.items()),
-         lambda c: verify_modules(c.modules, c.programs)),
+         lambda c: verify_modules(c.modules, c.programs), "rendering the rank modules"),
 )
 NAMES = tuple(s.name for s in STEPS)
 
@@ -160,8 +163,11 @@ def after_step(c: Compiled, name: str) -> Compiled:
 
 def run(c: Compiled, first: str = NAMES[0], last: str = NAMES[-1]) -> Compiled:
     """Runs steps `first` .. `last` in order on `c`, each followed by `after_step`; returns the
-    new record (`c` itself is not changed)."""
+    new record (`c` itself is not changed). Each step says what it does to `c.inputs.progress`
+    (`opweave compile`'s progress lines on stderr) as it starts."""
     for step in STEPS[_index(first):_index(last) + 1]:
+        if c.inputs.progress is not None:
+            c.inputs.progress(f"{step.name}: {step.doing}")
         try:
             made = step.run(**{field: getattr(c, field) for field in step.reads})
             made = dict(zip(step.makes, made if len(step.makes) > 1 else (made,), strict=True))

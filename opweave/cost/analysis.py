@@ -35,6 +35,15 @@ model's marginal cost per token on the TP degree where it is least (`ods_choice`
 ops over stages, so the weights need not fit on that group). Theorem 3.1's closed form on the
 colocated group's own terms is reported beside them (`*_closed`): it compares one device with
 itself, leaves out the fixed costs and takes one max over the whole step instead of one per op.
+Its bound M / (M − M_w) bounds that closed form, not the cost model's G_hom (which counts the
+fixed costs and the TP collectives, and prices ODS on its own TP degree).
+
+With two or more GPU types, Theorem 3.2's G_het (`g_het_ideal`) prices only the two sides'
+marginal work. What a plan of a two-owner split (the planner's CAD or AFD template) pays besides
+(the activations crossing the NICs at every boundary, the attention owner's memory full of KV
+cache, the GEMM owner's weights streamed at the batches the SLO and the replica ratio allow) is
+bounded in `opweave.cost.split`; `g_het` is the least hom-ODS cost over that bound,
+`g_het_vs_colocated` the cheapest colocated cost over it.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from collections.abc import Sequence
 from opweave.cost import memory
 from opweave.cost.estimate import estimate_point, tp_problem
 from opweave.cost.model import CostModel, shards
+from opweave.cost.split import SplitBound, SplitLimits, SplitSpec, best_split, hidden_bytes
 from opweave.hardware.catalog import GPUSpec
 from opweave.ir.graph import OpGraph
 from opweave.ir.kinds import OpClass
@@ -178,16 +188,12 @@ class ODSTerms:
         return self.usable_bytes / free if free > 0 else math.inf
 
 
-def _hidden_bytes(graph: OpGraph) -> int:
-    return graph.cuts[0].bytes_per_token if graph.cuts else 0
-
-
 def ods_terms(graph: OpGraph, gpu: GPUSpec, tp: int, context: int, cost_model: CostModel | None = None) -> ODSTerms:
     """The closed form's terms for `graph` on a TP group of `tp` GPUs of `gpu` at `context`, from
     `CostModel.op_costs` (the added time per sequence at `MARGINAL_BATCH`), `shards` and the
     effective bandwidth (the GEMM weight stream) and the memory accounting."""
     cost_model = cost_model or CostModel()
-    hidden = _hidden_bytes(graph)
+    hidden = hidden_bytes(graph)
     layout = preferred_layout(graph.ops, tp) or "tp"
     lo = cost_model.op_costs(graph.ops, gpu, tp, MARGINAL_BATCH, context, hidden, layout)
     hi = cost_model.op_costs(graph.ops, gpu, tp, 2 * MARGINAL_BATCH, context, hidden, layout)
@@ -295,13 +301,22 @@ class GPUPoint:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ContextPoint:
+    """One context length: every GPU type's point and, with two or more types, heterogeneous ODS
+    both ideal (Theorem 3.2) and as a plan of the attention / rest split pays for it (`split`)."""
+
     context: int
     state_bytes: float
     gpus: tuple[GPUPoint, ...]
-    cost_het_ods: float | None = None  # $/Mtoken (two or more GPU types)
-    g_het: float | None = None
-    het_attention_gpu: str | None = None  # where the memory-bound ops go
+    cost_het_ods: float | None = None  # $/Mtoken, Theorem 3.2's ideal (marginal costs only)
+    g_het_ideal: float | None = None   # Theorem 3.2: least hom-ODS / cost_het_ods (>= 1)
+    het_attention_gpu: str | None = None  # where the ideal puts the memory-bound ops
     het_gemm_gpu: str | None = None
+    split: SplitBound | None = None    # the cheapest two-owner split over two types (None: no splits given)
+    split_same: SplitBound | None = None  # the cheapest with one type on both owners (homogeneous ODS as a plan)
+    cost_split: float | None = None    # $/Mtoken: that bound, never below cost_het_ods (None: no plan fits)
+    g_het: float | None = None         # least hom-ODS / cost_split (<= g_het_ideal; None: no plan fits)
+    cost_colocated_best: float | None = None  # $/Mtoken, the cheapest type's colocated (cost model at b_max)
+    g_het_vs_colocated: float | None = None   # cost_colocated_best / cost_split: at most what the split gains
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -311,6 +326,8 @@ class Analysis:
     points: tuple[ContextPoint, ...]
     crossing_context: float | None   # where the best homogeneous GPU type changes (≥ 2 types)
     hybrid_note: str | None          # CAD layer-type imbalance of hybrid-attention models
+    limits: SplitLimits = SplitLimits()  # what the split's bound was computed under (its TPOT SLO)
+    templates: tuple[str, ...] = ()      # the splits bounded (`SplitSpec.template`)
 
 
 def _fitting_batch(footprint: memory.Footprint, usable: float, slots_per_row: int) -> int:
@@ -327,7 +344,7 @@ def _cad(graph: OpGraph, gpu: GPUSpec, rest: GPUSpec, context: int,
     weights and is fastest)."""
     attn = [op for op in graph.ops if op.cls == OpClass.ATTN]
     others = [op for op in graph.ops if op.cls != OpClass.ATTN]
-    hidden = _hidden_bytes(graph)
+    hidden = hidden_bytes(graph)
     per_mb = _fitting_batch(memory.Footprint.of(attn, 1, context), gpu.usable_memory_bytes, NUM_MICROBATCHES_CAD)
     attn_max = cost_model.ops_latency(attn, gpu, 1, per_mb, context, hidden) if per_mb >= 1 else 0.0
     floors = [(cost_model.ops_latency(others, rest, tp, 1, context, hidden, preferred_layout(others, tp) or "tp"), tp)
@@ -414,22 +431,51 @@ def _hybrid_note(graph: OpGraph, context: int) -> str | None:
             f"of one {lo} layer, so a single rest-of-model CAD stage cannot match both (bubbles)")
 
 
-def analyze(graph: OpGraph, gpus: list[GPUSpec], contexts: list[int], cost_model: CostModel | None = None) -> Analysis:
-    """The §3 quantities for `graph` on each GPU type at each context length."""
+def _split_point(point: ContextPoint, graph: OpGraph, gpus: Sequence[GPUSpec], splits: Sequence[SplitSpec],
+                 limits: SplitLimits, cost_model: CostModel) -> ContextPoint:
+    """`point` with heterogeneous ODS: Theorem 3.2's ideal and the split a plan over two GPU types
+    can reach (and, for comparison, the best split on one type).
+
+    The split's bound and the ideal are both lower bounds on what the split costs, so the larger
+    is taken (the bound's grid cells can leave it a little under the ideal when nothing binds)."""
+    het, gain, attn, gemm = _het(point.gpus, gpus)
+    if not splits:
+        return dataclasses.replace(point, cost_het_ods=het * PER_MTOK, g_het_ideal=gain, het_attention_gpu=attn,
+                                   het_gemm_gpu=gemm)
+    memo: dict = {}  # op times, shared by every split and pair
+    split = best_split(graph, splits, gpus, point.context, limits, cost_model, mixed=True, memo=memo)
+    same = best_split(graph, splits, gpus, point.context, limits, cost_model, mixed=False, memo=memo)
+    cost = max(split.cost_per_token, het) * PER_MTOK if split.feasible else None
+    best_hom = min(g.cost_hom_ods for g in point.gpus)
+    colocated = [g.cost_colocated for g in point.gpus if g.cost_colocated is not None]
+    best_col = min(colocated) if colocated else None
+    return dataclasses.replace(
+        point, cost_het_ods=het * PER_MTOK, g_het_ideal=gain, het_attention_gpu=attn, het_gemm_gpu=gemm, split=split,
+        split_same=same,
+        cost_split=cost, g_het=None if cost is None else best_hom / cost, cost_colocated_best=best_col,
+        g_het_vs_colocated=None if cost is None or best_col is None else best_col / cost)
+
+
+def analyze(graph: OpGraph, gpus: list[GPUSpec], contexts: list[int], cost_model: CostModel | None = None,
+            limits: SplitLimits | None = None, splits: Sequence[SplitSpec] = ()) -> Analysis:
+    """The §3 quantities for `graph` on each GPU type at each context length; with two or more
+    types, heterogeneous ODS: Theorem 3.2's ideal and, given the planner's two-owner `splits`
+    (`SplitSpec`s, e.g. its CAD and AFD templates: `opweave analyze` passes them), what a plan of
+    them reaches under `limits` (TPOT SLO, the planner's grid; default: no SLO)."""
     cost_model = cost_model or CostModel()
+    limits = limits or SplitLimits(tp_degrees=TP_SCAN)
     memo: dict = {}
     points = []
     for s in contexts:
         per_gpu = tuple(_gpu_point(graph, g, s, cost_model, memo) for g in gpus)
         point = ContextPoint(context=s, state_bytes=float(graph.state_bytes(s)), gpus=per_gpu)
         if len(gpus) >= 2:
-            het, gain, attn, gemm = _het(per_gpu, gpus)
-            point = dataclasses.replace(point, cost_het_ods=het * PER_MTOK, g_het=gain, het_attention_gpu=attn,
-                                        het_gemm_gpu=gemm)
+            point = _split_point(point, graph, gpus, splits, limits, cost_model)
         points.append(point)
     crossing = _crossing(graph, gpus, min(contexts), max(contexts), cost_model, memo) if contexts else None
     return Analysis(model=graph.model, gpu_names=tuple(g.name for g in gpus), points=tuple(points),
-                    crossing_context=crossing, hybrid_note=_hybrid_note(graph, max(contexts)))
+                    crossing_context=crossing, hybrid_note=_hybrid_note(graph, max(contexts)), limits=limits,
+                    templates=tuple(spec.template for spec in splits))
 
 
 # ---------------------------------------------------------------- price sensitivity (Theorem 3.2 in a price ratio)

@@ -204,7 +204,8 @@ def format_plan(plan: Plan, search_seconds: float | None = None) -> str:
     deterministic; the command line gives `search_seconds`)."""
     p = plan.predicted
     lines = [f"Plan for {plan.model} on {plan.cluster} at context {plan.context} (TPOT SLO {plan.tpot_slo_ms:g} ms)",
-             f"  template {plan.template} ({plan.template_family}): {plan.num_stages} stages per token, "
+             f"  template {plan.template} ({plan.template_family}): {plan.num_stages} "
+             f"stage{'s' * (plan.num_stages != 1)} per token, "
              f"{plan.stages_per_block} per block",
              f"  batch {plan.batch} per replica set in {plan.microbatches} microbatch(es); "
              f"{plan.replica_sets:,} replica set(s) fit, {plan.gpus_used:,} GPUs used, {plan.num_idle_gpus:,} idle"]

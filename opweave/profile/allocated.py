@@ -15,7 +15,13 @@ hands out meta tensors: the same TP shards, the same parameters), and then:
 
 `artifact_memory(folder)` gives, per rank of an artifact, these figures next to the planned
 ones (`opweave.passes.plan_memory.plan_rank_memory`): what `opweave dump ARTIFACT --what memory`
-prints.
+prints. Ranks that do the same work (TP peers, and the replicas of one owner with as many rows)
+are measured once: only their buffers differ, and those are counted per rank.
+
+The round on meta runs every operator as the rank does, but paged attention reads at most
+`MEASURED_KEY_BLOCKS` key blocks per row rather than the whole context: its scratch is one key
+block at a time (`kernels/blocks.py`), so the peak is the same, and a 128K-context plan's 512
+blocks per layer took minutes per rank on meta (`tests/test_memory.py` checks the two agree).
 """
 
 from __future__ import annotations
@@ -30,12 +36,20 @@ from torch.utils._pytree import tree_leaves
 from opweave.cost.memory import CATEGORIES, PAGED_KINDS, MemoryBreakdown
 from opweave.ir.plan import PAGE_TOKENS, PREFILL_CHUNK
 from opweave.ir.program import RankProgram
+from opweave.kernels.blocks import ATTN_KEY_BLOCK
 from opweave.passes.plan_memory import SEND_ROUNDS, plan_rank_memory
 from opweave.runtime.message import message_bytes
 from opweave.runtime.pages import START, encode
 from opweave.runtime.state import RankState
 
 META = torch.device("meta")
+
+MEASURED_KEY_BLOCKS = 3
+"""Key blocks of `ATTN_KEY_BLOCK` cached tokens each that paged attention reads per row in the
+measured round (None: the whole context). A block's scratch is allocated while the previous
+block's is still referenced and is released during the next one, so from the second block on
+every block peaks alike (one block alone peaks lower): three full blocks reach the peak of the
+whole context, in a few hundred ops instead of 512 blocks per layer at 128K."""
 
 
 class MetaWeights:
@@ -187,9 +201,12 @@ class MetaRuntime:
         self._stage = {st.stage: st for st in program.stages}
         self.state = RankState(ops, self.rows, program.num_microbatches, program.context, META,
                                pages=pages)  # views on meta
-        if self.state.pool is not None:  # every slot as full as the pool holds: attention reads what the plan holds
+        if self.state.pool is not None:  # every slot as full as the pool holds, up to MEASURED_KEY_BLOCKS blocks
             per_slot = self.state.pool.pages // max(1, self.rows * program.num_microbatches) * PAGE_TOKENS
-            full = ((encode(min(program.context, per_slot), START),) * self.rows,) * program.num_microbatches
+            held = min(program.context, per_slot)
+            if MEASURED_KEY_BLOCKS is not None:  # the same peak as the whole context (see MEASURED_KEY_BLOCKS)
+                held = min(held, MEASURED_KEY_BLOCKS * ATTN_KEY_BLOCK)
+            full = ((encode(held, START),) * self.rows,) * program.num_microbatches
             self.state.apply_round(full, 0)
 
     def state_views(self, op: int):
@@ -297,8 +314,9 @@ def measure_rank(cfg, op_names: list[str], program: RankProgram, program_class=N
     """The allocated breakdown of one rank (activations 0 without the generated `Program` class)
     and the KV pages of its full-attention layers' pools (`allocated_pages`).
 
-    `same_as`: what a TP peer of this rank measured (same modules, state and step: only the
-    buffers, which leaders alone hold, are measured again). `artifact`: the loaded artifact whose
+    `same_as`: what a rank doing the same work measured (a TP peer, or a replica of the same
+    owner with as many rows: `same_work`): only the buffers, which depend on the rank's cuts and
+    on whether it leads its group, are measured again. `artifact`: the loaded artifact whose
     plan sizes the KV pool (`allocate_state`)."""
     from opweave.models.ops import torch_dtype
 
@@ -315,9 +333,19 @@ def measure_rank(cfg, op_names: list[str], program: RankProgram, program_class=N
         allocated_pages(modules)
 
 
-def artifact_memory(folder: str, activations: bool = True) -> list[RankMemory]:
+def same_work(program: RankProgram) -> tuple:
+    """What decides a rank's measured weights, state, activations and KV pages: its owner's ops
+    and layouts, its rows, microbatches and context. Ranks alike in this (TP peers, the replicas of
+    one owner with as many rows) allocate alike; only their buffers differ."""
+    return (program.owner, program.tp, program.experts, tuple(program.ops), program.rows[1] - program.rows[0],
+            program.num_microbatches, program.context, program.prefill_chunk)
+
+
+def artifact_memory(folder: str, activations: bool = True, progress=None) -> list[RankMemory]:
     """Per rank of an artifact: planned and allocated bytes by category, for steps of the
-    program's prefill chunk (at most the context) tokens per row."""
+    program's prefill chunk (at most the context) tokens per row. The modules of each kind of rank
+    (`same_work`) are built and run once; `progress` gets a line per step (rank 0 of a large model
+    takes seconds, the model's trace several)."""
     from opweave.ir.plan import plan_from_json
     from opweave.ir.program import program_from_json
     from opweave.passes.trace import build_graph
@@ -325,21 +353,29 @@ def artifact_memory(folder: str, activations: bool = True) -> list[RankMemory]:
     from opweave.models.model import build_model
     from opweave.artifact import load_artifact, load_program_source, rank_files
 
+    say = progress or (lambda message: None)
     probe = load_artifact(folder, ["plan.json", "model_config.json", "ops.json"])
     plan = plan_from_json(probe.json("plan.json"))
     cfg = config_from_hf(probe.json("model_config.json"), plan.model)
     op_names = probe.json("ops.json")
+    say(f"tracing {plan.model}'s decode step on meta (the planned figures' graph)")
     graph = build_graph(build_model(cfg, "meta"))
-    out, peers = [], {}
+    out, measured = [], {}
     world = program_from_json(load_artifact(folder, rank_files(0)).json("rank_00.json")).world_size
     for rank in range(world):
         art = load_artifact(folder, rank_files(rank))
         program = program_from_json(art.json(f"rank_{rank:02d}.json"))
         width = min(program.prefill_chunk, program.context)
-        cls = load_program_source(art, f"rank_{rank:02d}.py").Program if activations else None
-        peer = peers.get((program.owner, program.replica))  # a TP peer measured already
-        allocated, pages = measure_rank(cfg, op_names, program, cls, width, same_as=peer, artifact=probe)
-        peers.setdefault((program.owner, program.replica), (allocated, pages))
+        key = same_work(program)
+        if key in measured:
+            say(f"rank {rank} of {world}: as rank {measured[key][0]} (same owner, ops and rows), buffers measured")
+            allocated, pages = measure_rank(cfg, op_names, program, None, width, same_as=measured[key][1:])
+        else:
+            say(f"rank {rank} of {world}: building owner o{program.owner}'s {len(program.ops)} ops on meta"
+                + (" and running a round" if activations else ""))
+            cls = load_program_source(art, f"rank_{rank:02d}.py").Program if activations else None
+            allocated, pages = measure_rank(cfg, op_names, program, cls, width, artifact=probe)
+            measured[key] = (rank, allocated, pages)
         out.append(RankMemory(rank=rank, owner=program.owner, gpu=plan.owners[program.owner].gpu, tp=program.tp,
                               planned=plan_rank_memory(plan, graph, program.owner, program.replica,
                                                        program.tp_rank, width),

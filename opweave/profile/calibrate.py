@@ -608,9 +608,11 @@ def _rel_errors(pred: tuple[float, ...], measured: tuple[float, ...]) -> list[fl
 
 
 def calibrate(path: str, catalog: dict[str, GPUSpec], logo: bool = True, engine: str | None = None,
-              graphs: dict | None = None) -> Calibration:
+              graphs: dict | None = None, progress=None) -> Calibration:
     """Reads `path` (only the rows of `engine`, when given), fits every GPU type in it, and (with
-    `logo`) predicts each group from a fit of the others."""
+    `logo`) predicts each group from a fit of the others. `progress` gets a line per model traced
+    and per fit (a file of several large models takes seconds to trace)."""
+    say = progress or (lambda message: None)
     every = read_measurements(path, catalog)
     rows = every
     if engine is not None:
@@ -619,6 +621,8 @@ def calibrate(path: str, catalog: dict[str, GPUSpec], logo: bool = True, engine:
             raise OpWeaveError(f"{path}: no row has engine {engine!r} (an 'engine' column selects rows)")
     graphs = {} if graphs is None else graphs
     for r in every:
+        if r.model not in graphs:
+            say(f"tracing {r.model}'s decode step")
         try:
             graph_of(r.model, graphs)
         except OpWeaveError as e:
@@ -631,6 +635,7 @@ def calibrate(path: str, catalog: dict[str, GPUSpec], logo: bool = True, engine:
         except OpWeaveError as e:
             raise OpWeaveError(f"{path} {e}") from None
         mine = np.array([i for i, r in enumerate(pool) if engine is None or r.engine == engine])
+        say(f"{name}: fitting {len(mine)} rows" + (", then each group left out" if logo else ""))
         fit = _fit(catalog[name], feats, pool, mine, prior=engine is not None and len(mine) < len(pool))
         fits.append(fit)
         sub = take(feats, mine)
@@ -706,7 +711,7 @@ def format_calibration(cal: Calibration) -> str:
     before / after / left out, then the totals."""
     lines = [f"Calibration of the cost model to {cal.source} ({len(cal.rows)} rows)"]
     for fit in cal.fits:
-        lines.append(f"\n{fit.gpu}: {fit.rows} rows, {len(fit.groups)} groups")
+        lines.append(f"\n{fit.gpu}: {fit.rows} rows, {len(fit.groups)} group{'s' * (len(fit.groups) != 1)}")
         for t in TERMS:
             old, new = fit.start[t.field], fit.values[t.field]
             if t.field in fit.held:
@@ -756,6 +761,6 @@ def catalog_entries(cal: Calibration) -> dict:
                 sources[t.field] = f"assumption: not fitted ({fit.held[t.field]}); kept from the starting catalog"
             else:
                 sources[t.field] = (f"fit: opweave calibrate {name} ({stamp}), {fit.rows} rows of "
-                                    f"{len(fit.groups)} groups")
+                                    f"{len(fit.groups)} group{'s' * (len(fit.groups) != 1)}")
         out[fit.gpu] = {**{k: float(f"{v:.6g}") for k, v in fit.values.items()}, "sources": sources}
     return out

@@ -115,13 +115,21 @@ def _loss(gpu, rows, graphs, efficiency) -> float:
     return sum(math.log(p / r.measured_s) ** 2 for p, r in zip(_predictions(gpu, rows, graphs, efficiency), rows))
 
 
-def fit_prefill(path: str, catalog: dict[str, GPUSpec]) -> list[PrefillFit]:
-    """One fit per GPU type of the file's rows (module docstring)."""
+def fit_prefill(path: str, catalog: dict[str, GPUSpec], progress=None) -> list[PrefillFit]:
+    """One fit per GPU type of the file's rows (module docstring); `progress` gets a line per model
+    traced and per GPU type fitted."""
+    from opweave.profile.calibrate import graph_of
+
+    say = progress or (lambda message: None)
     rows = read_prefill_rows(path, catalog)
     graphs: dict = {}
+    for model in dict.fromkeys(r.model for r in rows):
+        say(f"tracing {model}'s decode step")
+        graph_of(model, graphs)
     fits = []
     for name in sorted({r.gpu for r in rows}):
         gpu, mine = catalog[name], [r for r in rows if r.gpu == name]
+        say(f"{name}: fitting the prefill efficiency to {len(mine)} rows")
         lo, hi = math.log(BOUNDS[0]), math.log(BOUNDS[1])
         ratio = (math.sqrt(5) - 1) / 2
         for _ in range(60):   # golden section on log(efficiency)
@@ -168,15 +176,16 @@ def prefill_to_json(fits: list[PrefillFit]) -> dict:
 
 
 def calibrate_file(path: str, catalog: dict[str, GPUSpec], logo: bool = True,
-                   engine: str | None = None) -> tuple[dict, dict, str]:
+                   engine: str | None = None, progress=None) -> tuple[dict, dict, str]:
     """`opweave calibrate` of either kind of file: (override catalog, JSON report, text report) of
-    a prefill fit (`is_prefill_file`) or of the decode fit (`profile/calibrate.py`)."""
+    a prefill fit (`is_prefill_file`) or of the decode fit (`profile/calibrate.py`); `progress`
+    gets their progress lines."""
     if is_prefill_file(path):
         if engine is not None:
             raise OpWeaveError("--engine selects decode rows; a prefill file is fitted whole")
-        fits = fit_prefill(path, catalog)
+        fits = fit_prefill(path, catalog, progress)
         return prefill_catalog(fits, path), prefill_to_json(fits), format_prefill(fits)
     from opweave.profile.calibrate import calibrate, calibration_to_json, catalog_entries, format_calibration
 
-    result = calibrate(path, catalog, logo=logo, engine=engine)
+    result = calibrate(path, catalog, logo=logo, engine=engine, progress=progress)
     return catalog_entries(result), calibration_to_json(result), format_calibration(result)

@@ -137,10 +137,12 @@ def with_simulated(trace: dict, spans_by_rank: dict[int, list[Span]], simulated:
     return {**trace, "traceEvents": events}
 
 
-def write_trace(stats: dict, path: str, artifact: str | None = None) -> list[str]:
+def write_trace(stats: dict, path: str, artifact: str | None = None, device: str | None = None) -> list[str]:
     """Writes the Chrome trace of a traced run's stats (atomically), with the plan's simulated
     schedule beside it when `artifact` holds one (its trace.json and plan.json, checked against the
-    manifest); returns a summary to print."""
+    manifest); returns a summary to print. `device` is where the ranks ran (cpu | cuda): when it is
+    not the kind of device the plan was made for (CPU ranks of a plan for GPUs), the TPOT line says
+    so instead of a percentage, which would compare two different machines."""
     spans = {int(r): from_rows(rows) for r, rows in stats["spans"].items()}
     trace = chrome_trace(spans)
     files = load_artifact(artifact, ["trace.json", "plan.json"], missing_ok=True) if artifact else None
@@ -151,12 +153,42 @@ def write_trace(stats: dict, path: str, artifact: str | None = None) -> list[str
     with atomic_file(path, flag="--trace") as f:
         json.dump(trace, f)
     beside = "; the simulated schedule beside it" if simulated else ""
-    lines = [f"trace: {path} ({len(spans)} ranks, {len(stats['round_s'])} rounds{beside}; open at ui.perfetto.dev)"]
-    lines += summary(spans, len(stats["round_s"]))
-    rounds = stats["round_s"][STEADY_SKIP:-STEADY_SKIP] if len(stats["round_s"]) > 2 * STEADY_SKIP else []
-    if files is not None and files.has("plan.json") and rounds:
-        predicted = float(files.json("plan.json")["tpot_ms"]) / 1e3
-        measured = statistics.median(rounds)
-        lines.append(f"TPOT: predicted {predicted * 1e3:.2f} ms (plan.json), measured {measured * 1e3:.2f} ms "
-                     f"(rank 0's median decode round; predicted/measured - 1 = {predicted / measured - 1:+.1%})")
+    n_ranks, n_rounds = len(spans), len(stats["round_s"])
+    lines = [f"trace: {path} ({n_ranks} rank{'s' * (n_ranks != 1)}, {n_rounds} round{'s' * (n_rounds != 1)}"
+             f"{beside}; open at ui.perfetto.dev)"]
+    lines += summary(spans, n_rounds)
+    steady = stats["round_s"][STEADY_SKIP:-STEADY_SKIP] if n_rounds > 2 * STEADY_SKIP else []
+    if files is not None and files.has("plan.json") and steady:
+        plan = files.json("plan.json")
+        predicted = float(plan["tpot_ms"]) / 1e3
+        measured = statistics.median(steady)
+        line = (f"TPOT: predicted {predicted * 1e3:.2f} ms (plan.json), measured {measured * 1e3:.2f} ms "
+                f"(rank 0's median decode round")
+        other = other_device(plan_gpus(plan), device)
+        if other is None:
+            lines.append(f"{line}; predicted/measured - 1 = {predicted / measured - 1:+.1%})")
+        else:  # a percentage here would compare two machines: say so on the next line
+            lines += [f"{line})", f"  {other}"]
     return lines
+
+
+def plan_gpus(plan: dict) -> tuple[str, ...]:
+    """The catalog GPU types a plan.json's owners run on, in owner order, each once."""
+    return tuple(dict.fromkeys(str(o["gpu"]) for o in plan["owners"]))
+
+
+CPU_GPU = "cpu"
+"""The catalog's entry for CPU ranks (`--cluster cpuxN`, sized from a profile)."""
+
+
+def other_device(gpus: tuple[str, ...], device: str | None) -> str | None:
+    """Why a prediction for `gpus` does not describe ranks that ran on `device` (cpu | cuda), or
+    None when it does (or `device` is not known): CPU ranks running a plan for GPUs, or CUDA ranks
+    running a plan for the `cpu` entry."""
+    names = "+".join(gpus)
+    if device == "cpu" and any(g != CPU_GPU for g in gpus):
+        return (f"(the prediction is for {names}; these ranks ran on this machine's CPU, so the two are not "
+                "compared: for a CPU prediction, compile with --profile and --cluster cpuxN, docs/profile.md)")
+    if device == "cuda" and CPU_GPU in gpus:
+        return f"(the prediction is for {names}; these ranks ran on CUDA devices, so the two are not compared)"
+    return None
