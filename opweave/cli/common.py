@@ -110,3 +110,14 @@ def tokens(flag: str):
         except OpWeaveError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return parse
+
+
+def tcp_port(text: str) -> int:
+    """A TCP port flag's value, 1..65535 (argparse's one-line error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {text!r}") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {value}")
+    return value

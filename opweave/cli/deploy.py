@@ -6,20 +6,12 @@ from __future__ import annotations
 
 import argparse
 
+from opweave.cli.common import tcp_port
+
 EXAMPLES = (
     "opweave launch-files art/ --kind torchrun --weights /shared/ckpt --prompts prompts.jsonl",
     "opweave launch-files art/ --kind k8s --weights /models/ckpt --serve --image registry/opweave:1 --pvc models",
 )
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {text!r}") from None
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"expected a TCP port (1-65535), got {value}")
-    return value
 
 
 def args_launch_files(p: argparse.ArgumentParser) -> None:
@@ -38,9 +30,9 @@ def args_launch_files(p: argparse.ArgumentParser) -> None:
     what.add_argument("--serve", action="store_true",
                       help="start opweave serve on the plan's node instead of a batch (a plan on one node only)")
     p.add_argument("--out", metavar="DIR", help="where to write (default: ARTIFACT-launch, beside the artifact)")
-    p.add_argument("--port", type=_port, default=RENDEZVOUS_PORT,
+    p.add_argument("--port", type=tcp_port, default=RENDEZVOUS_PORT,
                    help="torchrun's rendezvous port on node 0 (default %(default)s)")
-    p.add_argument("--serve-port", type=_port, default=SERVE_PORT,
+    p.add_argument("--serve-port", type=tcp_port, default=SERVE_PORT,
                    help="the server's HTTP port with --serve (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=16,
                    help="tokens per prompt of the batch whose line sets none (default %(default)s)")
