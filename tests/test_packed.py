@@ -48,6 +48,24 @@ def test_the_lm_head_projects_the_live_rows_only_on_the_cpu():
     assert Packed(head, lambda: pad, last=True)(x[:, :1]).shape == (2, 1, 11) and calls[-2:] == [2, 2]
 
 
+def test_a_prepared_layouts_lm_head_makes_no_tensor_from_host_data():
+    """A decode layout never seen before (rows ended in an odd pattern): `prepare`, between rounds,
+    makes every index the LM head reads, so the round under `NoHostSync` makes none (made in the
+    round, they would be a synchronising host copy on a GPU)."""
+    from opweave.runtime.syncguard import HostSyncError, NoHostSync
+
+    weight = torch.randn(11, 6)
+    x = torch.randn(1, 3, 6)
+    fresh = Layout((1, 0, 1, 0, 0, 1, 0))
+    with pytest.raises(HostSyncError, match="host data"), NoHostSync():
+        Packed(lambda h: h @ weight.t(), lambda: fresh, last=True)(x)
+    prepared = Layout((0, 1, 1, 0, 0, 0, 1))
+    prepared.prepare(torch.device("cpu"))
+    with NoHostSync():
+        out = Packed(lambda h: h @ weight.t(), lambda: prepared, last=True)(x)
+    assert torch.equal(out[[1, 2, 6], 0], x[0] @ weight.t())
+
+
 def _requests(prompts, n=3):
     return [Request(index=i, prompt=list(p), max_new_tokens=n) for i, p in enumerate(prompts)]
 

@@ -116,6 +116,23 @@ class Layout:
         """The rows with a token this round."""
         return tuple(r for r, c in enumerate(self.counts) if c)
 
+    def live_last(self, device: torch.device) -> torch.Tensor:
+        """The live rows' last tokens (`last_rows` of `live`) as an index tensor on `device`."""
+        return _index(tuple(self.last_rows[r] for r in self.live), device)
+
+    def live_rows(self, device: torch.device) -> torch.Tensor:
+        """`live` as an index tensor on `device`."""
+        return _index(self.live, device)
+
+    def prepare(self, device: torch.device) -> None:
+        """Makes, between rounds, every index tensor the round reads (`last`, `live_last`,
+        `live_rows`): made inside a round, a new layout's indices would be a copy from host data
+        in a decode round (a synchronising copy on a GPU; `NoHostSync` refuses it)."""
+        self.last(device)
+        if self.live:
+            self.live_last(device)
+            self.live_rows(device)
+
 
 
 @functools.lru_cache(maxsize=4096)
@@ -179,10 +196,9 @@ class Packed:
             if x.device.type == "cpu" and 0 < len(live) < len(layout.counts):
                 # a CPU GEMM costs what its rows do: the live rows' logits only, the idle rows'
                 # zeros (a token nobody reads). A CUDA decode graph keeps every row's shape.
-                tokens = _index(tuple(layout.last_rows[r] for r in live), x.device)
-                logits = self.op(x[0].index_select(0, tokens)[:, None], *args[1:])
+                logits = self.op(x[0].index_select(0, layout.live_last(x.device))[:, None], *args[1:])
                 out = logits.new_zeros((len(layout.counts), *logits.shape[1:]))
-                return out.index_copy_(0, _index(live, x.device), logits)
+                return out.index_copy_(0, layout.live_rows(x.device), logits)
             rows = x[0].index_select(0, layout.last(x.device))
             return self.op(rows[:, None], *args[1:])
         if state is None:

@@ -373,6 +373,8 @@ class Runtime:
     def _start_round(self, round_index: int, counts: tuple[tuple[int, ...], ...]) -> None:
         """The round's agreed layout; a scheduler leader takes its plan and writes its inputs."""
         self.transport.start_round(round_index, counts)
+        for layout in self.layouts:  # its index tensors, made here rather than in the round
+            layout.prepare(self.device)
         self.state.apply_round(self.transport.values, self.program.rows[0])  # pages, as every rank does
         if self.scheduler is not None:
             for mb in range(self.program.num_microbatches):
