@@ -244,7 +244,7 @@ def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(p
     again): every request that ends by itself has
     transformers' greedy tokens, a cancelled one a prefix of them; the rank's pool replayed from
     the agreed values equals the scheduler's copy."""
-    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import HealthCheck, example, given, settings, strategies as st
 
     from test_state_alloc import _hf_tokens
 
@@ -253,6 +253,9 @@ def test_arrivals_shared_prefixes_and_cancellations_keep_every_requests_tokens(p
                         st.integers(1, 4), st.integers(0, 8), st.one_of(st.none(), st.integers(0, 8)))
     hits, preempted = [], []
 
+    # Besides the drawn examples, one that surely preempts: three 15-token prompts fill a page each
+    # of a 4-page pool, then each grows into a second page while one is free.
+    @example(reqs=[(10, [5, 6, 7, 8, 9], 4, 0, None)] * 3, rows=3, chunk=16, reuse=False, buckets=False, short=8)
     @settings(max_examples=32, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(reqs=st.lists(request, min_size=1, max_size=6), rows=st.integers(1, 4), chunk=st.sampled_from([5, 16, 40]),
            reuse=st.booleans(), buckets=st.booleans(), short=st.one_of(st.none(), st.integers(0, 12)))
