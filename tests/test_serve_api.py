@@ -243,7 +243,9 @@ BAD = [
     ("negative temperature", {"model": "tiny", "prompt": "hi", "temperature": -0.1}, 400, "temperature"),
     ("string temperature", {"model": "tiny", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("top_p above one", {"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ("n > 1", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ("n above its limit", {"model": "tiny", "prompt": "hi", "n": 65}, 400, "n"),
+    ("n zero", {"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
+    ("best_of beside n", {"model": "tiny", "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
     ("prompt too long", {"model": "tiny", "prompt": list(range(10, 74))}, 400, "prompt"),
     ("output past context", {"model": "tiny", "prompt": "hi", "max_tokens": 64}, 400, "max_tokens"),
     ("empty token list", {"model": "tiny", "prompt": []}, 400, "prompt"),
@@ -327,6 +329,21 @@ def test_tokenizer_folder_without_tokenizer(tmp_path):
 
 
 # ---------------------------------------------------------------- load and faults
+def test_n_choices_that_do_not_all_fit_the_queue_are_429_and_leave_nothing_queued(tokenizer):
+    """`n` choices are n requests of the engine: when the queue holds fewer, the response is a 429
+    and the choices already queued are cancelled (nothing is left half-submitted)."""
+    engine = FakeEngine(max_queue=2)
+    with serving(engine, tokenizer) as url:
+        engine.pause()
+        status, _, err = http(url, "POST", "/v1/completions",
+                              json.dumps({"model": "tiny", "prompt": "hi", "n": 3}).encode())
+        assert status == 429 and err["error"]["type"] == "rate_limit_error"
+        assert sorted(engine.cancelled) == sorted(engine.submitted) and len(engine.submitted) == 2
+        engine.resume()
+        whole = client(url).completions.create(model="tiny", prompt="hi", max_tokens=2, n=2)
+        assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 4
+
+
 def test_queue_full_is_429_with_retry_after(tokenizer):
     engine = FakeEngine(max_queue=2)
     with serving(engine, tokenizer) as url:
@@ -519,6 +536,24 @@ def test_real_engine_greedy_text_equals_reference(tiny_checkpoint, tmp_path):
                 model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, stream=True))
             assert whole.choices[0].text == streamed == tok.decode(list(want))
             assert whole.usage.completion_tokens == NEW_TOKENS and whole.choices[0].finish_reason == "length"
+        # n choices: greedy ones are all the reference; seeded ones are choice i = one request at seed + i,
+        # whole or streamed (each chunk names its choice); the prompt counts once in the usage
+        many = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=NEW_TOKENS, n=3)
+        want = tok.decode(list(hf_generate(folder, PROMPTS[0], NEW_TOKENS)[1]))
+        assert [c.index for c in many.choices] == [0, 1, 2] and {c.text for c in many.choices} == {want}
+        assert many.usage.completion_tokens == 3 * NEW_TOKENS and many.usage.prompt_tokens == len(PROMPTS[0])
+        drawn = dict(model="tiny", prompt=PROMPTS[2], max_tokens=NEW_TOKENS, temperature=1.0)
+        alone = [client(url).completions.create(**drawn, seed=5 + i).choices[0].text for i in range(2)]
+        assert alone[0] != alone[1]
+        assert [c.text for c in client(url).completions.create(**drawn, seed=5, n=2).choices] == alone
+        pieces = {0: "", 1: ""}
+        for c in client(url).completions.create(**drawn, seed=5, n=2, stream=True):
+            for choice in c.choices:
+                pieces[choice.index] += choice.text
+        assert [pieces[0], pieces[1]] == alone
+        chat = client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2, n=2, temperature=1.0, seed=1)
+        assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
 
 
 def test_sampling_defaults_come_from_the_checkpoint(tmp_path):

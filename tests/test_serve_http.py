@@ -193,7 +193,7 @@ def test_a_surrogate_pair_is_fine(server):
 
 
 @pytest.mark.parametrize("field, value, param", [
-    ("n", 1.0, "n"), ("n", 2, "n"), ("n", True, "n"), ("n", "1", "n"),
+    ("n", 1.0, "n"), ("n", 0, "n"), ("n", 65, "n"), ("n", True, "n"), ("n", "1", "n"),
     ("stream_options", {"include_usage": "no"}, "stream_options.include_usage"),
     ("stream_options", {"include_usage": 1}, "stream_options.include_usage"),
     ("stream_options", {"include_usage": True, "continuous": True}, "stream_options.continuous"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -100,20 +101,32 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None,
         echo = ""
         if req.echo:  # the prompt as given, or a token-id prompt decoded (as OpenAI and vLLM do)
             echo = req.text if req.text is not None else extra.decode_prompt(tokenizer, ids)
-        run = _Run(engine, metrics, tokenizer, req, len(ids), arrival)
-        run.submit(ids, sampling)
-        if req.stream:
-            return _EventStream(_stream(run, guard.request_id(http.scope), echo), run.close,
-                                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        watch = asyncio.create_task(_cancel_on_disconnect(http, run))
+        runs = [_Run(engine, metrics, tokenizer, req, len(ids), arrival) for _ in range(req.n)]
+        for run in runs[1:]:  # one response: the choices share its id and time
+            run.rid, run.created = runs[0].rid, runs[0].created
         try:
-            text = echo + "".join([piece async for piece in run.pieces()])
+            for i, run in enumerate(runs):  # choice i: its own sequence, seed + i when seeded
+                seed = None if sampling.seed is None else sampling.seed + i
+                run.submit(ids, dataclasses.replace(sampling, seed=seed), count_prompt=i == 0)
+        except ApiError:
+            for run in runs:  # nothing half-submitted: the choices already queued are cancelled
+                run.close()
+            raise
+        if req.stream:
+            return _EventStream(_stream(runs, guard.request_id(http.scope), echo), lambda: [r.close() for r in runs],
+                                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        watch = asyncio.create_task(_cancel_on_disconnect(http, runs))
+        try:
+            texts = await asyncio.gather(*(_text(run) for run in runs))
         finally:
             watch.cancel()
-            run.close()
-        if run.error is not None:
-            raise ApiError(run.error_status, run.error)
-        return JSONResponse(protocol.response(req, run.rid, run.created, text, run.finish, run.usage()))
+            for run in runs:
+                run.close()
+        failed = next((run for run in runs if run.error is not None), None)
+        if failed is not None:
+            raise ApiError(failed.error_status, failed.error)
+        choices = [(echo + text, run.finish) for text, run in zip(texts, runs)]
+        return JSONResponse(protocol.response(req, runs[0].rid, runs[0].created, choices, _usage(runs)))
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
@@ -202,7 +215,9 @@ class _Run:
         self.done = False
         self._queue: asyncio.Queue = asyncio.Queue()
 
-    def submit(self, ids: list[int], sampling: Sampling) -> None:
+    def submit(self, ids: list[int], sampling: Sampling, count_prompt: bool = True) -> None:
+        """Queues the request in the engine (`count_prompt`: its prompt tokens count in the
+        metrics; a request's further choices share its prompt)."""
         loop = asyncio.get_running_loop()
 
         def on_event(event) -> None:  # an engine thread
@@ -218,7 +233,8 @@ class _Run:
             raise ApiError(400, str(e).splitlines()[0], param=getattr(e, "param", None)) from None
         except RuntimeError as e:
             raise ApiError(503, f"the engine is not running: {str(e).splitlines()[0]}") from None
-        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+        if count_prompt:
+            self.metrics.prompt_tokens.inc(self.prompt_tokens)
 
     async def pieces(self):
         """The response's text, piece by piece, until the request ends (then `finish` or `error` is set)."""
@@ -267,23 +283,58 @@ class _Run:
         return protocol.usage(self.prompt_tokens, self.tokens)
 
 
-async def _stream(run: _Run, rid: str, echo: str = ""):
-    """The response's server-sent events; `echo` (the prompt's text) is the first completion chunk."""
-    req = run.req
-    if req.kind == "chat":
-        yield protocol.sse(protocol.chunk(req, run.rid, run.created, None, None, role=True))
-    if echo:
-        yield protocol.sse(protocol.chunk(req, run.rid, run.created, echo, None))
-    async for piece in run.pieces():
-        yield protocol.sse(protocol.chunk(req, run.rid, run.created, piece, None))
-    if run.error is not None:
-        body = _server_error(rid, run.error_status, run.error)
-        body["error"]["code"] = str(run.error_status)
-        yield protocol.sse(body)
-    else:
-        yield protocol.sse(protocol.chunk(req, run.rid, run.created, None if req.kind == "chat" else "", run.finish))
-        if req.include_usage:
-            yield protocol.sse(protocol.usage_chunk(req, run.rid, run.created, run.usage()))
+async def _text(run: _Run) -> str:
+    """A choice's whole text (empty when it fails: `run.error` says why)."""
+    return "".join([piece async for piece in run.pieces()])
+
+
+def _usage(runs: list[_Run]) -> dict:
+    """The response's usage: the prompt once, the tokens of every choice."""
+    return protocol.usage(runs[0].prompt_tokens, sum(run.tokens for run in runs))
+
+
+async def _stream(runs: list[_Run], rid: str, echo: str = ""):
+    """The response's server-sent events, the choices' pieces as they come (each chunk names its
+    choice); `echo` (the prompt's text) is each completion choice's first chunk. A failing choice
+    ends the stream with an error event."""
+    run, req = runs[0], runs[0].req
+    for i in range(len(runs)):
+        if req.kind == "chat":
+            yield protocol.sse(protocol.chunk(req, run.rid, run.created, None, None, role=True, index=i))
+        if echo:
+            yield protocol.sse(protocol.chunk(req, run.rid, run.created, echo, None, index=i))
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, choice: _Run) -> None:
+        try:
+            async for piece in choice.pieces():
+                await queue.put((i, piece))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, choice)) for i, choice in enumerate(runs)]
+    try:
+        left = len(runs)
+        while left:
+            i, piece = await queue.get()
+            choice = runs[i]
+            if piece is not None:
+                yield protocol.sse(protocol.chunk(req, run.rid, run.created, piece, None, index=i))
+                continue
+            left -= 1
+            if choice.error is not None:
+                body = _server_error(rid, choice.error_status, choice.error)
+                body["error"]["code"] = str(choice.error_status)
+                yield protocol.sse(body)
+                yield protocol.sse("[DONE]")
+                return
+            yield protocol.sse(protocol.chunk(req, run.rid, run.created, None if req.kind == "chat" else "",
+                                              choice.finish, index=i))
+    finally:
+        for task in tasks:
+            task.cancel()
+    if req.include_usage:
+        yield protocol.sse(protocol.usage_chunk(req, run.rid, run.created, _usage(runs)))
     yield protocol.sse("[DONE]")
 
 
@@ -301,12 +352,13 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-async def _cancel_on_disconnect(http: HttpRequest, run: _Run) -> None:
-    """Waits for the client of a non-streaming request to go away, then cancels the request."""
+async def _cancel_on_disconnect(http: HttpRequest, runs: list[_Run]) -> None:
+    """Waits for the client of a non-streaming request to go away, then cancels its choices."""
     while True:
         message = await http.receive()
         if message["type"] == "http.disconnect":
-            run.close()
+            for run in runs:
+                run.close()
             return
 
 

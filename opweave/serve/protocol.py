@@ -5,8 +5,9 @@ tokenized), `parse_tokenize` and `parse_detokenize` the bodies of vLLM's /tokeni
 /detokenize, or raise `ApiError`, whose `body()` is an OpenAI-style error object
 (`{"error": {"message", "type", "param", "code"}}`) and `status` its HTTP status. Every field has
 its documented effect (docs/serve.md) or is refused with a 400 naming it: fields the server
-cannot honour (n > 1, logprobs, penalties, logit_bias) are accepted only at their neutral
-value, and a field this module does not know is refused.
+cannot honour (logprobs, penalties, logit_bias) are accepted only at their neutral value, and a
+field this module does not know is refused. `n` choices are n requests of the engine on the same
+prompt (choice i draws with seed + i when a seed is given).
 
 `temperature` and `top_p` left out of a request are None here: the server then uses the
 checkpoint's recommended sampling (`generation_config.json` with `do_sample`), or greedy decoding
@@ -25,6 +26,7 @@ import uuid
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_TEMPERATURE = 2.0               # OpenAI's accepted range is [0, 2]
+MAX_N = 64                          # choices one request may ask for (`n`)
 
 
 class ApiError(Exception):
@@ -72,6 +74,7 @@ class Request:
     min_tokens: int = 0                        # EOS is banned before this many output tokens
     ignore_eos: bool = False                   # the model's EOS ids do not end the request
     echo: bool = False                         # completions: the prompt's text comes before the output
+    n: int = 1                                 # choices, each its own sequence from the prompt
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[dict, ...] | None = None
@@ -178,8 +181,8 @@ def parse_completion(body: dict) -> Request:
     for name, default in (("suffix", None), ("logprobs", None)):
         if body.get(name, default) not in (default, 0):
             raise ApiError(400, f"'{name}' is not supported", param=name)
-    if body.get("best_of", 1) not in (1, None):
-        raise ApiError(400, "'best_of' must be 1 (one sequence per request)", param="best_of")
+    if body.get("best_of") not in (None, body.get("n", 1) or 1):
+        raise ApiError(400, "'best_of' must equal 'n' (every sequence drawn is returned)", param="best_of")
     return Request(kind="completion", text=text, token_ids=ids, echo=echo, **_common(body))
 
 
@@ -224,8 +227,10 @@ def _common(body: dict) -> dict:
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required (a string)", param="model")
     n = body.get("n", 1)
-    if n is not None and (not _is_int(n) or n != 1):
-        raise ApiError(400, f"'n' must be the integer 1 (one choice per request), got {n!r}", param="n")
+    if n is None:
+        n = 1
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must be an integer from 1 to {MAX_N}, got {n!r}", param="n")
     temperature = _number(body, "temperature", None)
     if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
         raise ApiError(400, f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}, got {temperature:g}",
@@ -279,7 +284,7 @@ def _common(body: dict) -> dict:
                 include_usage=bool(options.get("include_usage")), stop=_stop(body.get("stop")),
                 stop_token_ids=tuple(int(t) for t in stop_ids), temperature=temperature, top_p=top_p,
                 seed=None if seed is None else int(seed), top_k=int(top_k), min_p=min_p,
-                min_tokens=int(min_tokens), ignore_eos=bool(ignore_eos))
+                min_tokens=int(min_tokens), ignore_eos=bool(ignore_eos), n=int(n))
 
 
 def _max_tokens(body: dict, name: str) -> int | None:
@@ -408,27 +413,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(req: Request, rid: str, created: int, text: str, finish: str, use: dict) -> dict:
-    """The whole (non-streaming) response."""
+def response(req: Request, rid: str, created: int, choices: list[tuple[str, str]], use: dict) -> dict:
+    """The whole (non-streaming) response: one choice per (text, finish reason), in index order."""
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                 "finish_reason": finish} for i, (text, finish) in enumerate(choices)]
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        body = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                for i, (text, finish) in enumerate(choices)]
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice], "usage": use}
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": body, "usage": use}
 
 
 def chunk(req: Request, rid: str, created: int, text: str | None, finish: str | None,
-          role: bool = False) -> dict:
-    """One streamed chunk: new text and/or the finish reason (chat: `role` opens the message)."""
+          role: bool = False, index: int = 0) -> dict:
+    """One streamed chunk of choice `index`: new text and/or the finish reason (chat: `role`
+    opens the message)."""
     if req.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 
