@@ -82,3 +82,9 @@ def names(text: str) -> list[str]:
     """`h100, l40s` -> ["h100", "l40s"]: a comma-separated list of names, blanks dropped."""
     return [n.strip() for n in text.split(",") if n.strip()]
 
+
+
+def counted(n: float, noun: str, plural: str | None = None) -> str:
+    """`n` and its noun, singular for exactly one ("1 template", "3 templates", "0 owner configs")."""
+    n = int(round(n))
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

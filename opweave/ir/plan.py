@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 from opweave.ir.workload import KV_TAIL_Z, Workload, kv_pool_pages
+from opweave.units import counted
 
 PREFILL_CHUNK = 128
 """Default prefill budget (a planned figure carried by each rank program): at most this many prompt
@@ -223,7 +224,8 @@ def format_plan(plan: Plan, search_seconds: float | None = None) -> str:
     if plan.isl is not None:
         lines += format_traffic(plan)
     c = plan.counters
-    lines.append(f"  search: {c.get('templates', 0):.0f} templates, {c.get('owner_configs', 0):.0f} owner configs "
+    lines.append(f"  search: {counted(c.get('templates', 0), 'template')}, "
+                 f"{counted(c.get('owner_configs', 0), 'owner config')} "
                  f"({c.get('frontier_configs', 0):.0f} on frontiers), {c.get('candidates', 0):.0f} candidates, "
                  f"{c.get('simulator_calls', 0):.0f} simulator calls"
                  + (f", {search_seconds:.2f} s" if search_seconds is not None else ""))

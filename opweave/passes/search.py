@@ -33,6 +33,7 @@ from opweave.hardware.cluster import Cluster
 from opweave.ir.graph import OpGraph
 from opweave.passes.owners import OwnerConfig, microbatch_share, pareto_frontier
 from opweave.passes.simulate import simulate
+from opweave.units import counted
 from opweave.passes.space import Candidate, Evaluator, PlanSpace, build_sim_problem, fits_group, \
     full_context_owners, owner_configs, slot_of
 from opweave.passes.templates import StagePlan, build_stages, enumerate_templates
@@ -471,7 +472,8 @@ def format_search(result: SearchResult) -> str:
     """The search's summary (`OPWEAVE_DEBUG_DIR` dump): what it looked at, what it dropped and why,
     and the plan it chose."""
     c = result.counters
-    lines = [f"search: {c.templates} templates, {c.stage_plans} (template, owners, batch, microbatches) combinations",
+    lines = [f"search: {counted(c.templates, 'template')}, {c.stage_plans} (template, owners, batch, microbatches) "
+             "combinations",
              f"  owner configurations: {c.owner_configs} fit, {c.frontier_configs} on Pareto frontiers; dropped: "
              f"{c.configs_over_node} TP above node or pool, {c.configs_tp_indivisible} TP not dividing a sharded op, "
              f"{c.configs_over_pool} replicas above pool or batch, {c.configs_over_memory} over memory",
