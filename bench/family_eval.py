@@ -29,13 +29,16 @@ import argparse
 import os
 import sys
 
+from opweave.cli.costs import planner_splits
 from opweave.compiler.frontend import run_front_end
-from opweave.cost.analysis import analyze
+from opweave.cost.analysis import TP_SCAN, analyze
 from opweave.cost.report import format_analysis
+from opweave.cost.split import SplitLimits
 from opweave.errors import OpWeaveError
 from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import parse_cluster
 from opweave.models.registry import builtin_names
+from opweave.passes.search import DEFAULT_MAX_BATCH, SearchOptions
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RunClock, emit, git_commit, header_lines  # noqa: E402
@@ -149,9 +152,14 @@ def model_section(model: str, fe, slo_ms: float, probes, runs: dict, contexts, c
     seconds = [runs[k].seconds for k in runs if k[0] == model]
     lines += [f"Planning time: {sum(seconds):.0f} s for {len(seconds)} searches (max {max(seconds):.1f} s).", ""]
     gpus = [load_catalog_gpu(g) for g in analyze_gpus]
+    grid = SearchOptions()  # as `opweave analyze --tpot-slo`: the bound covers the search's own grid
+    limits = SplitLimits(tpot_slo_s=slo_ms / 1e3, microbatches=grid.microbatches, max_rows=DEFAULT_MAX_BATCH,
+                         max_replicas=max(grid.replicas), tp_degrees=TP_SCAN)
+    result = analyze(fe.graph, gpus, list(contexts), limits=limits,
+                     splits=planner_splits(fe) if len(gpus) >= 2 else ())
     lines += [f"`opweave analyze {model} --gpus {','.join(analyze_gpus)} --context "
-              f"{','.join(ctx_text(c).lower() for c in contexts)}`:", "", "```",
-              format_analysis(analyze(fe.graph, gpus, list(contexts))), "```", ""]
+              f"{','.join(ctx_text(c).lower() for c in contexts)} --tpot-slo {slo_ms:g}ms`:", "", "```",
+              format_analysis(result), "```", ""]
     return lines, violations
 
 
