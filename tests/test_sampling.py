@@ -142,3 +142,23 @@ def test_workspace_is_within_what_the_planner_counts():
         bound = sampling.workspace_bytes(rows, vocab)
         assert 0 < tracker.peak <= bound, (rows, vocab, tracker.peak, bound)
         assert tracker.peak > bound / 3, "the bound is far above the measured peak"
+
+
+def test_the_ban_made_at_start_up_keeps_a_first_sampled_decode_round_free_of_host_data():
+    """A server's first sampled round can be a decode round (a one-token prompt): the EOS columns
+    the sampler bans are made at start-up (`TPGroup.prepare_ban`), so that round makes no tensor
+    from host data; made on first use, they would be one."""
+    from opweave.runtime.syncguard import HostSyncError, NoHostSync
+    from opweave.runtime.tpgroup import TPGroup
+
+    logits = torch.randn(3, 1, 50)
+    word = torch.tensor([encode(0.0, 1.0, 1, ban_until=9), encode(1.0, 1.0, 2), encode(0.7, 0.9, 3, ban_until=9)])
+    position = torch.tensor([4, 4, 4])
+    fresh = TPGroup((0,), 0)
+    with pytest.raises(HostSyncError, match="host data"), NoHostSync():
+        fresh.sample(logits.clone(), word, position, eos_ids=(7,))
+    ready = TPGroup((0,), 0)
+    ready.prepare_ban((7,), 50, "cpu")
+    with NoHostSync():
+        ids = ready.sample(logits.clone(), word, position, eos_ids=(7,))
+    assert ids.shape == (3,) and 7 not in (int(ids[0]), int(ids[2]))

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from opweave.kernels.reference import NON_FINITE_TOKEN, all_finite
+from opweave.kernels.sampling import ban_columns
 from opweave.ir.tp import Layout, Split
 
 
@@ -91,15 +92,21 @@ class TPGroup:
         each row by its sampling word (`opweave.kernels.sampling`), `eos_ids` banned on rows still
         short of their min_tokens; temperature-0 rows take `argmax`'s answer. `walk` False: every
         row is greedy (the vocabulary walk is skipped; the same ids)."""
-        from opweave.kernels.sampling import ban_columns, sample
+        from opweave.kernels.sampling import sample
 
         last = logits[:, -1, :]
+        self.prepare_ban(eos_ids, last.shape[-1], last.device)  # made at start-up (`Runtime`), so a no-op here
         offset = self.tp_rank * last.shape[-1]
-        key = (tuple(eos_ids), offset, last.shape[-1])
-        if getattr(self, "_ban_key", None) != key:  # made once, before any graph is captured
-            self._ban_key, self._ban = key, ban_columns(eos_ids, offset, last.shape[-1], last.device)
         return sample(last, word, position, vocab_offset=offset, gather=self.stack,
                       greedy=lambda _: self.argmax(logits), banned=self._ban, walk=walk)
+
+    def prepare_ban(self, eos_ids: tuple[int, ...], vocab_slice: int, device) -> None:
+        """This rank's columns of the EOS ids `sample` bans, for a vocabulary slice of `vocab_slice`
+        ids: made once, at start-up (made in a round, they would be a copy from host data, and
+        a server's first sampled round can be a decode round: a one-token prompt)."""
+        key = (tuple(eos_ids), self.tp_rank * vocab_slice, vocab_slice)
+        if getattr(self, "_ban_key", None) != key:
+            self._ban_key, self._ban = key, ban_columns(eos_ids, key[1], vocab_slice, device)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy sample over a vocabulary split across the group (lowest index wins ties): one

@@ -31,6 +31,7 @@ from opweave import config
 from opweave.ir.kinds import OpKind
 from opweave.ir.plan import plan_from_json
 from opweave.ir.program import RankProgram, program_from_json
+from opweave.ir.tp import share
 from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
@@ -121,6 +122,8 @@ class Runtime:
             self.copies = TokenCopies(self.rows, m, self.device)
         self.words: list = [None] * m  # this round's rows' sampling words per microbatch (`opweave.kernels.sampling`)
         self.sampling = serve is not None  # a server samples by each row's word; `opweave run` is greedy
+        if self.sampling and any(op.kind == OpKind.LM_HEAD for op in self.modules.values()):
+            self.tp.prepare_ban(tuple(cfg.eos_token_ids), share(cfg.vocab_size, program.tp), self.device)
         self._sampler = next((i for i, op in self.modules.items() if op.kind == OpKind.SAMPLE), None)
         self.round_index = 0
         self.channel = None      # serving: this scheduler leader's queues
