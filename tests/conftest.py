@@ -1,7 +1,9 @@
 """Shared test set-up: tiny Hugging Face checkpoints (random weights, saved once per session)."""
 
 import os
+import random
 import sys
+import zlib
 
 import pytest
 
@@ -9,6 +11,17 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU in t
 sys.path.insert(0, os.path.dirname(__file__))
 
 FAMILIES = ("llama", "gemma3", "qwen3_moe", "qwen3_next")
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Each test starts from random state of its own (a hash of its id): the data it draws does not
+    depend on which tests ran before it in its process (the suite runs in parallel workers)."""
+    import torch
+
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    torch.manual_seed(seed)
 
 
 @pytest.fixture(scope="session")
