@@ -117,7 +117,7 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None,
                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         watch = asyncio.create_task(_cancel_on_disconnect(http, runs))
         try:
-            texts = await asyncio.gather(*(_text(run) for run in runs))
+            texts = await asyncio.gather(*(_text(run, runs) for run in runs))
         finally:
             watch.cancel()
             for run in runs:
@@ -279,13 +279,15 @@ class _Run:
             self._end("cancelled")
             self.engine.cancel(self.id)
 
-    def usage(self) -> dict:
-        return protocol.usage(self.prompt_tokens, self.tokens)
 
-
-async def _text(run: _Run) -> str:
-    """A choice's whole text (empty when it fails: `run.error` says why)."""
-    return "".join([piece async for piece in run.pieces()])
+async def _text(run: _Run, runs: list[_Run]) -> str:
+    """A choice's whole text; when it fails (`run.error` says why), the request's other choices
+    (`runs`) are cancelled rather than waited for."""
+    text = "".join([piece async for piece in run.pieces()])
+    if run.error is not None:
+        for other in runs:
+            other.close()
+    return text
 
 
 def _usage(runs: list[_Run]) -> dict:
