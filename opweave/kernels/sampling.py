@@ -4,8 +4,11 @@ split across a TP group, with no host synchronisation (a decode round stays capt
 
 Each row carries its request's sampling parameters as `WORD` int64s (`encode`, the row's
 "sampling word", fields in `FIELDS` order): the seed; the temperature, top_p and min_p in
-millionths; top_k (0: off); and `ban_until`, the position before which the model's EOS ids are
-banned (0: no ban). They travel with the row's positions through every stage cut
+millionths; top_k (0: off); `ban_until`, the position before which the model's EOS ids are
+banned (0: no ban); `logprobs`, one more than the top log-probabilities the row reports (0: it
+reports none, `opweave.kernels.logprobs`); and `target`, one more than the id whose
+log-probability the row reports this round instead of the sampled token's (0: the sampled one's;
+the scheduler sets it round by round while it feeds a prompt whose log-probabilities `echo` asks for). They travel with the row's positions through every stage cut
 (`opweave.runtime.message`), so the last stage, wherever it runs, samples each row with its own
 parameters.
 
@@ -41,7 +44,7 @@ import torch
 
 from opweave.kernels.reference import NON_FINITE_TOKEN
 
-FIELDS = ("seed", "temperature", "top_p", "top_k", "min_p", "ban_until")  # a word's int64s
+FIELDS = ("seed", "temperature", "top_p", "top_k", "min_p", "ban_until", "logprobs", "target")  # a word's int64s
 WORD = len(FIELDS)
 SCALE = 1_000_000          # temperature, top_p and min_p are carried as integers of 1e-6
 NUCLEUS_CANDIDATES = 64    # top_k, top_p and min_p choose among at most this many of the most likely tokens
@@ -53,32 +56,43 @@ _M32 = 0xFFFFFFFF
 
 
 def encode(temperature: float, top_p: float, seed: int, top_k: int = 0, min_p: float = 0.0,
-           ban_until: int = 0) -> tuple[int, ...]:
+           ban_until: int = 0, logprobs: int | None = None) -> tuple[int, ...]:
     """A request's sampling word (`FIELDS`): the seed mod 2^63, temperature, top_p and min_p in
     millionths, top_k (0 or at least the vocabulary: off), the position before which EOS ids are
-    banned. A positive top_p keeps at least one millionth (the nucleus is never empty); a
-    positive min_p keeps at least one millionth too (it never vanishes into "off")."""
+    banned, the top log-probabilities reported (None: no log-probabilities), no target. A
+    positive top_p keeps at least one millionth (the nucleus is never empty); a positive min_p
+    keeps at least one millionth too (it never vanishes into "off")."""
     if not 0 <= temperature <= 2 ** 31 / SCALE or not 0 < top_p <= 1 or not 0 <= min_p <= 1:
         raise ValueError(f"sampling out of range: temperature {temperature!r}, top_p {top_p!r}, min_p {min_p!r}")
-    if top_k < 0 or ban_until < 0:
-        raise ValueError(f"sampling out of range: top_k {top_k!r}, ban_until {ban_until!r}")
+    if top_k < 0 or ban_until < 0 or (logprobs is not None and logprobs < 0):
+        raise ValueError(f"sampling out of range: top_k {top_k!r}, ban_until {ban_until!r}, logprobs {logprobs!r}")
     millionths = lambda x: max(1, int(round(x * SCALE))) if x > 0 else 0  # noqa: E731
     return (int(seed) & (2 ** 63 - 1), int(round(temperature * SCALE)), millionths(top_p), int(top_k),
-            millionths(min_p), int(ban_until))
+            millionths(min_p), int(ban_until), 0 if logprobs is None else int(logprobs) + 1, 0)
 
 
 GREEDY = encode(0.0, 1.0, 0)
 
 
-def bad_word(word: tuple[int, ...]) -> str | None:
+def bad_word(word: tuple[int, ...], max_logprobs: int | None = None) -> str | None:
     """Why a sampling word that reached a rank cannot be served (None: it can): a rank checks each
-    request's word on arrival, so a malformed one fails that request alone."""
+    request's word on arrival, so a malformed one fails that request alone. `max_logprobs`: the
+    top log-probabilities the run's records hold (None: the run reports none)."""
     if len(word) != WORD or not all(isinstance(v, int) and 0 <= v < 2 ** 63 for v in word):
         return f"malformed sampling word {word!r}"
     values = dict(zip(FIELDS, word))
     if values["top_p"] < 1 or values["top_p"] > SCALE or values["min_p"] > SCALE:
         return f"sampling word out of range: {values}"
+    if values["logprobs"] and (max_logprobs is None or values["logprobs"] - 1 > max_logprobs):
+        return (f"{values['logprobs'] - 1} top log-probabilities asked; this run reports "
+                f"{'none' if max_logprobs is None else f'at most {max_logprobs}'}")
     return None
+
+
+def top_logprobs(word: tuple[int, ...]) -> int | None:
+    """The top log-probabilities a word asks for (None: no log-probabilities)."""
+    n = word[FIELDS.index("logprobs")]
+    return n - 1 if n else None
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:

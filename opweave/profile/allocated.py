@@ -121,6 +121,8 @@ def buffer_bytes(program: RankProgram, dtype: torch.dtype, width: int) -> int:
     transport = Transport.__new__(Transport)  # its sizing only: no inbox, no process group
     transport.program, transport.dtype, transport.tokens_back = program, dtype, \
         program.scheduler and program.tp_rank == 0  # as the worker: only the leader runs the scheduler
+    transport.width = 1  # token ids alone, as `opweave run`; a server's log-probability records
+    # (`--max-logprobs N`) hold 2 + 2N int64s a row instead: 336 bytes a row at N = 20, unplanned
     static, wide = 0, {}
     for slot in transport.receive_slots():
         element = torch.empty(0, dtype=slot.dtype).element_size()

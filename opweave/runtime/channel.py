@@ -30,6 +30,7 @@ class Add:
     sampling_word: tuple[int, ...]    # `opweave.kernels.sampling.encode`
     ignore_eos: bool = False
     min_tokens: int = 0
+    prompt_logprobs: bool = False     # each prompt token's log-probability too (`Scheduler`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,8 @@ class TokenEvent:
     token: int | None
     finish_reason: str | None         # None while running; then "stop", "length", "cancelled" or "error"
     error: str | None = None
+    logprob: tuple | None = None      # the token's (log-probability, ((id, log-probability), ...) best first)
+    prompt_logprobs: tuple | None = None  # with the first token: one such pair per prompt token after the first
 
 
 @dataclasses.dataclass(frozen=True)

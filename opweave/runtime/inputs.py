@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from opweave.ir.plan import HOST_TOKEN_LAG
-from opweave.kernels.sampling import GREEDY
+from opweave.kernels.sampling import FIELDS, GREEDY
 from opweave.runtime.layout import Layout
 from opweave.runtime.scheduler import StepPlan
 
@@ -32,6 +32,7 @@ class RowInputs:
         self.rows, self.device = rows, device
         self.words = [torch.tensor([GREEDY] * rows, dtype=torch.long, device=device) for _ in range(num_microbatches)]
         self._loaded = [[None] * rows for _ in range(num_microbatches)]  # request index whose word a row holds
+        self._target = [[0] * rows for _ in range(num_microbatches)]  # the `target` field a row's word holds
         self._round: list = [None] * num_microbatches  # (positions, host ids, source rows, from device) per mb
         self._static: dict = {}  # (mb, layout) -> its device tensors, least recently used first
 
@@ -39,11 +40,12 @@ class RowInputs:
 
     def prepare(self, mb: int, plan: StepPlan, layout: Layout) -> None:
         """Between rounds (on the host): microbatch `mb`'s positions [1, T], prompt tokens, and for
-        each decoding row's token the row whose received token it is; the words of new requests."""
+        each decoding row's token the row whose received token it is; the words of new requests,
+        and the `target` of rows whose prompt log-probabilities are asked (`RowStep.target`)."""
         if plan.counts != layout.counts:
             raise RuntimeError(f"microbatch {mb}: planned tokens {plan.counts} are not the agreed {layout.counts}")
         positions, ids, source, device_fed = [], [], [], []
-        changed = []
+        changed, targets = [], []
         for r, step in enumerate(plan.rows):
             if step.idle:  # padding where a request ended after the round was agreed: writes nothing
                 positions += [-1] * step.pad
@@ -54,6 +56,10 @@ class RowInputs:
             if self._loaded[mb][r] != step.request.index:
                 self._loaded[mb][r] = step.request.index
                 changed.append((r, step.request.sampling))
+                self._target[mb][r] = step.request.sampling[TARGET]
+            if self._target[mb][r] != step.target + 1:
+                self._target[mb][r] = step.target + 1
+                targets.append((r, step.target + 1))
             if step.tokens:
                 n = len(step.tokens)
                 positions += range(step.first, step.first + n)
@@ -69,6 +75,8 @@ class RowInputs:
             positions, ids, source, device_fed = [-1], [0], [0], [False]
         for r, word in changed:
             self.words[mb][r] = torch.tensor(word, dtype=torch.long, device=self.device)
+        for r, target in targets:
+            self.words[mb][r, TARGET] = target
         host = (torch.tensor([positions], dtype=torch.long), torch.tensor([ids], dtype=torch.long),
                 torch.tensor(source, dtype=torch.long), torch.tensor([device_fed]))
         key = (mb, layout.counts, layout.pad)
@@ -84,12 +92,16 @@ class RowInputs:
 
     def ids(self, mb: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, positions) [1, T] of microbatch `mb` this round, on the device: decoding rows take
-        their received token (NON_FINITE_TOKEN, -1, becomes 0: that row's request has ended)."""
+        their received token (its record's id; NON_FINITE_TOKEN, -1, becomes 0: that row's
+        request has ended)."""
         positions, host_ids, source, from_device, all_device = self._round[mb]
-        received = tokens.view(-1).clamp(min=0).index_select(0, source).view(1, -1)
+        received = tokens.view(tokens.shape[0], -1)[:, 0].clamp(min=0).index_select(0, source).view(1, -1)
         if all_device:
             return received, positions
         return torch.where(from_device, received, host_ids), positions
+
+
+TARGET = FIELDS.index("target")
 
 
 class TokenCopies:
@@ -104,17 +116,18 @@ class TokenCopies:
     LAG = HOST_TOKEN_LAG  # host buffers: a round's copy is read at the end of the next round, so the
     # tokens sampled in round r reach the host at the end of round r + 2 (what the traffic model counts)
 
-    def __init__(self, rows: int, num_microbatches: int, device: torch.device):
+    def __init__(self, rows: int, num_microbatches: int, device: torch.device, width: int = 1):
         pin = device.type == "cuda"
-        self._stage = [torch.zeros(rows, dtype=torch.long, device=device) for _ in range(num_microbatches)]
-        self._host = [[torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(num_microbatches)]
+        self._stage = [torch.zeros((rows, width), dtype=torch.long, device=device) for _ in range(num_microbatches)]
+        self._host = [[torch.zeros((rows, width), dtype=torch.long, pin_memory=pin) for _ in range(num_microbatches)]
                       for _ in range(self.LAG)]
         self._events: list = [None] * self.LAG
         self._cuda = device.type == "cuda"
 
     def stage(self, mb: int, tokens: torch.Tensor) -> None:
-        """Inside the round: keep `tokens` (sampled in the previous round) on the device."""
-        self._stage[mb].copy_(tokens.view(-1))
+        """Inside the round: keep `tokens` (records [rows, width], sampled in the previous round) on
+        the device."""
+        self._stage[mb].copy_(tokens)
 
     def round_done(self, round_index: int) -> None:
         """After the round is enqueued: start the copies to the host and mark when they complete."""
@@ -125,9 +138,10 @@ class TokenCopies:
             event.record()
             self._events[round_index % self.LAG] = event
 
-    def read(self, round_index: int) -> list[list[int]]:
-        """The tokens staged in round `round_index` (sampled in the round before), per microbatch;
-        waits for that round's copies (long done when read a round later)."""
+    def read(self, round_index: int) -> list[list[list[int]]]:
+        """The records staged in round `round_index` (sampled in the round before), per microbatch
+        and row (the token id first); waits for that round's copies (long done when read a round
+        later)."""
         event = self._events[round_index % self.LAG]
         if event is not None:
             event.synchronize()

@@ -39,6 +39,7 @@ import traceback
 
 from opweave import config
 from opweave.errors import OpWeaveError
+from opweave.kernels.logprobs import MAX_TOP_LOGPROBS
 from opweave.runtime import heartbeat
 from opweave.runtime.heartbeat import Heartbeat, Phase, StallWatch
 from opweave.artifact import VerifiedArtifact, load_artifact
@@ -79,6 +80,7 @@ class RunConfig:
     prefill_budget: int | None = None  # prompt tokens per round and microbatch; None: the plan's prefill chunk
     prefix_cache: bool = True  # prompts start on cached KV pages where the model and plan allow (`runtime.prefix`)
     kv_pages: int | None = None  # KV pages per replica's pool; None: every slot at the plan's context
+    max_logprobs: int | None = None  # serving: top log-probabilities a request may ask for; None: none
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -101,6 +103,10 @@ class RunConfig:
         if self.kv_pages is not None and (isinstance(self.kv_pages, bool) or not isinstance(self.kv_pages, int)
                                           or self.kv_pages < 1):
             raise OpWeaveError(f"--kv-pages must be a whole number of pages, at least 1, got {self.kv_pages!r}")
+        if self.max_logprobs is not None and (isinstance(self.max_logprobs, bool) or not isinstance(
+                self.max_logprobs, int) or not 0 <= self.max_logprobs <= MAX_TOP_LOGPROBS):
+            raise OpWeaveError(f"--max-logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS}, "
+                               f"got {self.max_logprobs!r}")
         if self.timeout_s is not None and not _seconds_ok(self.timeout_s, math.inf):
             raise OpWeaveError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
@@ -211,7 +217,7 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
         heartbeat.report(Phase.JOINED)
         out = run_rank(artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret,
                        cfg.trace, serve=cfg.serve, replica_set=replica_set, prefill_budget=cfg.prefill_budget,
-                       prefix_cache=cfg.prefix_cache, kv_pages=cfg.kv_pages)
+                       prefix_cache=cfg.prefix_cache, kv_pages=cfg.kv_pages, max_logprobs=cfg.max_logprobs)
         if rank == 0:
             folder.put_result(replica_set, *out)
         dist.destroy_process_group()

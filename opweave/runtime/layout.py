@@ -56,6 +56,7 @@ class Layout:
     counts: tuple[int, ...]  # tokens per row of the replica (0: idle)
     pad: bool = False        # no row has a token: the batch is one padding token (position -1)
     sampled: bool = False    # some row draws its token at a positive temperature (else all are greedy)
+    logprobs: bool = False   # some row reports log-probabilities (`opweave.kernels.logprobs`)
 
     @functools.cached_property
     def offsets(self) -> tuple[int, ...]:

@@ -36,22 +36,25 @@ NONE, RELEASE, START, SHARED = 0, 1, 2, 3
 """A row's page event in a round: nothing; drop its pages; a new request starts on fresh pages;
 `SHARED + p`: a new request starts on the cached chain ending at page p."""
 
-_TOKEN_BITS = 24  # a control-word value: tokens | padding << 24 | sampled << 25 | event << 26
+_TOKEN_BITS = 24  # a control-word value: tokens | padding << 24 | sampled << 25 | logprobs << 26 | event << 27
+_EVENT_SHIFT = _TOKEN_BITS + 3
 
 
-def encode(tokens: int, event: int, padding: bool = False, sampled: bool = False) -> int:
+def encode(tokens: int, event: int, padding: bool = False, sampled: bool = False, logprobs: bool = False) -> int:
     """One row's control-word value: its tokens this round, whether they are padding tokens of an
     idle row (computed, position -1: they take no page), whether the row's token this round is
     drawn at a positive temperature (`sampled`: the sampler walks the vocabulary for it; greedy
-    rows only take the argmax), and its page event."""
+    rows only take the argmax), whether the row reports log-probabilities this round
+    (`logprobs`: the last stage computes them, `opweave.kernels.logprobs`), and its page event."""
     if not 0 <= tokens < 1 << _TOKEN_BITS:
         raise ValueError(f"{tokens} tokens in one row's round")
-    return tokens | int(padding) << _TOKEN_BITS | int(sampled) << (_TOKEN_BITS + 1) | event << (_TOKEN_BITS + 2)
+    return (tokens | int(padding) << _TOKEN_BITS | int(sampled) << (_TOKEN_BITS + 1)
+            | int(logprobs) << (_TOKEN_BITS + 2) | event << _EVENT_SHIFT)
 
 
 def decode(value: int) -> tuple[int, int]:
     """(tokens, page event) of a control-word value (tokens: what the round computes for the row)."""
-    return value & ((1 << _TOKEN_BITS) - 1), value >> (_TOKEN_BITS + 2)
+    return value & ((1 << _TOKEN_BITS) - 1), value >> _EVENT_SHIFT
 
 
 def held_tokens(value: int) -> int:
@@ -62,6 +65,11 @@ def held_tokens(value: int) -> int:
 def sampled(value: int) -> bool:
     """Whether a control-word value's row draws its token at a positive temperature this round."""
     return bool(value >> (_TOKEN_BITS + 1) & 1)
+
+
+def logprobs(value: int) -> bool:
+    """Whether a control-word value's row reports log-probabilities this round."""
+    return bool(value >> (_TOKEN_BITS + 2) & 1)
 
 
 def pages_for(tokens: int, page_tokens: int = PAGE_TOKENS) -> int:

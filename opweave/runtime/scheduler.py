@@ -34,7 +34,14 @@ Sampling draws by (seed, position), so a preempted request's tokens are the ones
 
 Serving (`opweave serve`) adds requests while rounds run (`add`), cancels them (`cancel`: the
 slot frees within a round), ends them on a request's own stop ids too, and reports each learned
-token and each end through `on_event(request, token, finish_reason)`.
+token and each end through `on_event(request, token, finish_reason, logprobs)`.
+
+Log-probabilities (`opweave.kernels.logprobs`): a request whose sampling word asks for them gets,
+with each output token, the token's log-probability and the top ones (`Logprob`). One that asks
+for its prompt's too (`prompt_logprobs`, the API's `echo` with `logprobs`) is fed one prompt token
+per round, each step's `target` the prompt token after it, so the last stage reports that token's
+log-probability given the tokens before it (the LM head sees each row's last token only); it
+takes no cached prefix, since every position must be computed.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ from collections import deque
 from opweave.errors import OpWeaveError
 from opweave.ir.plan import PREFILL_CHUNK
 from opweave.models.ops import NON_FINITE_TOKEN
-from opweave.kernels.sampling import FIELDS, GREEDY
+from opweave.kernels.logprobs import decode as decode_record
+from opweave.kernels.sampling import FIELDS, GREEDY, top_logprobs
 from opweave.runtime import pages as P
 from opweave.runtime.pages import PagePool
 from opweave.runtime.prefix import PrefixCache, page_keys
@@ -66,6 +74,26 @@ class Request:
     sampling: tuple[int, ...] = GREEDY  # its row's sampling word (`opweave.kernels.sampling.encode`)
     ignore_eos: bool = False  # the model's EOS ids do not end it
     min_tokens: int = 0       # no EOS or stop id ends it before this many outputs (the sampler bans EOS)
+    prompt_logprobs: bool = False  # report each prompt token's log-probability (fed a token a round)
+    prompt_lp: dict = dataclasses.field(default_factory=dict)  # prompt index -> its `Logprob`
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """The top log-probabilities each output reports (None: it reports none)."""
+        return top_logprobs(self.sampling)
+
+    @property
+    def prompt_pending(self) -> bool:
+        """Prompt log-probabilities are asked and not all learned yet."""
+        return self.prompt_logprobs and len(self.prompt_lp) < len(self.prompt) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability and the most likely tokens' (id, log-probability), best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +111,7 @@ class RowStep:
     event: int = P.NONE    # the row's page event this round (`opweave.runtime.pages`)
     fills: tuple[int, ...] = ()  # prompt pages this step fills that a later prompt may share
     bucket: bool = False   # `pad` is a free row's padding token filling a decode round to its bucket
+    target: int = -1       # the prompt token after this step's, whose log-probability it reports
 
     @property
     def idle(self) -> bool:
@@ -96,6 +125,12 @@ class RowStep:
     def sampled(self) -> bool:
         """The step draws an output token at a positive temperature (the sampler's vocabulary walk)."""
         return self.output and self.request.sampling[TEMPERATURE] > 0
+
+    @property
+    def logprobs(self) -> bool:
+        """The step reports a log-probability: its prompt target's, or its output's."""
+        return self.request is not None and (
+            self.target >= 0 or (self.output and self.request.top_logprobs is not None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +147,7 @@ class StepPlan:
     @property
     def values(self) -> tuple[int, ...]:
         """Per row, its tokens and page event as the control word carries them (`pages.encode`)."""
-        return tuple(P.encode(c, s.event, s.bucket, s.sampled) for c, s in zip(self.counts, self.rows))
+        return tuple(P.encode(c, s.event, s.bucket, s.sampled, s.logprobs) for c, s in zip(self.counts, self.rows))
 
 
 def bucketed(steps: list[RowStep]) -> list[RowStep]:
@@ -174,7 +209,7 @@ class Scheduler:
         self._preempted: dict[int, Request] = {}  # preempted, waiting for outputs in flight before requeueing
         self.preemptions = 0
         self._reserved = 0  # pages the requests admitted in the round being planned will need
-        self.on_event = on_event  # (request, token or None, finish reason or None), as learned
+        self.on_event = on_event  # (request, token or None, finish reason or None, Logprob or None), as learned
 
     @property
     def active(self) -> bool:
@@ -214,6 +249,7 @@ class Scheduler:
                 row.event, row.release = P.START, False
                 if self.prefix is not None:
                     row.keys = page_keys(fed, self.pool.page_tokens)
+                if self.prefix is not None and not req.prompt_pending:
                     found, last = self.prefix.lookup(row.keys, fed, self._started)
                     if found:
                         row.event = P.SHARED + last
@@ -232,6 +268,7 @@ class Scheduler:
         row waits, idle)."""
         req = row.request
         event, row.event = row.event, P.NONE
+        target = -1
         if req is None:
             return RowStep(event=event)
         if row.pending:
@@ -240,6 +277,8 @@ class Scheduler:
             chunk, row.pending = row.pending[:budget], row.pending[budget:]
             first, output = row.position, not row.pending
             row.position += len(chunk)
+            if req.prompt_pending and row.position < len(req.prompt):
+                target = req.prompt[row.position]
         else:
             chunk, first, output = [], row.position, True
             row.position += 1
@@ -250,7 +289,7 @@ class Scheduler:
             if last:
                 row.request = None  # the slot takes the next request in the next planned round
                 row.release = True
-        return RowStep(req, tuple(chunk), first, output, last, event=event)
+        return RowStep(req, tuple(chunk), first, output, last, event=event, target=target)
 
     def _plan_rows(self, mb: int) -> StepPlan:
         """One microbatch's round: free rows admit (while the pool has their pages), decoding rows
@@ -272,7 +311,7 @@ class Scheduler:
                 steps[i] = self._step(row, 0)
         budget = self.prefill_chunk
         for i in sorted(prefilling, key=lambda i: rows[i].admitted):
-            take = min(budget, len(rows[i].pending))
+            take = min(budget, 1 if rows[i].request.prompt_pending else len(rows[i].pending))
             steps[i] = self._step(rows[i], take)
             budget -= take
         while self._short(mb, steps):  # the newest request goes back to the queue
@@ -361,7 +400,7 @@ class Scheduler:
             plan = self._plan_rows(mb)
             plan = self._pages(mb, plan, r)
             self._plans[(r, mb)] = plan
-            if any(s.output for s in plan.rows):
+            if any(s.output or s.target >= 0 for s in plan.rows):
                 self._outputs[(r, mb)] = plan
             values.append(plan.values)
         self.planned_rounds += 1
@@ -388,21 +427,30 @@ class Scheduler:
         return self._plans.pop((round_index, mb))
 
     # ---------------------------------------------------------------- learning the tokens
-    def learn(self, round_index: int, mb: int, tokens) -> None:
-        """The token ids (a sequence of ints, one per row) microbatch `mb` sampled in round `round_index`."""
+    def learn(self, round_index: int, mb: int, tokens, records=None) -> None:
+        """The token ids (a sequence of ints, one per row) microbatch `mb` sampled in round
+        `round_index`, and with log-probabilities their records (int lists, one per row,
+        `opweave.kernels.logprobs`)."""
         plan = self._outputs.pop((round_index, mb), None)
         if plan is None:
             return
-        for step, token in zip(plan.rows, tokens):
+        for r, (step, token) in enumerate(zip(plan.rows, tokens)):
             req = step.request
-            if not step.output or req.index in self._finished:
+            if req is None or req.index in self._finished:
+                continue
+            if step.target >= 0 and records is not None:
+                req.prompt_lp[step.first + len(step.tokens)] = self._logprob(records[r], req.top_logprobs or 0)
+            if not step.output:
                 continue
             if token == NON_FINITE_TOKEN:
                 req.error = f"non-finite logits at output token {len(req.output) + 1}"
                 self._finish(req, "error")
                 continue
             req.output.append(int(token))
-            self._report(req, int(token), None)
+            lp = None
+            if req.top_logprobs is not None and records is not None:
+                lp = self._logprob(records[r], req.top_logprobs)
+            self._report(req, int(token), None, lp)
             if self._stops(req, int(token)):
                 self._finish(req, "stop")
             elif step.last:
@@ -453,9 +501,14 @@ class Scheduler:
             return False
         return (token in self.eos and not req.ignore_eos) or token in req.stop_ids
 
-    def _report(self, req: Request, token: int | None, reason: str | None) -> None:
+    def _logprob(self, record: list[int], top: int) -> Logprob:
+        """A record's log-probabilities, with the first `top` of the top ones it holds."""
+        logprob, best = decode_record(record, (len(record) - 2) // 2)
+        return Logprob(logprob, best[:top])
+
+    def _report(self, req: Request, token: int | None, reason: str | None, logprobs: Logprob | None = None) -> None:
         if self.on_event is not None:
-            self.on_event(req, token, reason)
+            self.on_event(req, token, reason, logprobs)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

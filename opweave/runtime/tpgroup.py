@@ -100,6 +100,17 @@ class TPGroup:
         return sample(last, word, position, vocab_offset=offset, gather=self.stack,
                       greedy=lambda _: self.argmax(logits), banned=self._ban, walk=walk)
 
+    def records(self, logits: torch.Tensor, draw, word: torch.Tensor, top: int) -> torch.Tensor:
+        """Each row's record (`opweave.kernels.logprobs`): the ids `draw()` samples (`sample`) with
+        their log-probabilities (or the word's `target`'s) and the `top` most likely tokens', over
+        the vocabulary split across the group (one more all-gather)."""
+        from opweave.kernels.logprobs import records
+        from opweave.kernels.sampling import FIELDS
+
+        last = logits[:, -1, :]
+        target = word[:, FIELDS.index("target")] - 1
+        return records(last, draw, target, top, vocab_offset=self.tp_rank * last.shape[-1], gather=self.stack)
+
     def prepare_ban(self, eos_ids: tuple[int, ...], vocab_slice: int, device) -> None:
         """This rank's columns of the EOS ids `sample` bans, for a vocabulary slice of `vocab_slice`
         ids: made once, at start-up (made in a round, they would be a copy from host data, and

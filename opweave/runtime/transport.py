@@ -30,7 +30,7 @@ from opweave.ir.program import RankProgram, StageProgram, Transfer
 from opweave.runtime.inbox import Inbox, Slot
 from opweave.runtime.layout import Layout
 from opweave.runtime.message import WORD_BYTES, pack_message, unpack_message
-from opweave.runtime.pages import decode, sampled
+from opweave.runtime.pages import decode, logprobs, sampled
 from opweave.kernels.sampling import WORD
 
 
@@ -85,8 +85,11 @@ class Transport:
     a stand-in with its `isend`, `irecv`, `recv` and `all_reduce` (tests)."""
 
     def __init__(self, program: RankProgram, dtype: torch.dtype, tokens_back: bool,
-                 device: torch.device | str = "cpu", comm=dist):
+                 device: torch.device | str = "cpu", comm=dist, width: int = 1):
+        """`width`: int64s per row the last stage returns (its record: the token id alone, or with
+        its log-probabilities, `opweave.kernels.logprobs.record_width`)."""
         self.program, self.dtype, self.tokens_back = program, dtype, tokens_back
+        self.width = width
         self.device, self.comm = torch.device(device), comm
         self.rows = program.rows[1] - program.rows[0]
         self._pending: list = []   # this round's sends (work, buffer kept alive)
@@ -95,8 +98,8 @@ class Transport:
         m = program.num_microbatches
         # the last stage's token ids: a rank returning to itself keeps them here, and a scheduler's
         # leader assembles the received ones here (static: a decode round always uses this memory)
-        self._local_tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
-        self._tokens = [torch.zeros(self.rows, dtype=torch.long, device=self.device) for _ in range(m)]
+        self._local_tokens = [torch.zeros((self.rows, width), dtype=torch.long, device=self.device) for _ in range(m)]
+        self._tokens = [torch.zeros((self.rows, width), dtype=torch.long, device=self.device) for _ in range(m)]
         self.inbox = Inbox(self.receive_slots(), self.device, comm=comm)
         b = program.microbatch_size
         self.counts: tuple[tuple[int, ...], ...] = ((0,) * b,) * m  # this round's tokens per row (global rows)
@@ -107,10 +110,12 @@ class Transport:
     def layout(self, counts: tuple[int, ...], values: tuple[int, ...] = ()) -> Layout:
         """This replica's packed layout of a microbatch whose rows feed `counts` tokens (global
         rows); padding only when the microbatch runs but none of these rows has a token; sampled
-        when one of these rows' control-word `values` draws at a positive temperature."""
+        when one of these rows' control-word `values` draws at a positive temperature, logprobs
+        when one reports log-probabilities."""
         lo, hi = self.program.rows
         mine = tuple(counts[lo:hi])
-        return Layout(mine, pad=any(counts) and not any(mine), sampled=any(sampled(v) for v in values[lo:hi]))
+        return Layout(mine, pad=any(counts) and not any(mine), sampled=any(sampled(v) for v in values[lo:hi]),
+                      logprobs=any(logprobs(v) for v in values[lo:hi]))
 
     def live(self, mb: int) -> bool:
         """Microbatch `mb` runs this round (some row of it, in any replica, has a token)."""
@@ -134,7 +139,8 @@ class Transport:
                     continue
                 if st.recv is None:
                     if self.tokens_back:
-                        slots += [Slot(("tok", mb, p.rank), p.rank, p.hi - p.lo, torch.long, from_round=1, mb=mb,
+                        slots += [Slot(("tok", mb, p.rank), p.rank, (p.hi - p.lo) * self.width, torch.long,
+                                       from_round=1, mb=mb,
                                        scales=False, rows=(p.lo, p.hi))
                                   for p in prog.token_sources if p.rank != prog.rank]
                     continue
@@ -170,8 +176,10 @@ class Transport:
 
     # ---------------------------------------------------------------- token ids back to the scheduler
     def send_tokens(self, st: StageProgram, mb: int, tokens: torch.Tensor) -> None:
-        """The last stage's new token ids to the embedding owners' leaders (their rows)."""
+        """The last stage's new token ids (records [rows, width]) to the embedding owners' leaders
+        (their rows); ids alone [rows] when the width is 1."""
         lo = self.program.rows[0]
+        tokens = tokens.view(tokens.shape[0], -1)
         remote = []
         for p in st.returns:
             part = tokens[p.lo - lo:p.hi - lo]
@@ -186,12 +194,13 @@ class Transport:
         return self._tokens[mb]
 
     def recv_tokens(self, mb: int) -> torch.Tensor:
-        """The previous step's new token ids of microbatch `mb`'s rows (from every last stage),
-        in a buffer of the run device that every round reuses (only when `mb` ran last round)."""
+        """The previous step's new token ids of microbatch `mb`'s rows (from every last stage; records
+        [rows, width], the id first), in a buffer of the run device that every round reuses (only
+        when `mb` ran last round)."""
         out, lo, me = self._tokens[mb], self.program.rows[0], self.program.rank
         remote = sorted((p for p in self.program.token_sources if p.rank != me), key=lambda p: p.rank)
         for p, part in zip(remote, self.inbox.take([("tok", mb, p.rank) for p in remote])):
-            out[p.lo - lo:p.hi - lo].copy_(part)
+            out[p.lo - lo:p.hi - lo].copy_(part.view(-1, self.width))
         for p in self.program.token_sources:
             if p.rank == me:
                 out[p.lo - lo:p.hi - lo].copy_(self._local_tokens[mb][p.lo - lo:p.hi - lo])

@@ -45,6 +45,7 @@ from opweave.runtime.hugepages import back_with_huge_pages
 from opweave.runtime.kernel_ops import add_norm, device_kernels, pack_cpu_gemms, with_kernels
 from opweave.runtime.layout import Layout, Packed
 from opweave.artifact import VerifiedArtifact, load_artifact, load_program_source, rank_files
+from opweave.kernels.logprobs import bare, record_width
 from opweave.kernels.sampling import WORD, bad_word
 from opweave.runtime.scheduler import Request, Scheduler
 from opweave.runtime.shard import check_placement, materialize
@@ -69,7 +70,8 @@ class Runtime:
     def __init__(self, artifact: VerifiedArtifact, program: RankProgram, weights: str, device: str,
                  groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False,
                  comm=dist, serve: ServeQueues | None = None, replica_set: int = 0,
-                 prefill_budget: int | None = None, prefix_cache: bool = True, kv_pages: int | None = None):
+                 prefill_budget: int | None = None, prefix_cache: bool = True, kv_pages: int | None = None,
+                 max_logprobs: int | None = None):
         """With `serve` (a server's queues), the rank serves: it samples each row by its sampling
         word, and a scheduler leader takes its requests from its inbox in `replica_set` between
         rounds and reports every token learned and every end to the outbox (`Ready` once loaded).
@@ -80,7 +82,9 @@ class Runtime:
         `planned_kv_pages`: every slot at the planned context, or sized for the plan's workload;
         fewer: the scheduler admits by free pages and preempts, and every rank
         holding the replica's KV keeps a pool of that size; the launcher checks the plan allows it,
-        `checks.check_kv_pages`)."""
+        `checks.check_kv_pages`). `max_logprobs` (serving): the top log-probabilities a request may
+        ask for, which sizes the records the last stage returns (`opweave.kernels.logprobs`; None:
+        token ids alone, and a request asking for log-probabilities fails)."""
         self.program = program
         self.timeline = Timeline() if trace else None  # measured spans (see opweave.runtime.timeline)
         self.device = torch.device(device)
@@ -113,13 +117,15 @@ class Runtime:
                                        pages=kv_pages)
         self.tp = TPGroup(program.tp_group, program.tp_rank, groups[program.tp_group] if program.tp > 1 else None,
                           comm=comm, device=self.device)
+        self.max_logprobs = max_logprobs if serve is not None else None
+        self.width = record_width(self.max_logprobs)  # int64s per row the last stage returns
         self.transport = Transport(program, self.dtype, tokens_back=self.scheduler is not None, device=self.device,
-                                   comm=comm)
+                                   comm=comm, width=self.width)
         self._stage = {st.stage: st for st in program.stages}  # stage index -> its program
         self._buffers: dict[tuple, torch.Tensor] = {}  # a TP peer's receive buffers, reused
         if self.scheduler is not None:
             self.inputs = RowInputs(self.rows, m, self.device)
-            self.copies = TokenCopies(self.rows, m, self.device)
+            self.copies = TokenCopies(self.rows, m, self.device, self.width)
         self.words: list = [None] * m  # this round's rows' sampling words per microbatch (`opweave.kernels.sampling`)
         self.sampling = serve is not None  # a server samples by each row's word; `opweave run` is greedy
         if self.sampling and any(op.kind == OpKind.LM_HEAD for op in self.modules.values()):
@@ -140,8 +146,12 @@ class Runtime:
     def is_leader(self) -> bool:
         return self.program.tp_rank == 0
 
-    def _send_event(self, req: Request, token: int | None, reason: str | None) -> None:
-        self.channel.send(TokenEvent(req.index, token, reason, req.error))
+    def _send_event(self, req: Request, token: int | None, reason: str | None, logprob=None) -> None:
+        prompt = None
+        plain = lambda lp: None if lp is None else (lp.logprob, lp.top)  # noqa: E731  (a message holds plain values)
+        if req.prompt_logprobs and token is not None and len(req.output) == 1:  # with the first output
+            prompt = tuple(plain(req.prompt_lp.get(i)) for i in range(1, len(req.prompt)))
+        self.channel.send(TokenEvent(req.index, token, reason, req.error, plain(logprob), prompt))
 
     def _serve_io(self) -> None:
         """Between rounds: take the server's messages (an idle leader waits a little for one)."""
@@ -160,8 +170,10 @@ class Runtime:
     def _admit(self, add: Add) -> None:
         req = Request(index=add.id, prompt=list(add.prompt_ids), max_new_tokens=add.max_new_tokens,
                       stop_ids=tuple(add.stop_ids), sampling=tuple(add.sampling_word), ignore_eos=add.ignore_eos,
-                      min_tokens=add.min_tokens)
-        error = bad_word(req.sampling)
+                      min_tokens=add.min_tokens, prompt_logprobs=add.prompt_logprobs)
+        error = bad_word(req.sampling, self.max_logprobs)
+        if error is None and req.prompt_logprobs and self.max_logprobs is None:
+            error = "prompt log-probabilities asked; this run reports none"
         if error is None:
             self.scheduler.add(req)
         else:  # this request fails alone; the rank and the other rows carry on
@@ -189,7 +201,7 @@ class Runtime:
     @property
     def round_key(self) -> tuple:
         """What a captured decode round depends on: the rows each microbatch computes."""
-        return tuple((layout.counts, layout.pad, layout.sampled) for layout in self.layouts)
+        return tuple((layout.counts, layout.pad, layout.sampled, layout.logprobs) for layout in self.layouts)
 
     def round_tokens(self) -> tuple[int, int]:
         """(token positions computed, real tokens) of this round on a scheduler leader's rows; (0, 0)
@@ -357,20 +369,25 @@ class Runtime:
         return self.tp.argmax(logits)
 
     def sample(self, mb: int, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The last stage's sampler: each row's new token id from the logits [rows, 1, V/tp] of its
-        last token (the LM head took it, `Packed`). A server samples every row by its sampling
-        word (temperature, top_p, seed at the row's last position: greedy at temperature 0;
-        `TPGroup.sample`), walking the vocabulary only when a row of the microbatch draws at a
-        positive temperature (`Layout.sampled`, agreed by every rank: greedy rows take the argmax
-        alone); a run without sampling words is greedy (`argmax`, split over the group or the
-        kernel backend's)."""
+        """The last stage's sampler: each row's record [rows, width] (its new token id first,
+        `opweave.kernels.logprobs`) from the logits [rows, 1, V/tp] of its last token (the LM head
+        took it, `Packed`). A server samples every row by its sampling word (temperature, top_p,
+        seed at the row's last position: greedy at temperature 0; `TPGroup.sample`), walking the
+        vocabulary only when a row of the microbatch draws at a positive temperature
+        (`Layout.sampled`, agreed by every rank: greedy rows take the argmax alone), and computes
+        log-probabilities only when a row reports them (`Layout.logprobs`); a run without sampling
+        words is greedy (`argmax`, split over the group or the kernel backend's)."""
         if self.sampling:
             layout = self.layouts[mb]
             last = positions[0].index_select(0, layout.last(positions.device))
-            return self.tp.sample(logits, self.words[mb], last, tuple(self.cfg.eos_token_ids), walk=layout.sampled)
+            draw = lambda: self.tp.sample(logits, self.words[mb], last, tuple(self.cfg.eos_token_ids),  # noqa: E731
+                                          walk=layout.sampled)
+            if layout.logprobs and self.max_logprobs is not None:
+                return self.tp.records(logits, draw, self.words[mb], self.max_logprobs)
+            return bare(draw(), self.width)
         if self.program.tp > 1:
-            return self.tp.argmax(logits)
-        return self.ops[self._sampler](logits)
+            return bare(self.tp.argmax(logits), self.width)
+        return bare(self.ops[self._sampler](logits), self.width)
 
     # ---------------------------------------------------------------- between rounds
     def _start_round(self, round_index: int, counts: tuple[tuple[int, ...], ...]) -> None:
@@ -397,8 +414,9 @@ class Runtime:
             self.copies.round_done(r)
             lag = self.copies.LAG  # the copies of round r - 1 hold the tokens sampled in round r - 2
             if r >= lag:
-                for mb, tokens in enumerate(self.copies.read(r - lag + 1)):
-                    self.scheduler.learn(r - lag, mb, tokens)
+                for mb, records in enumerate(self.copies.read(r - lag + 1)):
+                    self.scheduler.learn(r - lag, mb, [rec[0] for rec in records],
+                                         records if self.width > 1 else None)
         more, counts = self.transport.complete_round(self.has_work, self._ahead())
         self._mark("sync")
         self.round_index += 1
@@ -479,7 +497,7 @@ def load_program_module(path: str):
 def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: str, requests: list[Request],
              interpret: bool = False, trace: bool = False, serve: ServeQueues | None = None, replica_set: int = 0,
              prefill_budget: int | None = None, prefix_cache: bool = True,
-             kv_pages: int | None = None) -> tuple[list[Request], dict] | None:
+             kv_pages: int | None = None, max_logprobs: int | None = None) -> tuple[list[Request], dict] | None:
     """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the
     outputs and its per-round wall and host (CPU) times, and with `trace` every rank's spans
     (`{"spans": {rank: rows}}`, see opweave.runtime.timeline).
@@ -494,7 +512,7 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
     groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
     rt = Runtime(artifact, program, weights, device, groups, _my_requests(program, requests), trace=trace,
                  serve=serve, replica_set=replica_set, prefill_budget=prefill_budget, prefix_cache=prefix_cache,
-                 kv_pages=kv_pages)
+                 kv_pages=kv_pages, max_logprobs=max_logprobs)
     reports = RoundReports(serve.outbox, replica_set, rank) if serve is not None else None
     runner = RoundRunner(rt, _round_program(rt, artifact, rank, interpret), who=f"rank {rank}")
     rounds = _Rounds(rt, runner, rank, reports)
