@@ -137,9 +137,13 @@ BAD = [
     ("detokenize: boolean id", "/detokenize", {"tokens": [True]}, 400, "tokens"),
     ("detokenize: unknown field", "/detokenize", {"tokens": [7], "skip_special_tokens": True}, 400,
      "skip_special_tokens"),
-    ("echo with logprobs", "/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400,
-     "logprobs"),
-    ("echo with logprobs 0", "/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 0}, 400,
+    ("logprobs on a server without them", "/v1/completions",
+     {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "logprobs"),
+    ("logprobs past 20", "/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("logprobs a string", "/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": "1"}, 400, "logprobs"),
+    ("chat top_logprobs without logprobs", "/v1/chat/completions",
+     {"model": "tiny", "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat logprobs a number", "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "logprobs": 1}, 400,
      "logprobs"),
     ("echo a string", "/v1/completions", {"model": "tiny", "prompt": "hi", "echo": "yes"}, 400, "echo"),
     ("echo on chat", "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "echo": True}, 400, "echo"),
@@ -156,8 +160,8 @@ def test_bad_requests_are_json_errors(shared, what, path, body, status, param):
     assert err["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     if status == 404:
         assert err["error"]["code"] == "model_not_found"
-    if what.startswith("echo with"):
-        assert "'echo' with 'logprobs'" in err["error"]["message"]
+    if what == "logprobs on a server without them":  # the fake engine serves none (--max-logprobs -1)
+        assert "--max-logprobs" in err["error"]["message"]
     assert engine.submitted == {}
 
 

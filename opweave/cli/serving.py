@@ -11,6 +11,8 @@ from opweave import config
 from opweave.cli.common import device_arg, pages, threads, tokens
 from opweave.errors import OpWeaveError
 
+MAX_LOGPROBS = 20  # --max-logprobs' default: `opweave.kernels.logprobs.MAX_TOP_LOGPROBS` (no torch import here)
+
 RUN_EXAMPLES = (
     "opweave run art/ --weights CKPT --prompts prompts.jsonl --json",
     "opweave run out/ --weights random --prompt-ids 1,2,3,4,5,6,7,8,9,10 --max-new-tokens 20 --trace t.json",
@@ -150,6 +152,10 @@ def args_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the model name clients use (default: the plan's model)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a slot before 429 (default %(default)s)")
+    p.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
+                   help="the most top log-probabilities a request may ask for (logprobs / top_logprobs); the last "
+                        "stage returns 2 + 2N numbers per row and token; -1: serve no log-probabilities, token ids "
+                        "alone (default %(default)s)")
     p.add_argument("--replica-sets", default="1", metavar="N|all",
                    help="run N of the plan's replica sets (default %(default)s)")
     device_arg(p)
@@ -197,7 +203,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = Engine(args.artifact, args.weights, args.device,
                     replica_sets=replica_sets(args.replica_sets, args.artifact), max_queue=args.max_queue,
                     stall_timeout_s=args.stall_timeout, threads=args.threads, prefill_budget=args.prefill_budget,
-                    prefix_cache=not args.no_prefix_cache, kv_pages=args.kv_pages)
+                    prefix_cache=not args.no_prefix_cache, kv_pages=args.kv_pages,
+                    max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs)
     print(f"opweave: starting the ranks of {args.artifact} ...", file=sys.stderr)
     try:
         engine.start()

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from opweave.errors import OpWeaveError
 from opweave.serve import extra, guard, protocol
 from opweave.serve.engine import QueueFull, Sampling, SamplingError
+from opweave.serve.logprobs import Formatter, entries
 from opweave.serve.metrics import CONTENT_TYPE, Metrics
 from opweave.serve.protocol import ApiError
 from opweave.serve.tokenizer import TextStream, Tokenizer
@@ -97,11 +98,11 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None,
         protocol.check_model(req.model, name)
         ids = _prompt_ids(req, tokenizer)
         sampling = _sampling(req, len(ids), engine.context, getattr(tokenizer, "sampling_defaults", (0.0, 1.0)),
-                             engine.vocab_size)
+                             engine.vocab_size, getattr(engine, "max_logprobs", None))
         echo = ""
         if req.echo:  # the prompt as given, or a token-id prompt decoded (as OpenAI and vLLM do)
             echo = req.text if req.text is not None else extra.decode_prompt(tokenizer, ids)
-        runs = [_Run(engine, metrics, tokenizer, req, len(ids), arrival) for _ in range(req.n)]
+        runs = [_Run(engine, metrics, tokenizer, req, ids, arrival) for _ in range(req.n)]
         for run in runs[1:]:  # one response: the choices share its id and time
             run.rid, run.created = runs[0].rid, runs[0].created
         try:
@@ -125,7 +126,7 @@ def make_app(engine, tokenizer: Tokenizer, served_model_name: str | None = None,
         failed = next((run for run in runs if run.error is not None), None)
         if failed is not None:
             raise ApiError(failed.error_status, failed.error)
-        choices = [(echo + text, run.finish) for text, run in zip(texts, runs)]
+        choices = [(echo + text, run.finish, run.logprobs_body(items)) for (text, items), run in zip(texts, runs)]
         return JSONResponse(protocol.response(req, runs[0].rid, runs[0].created, choices, _usage(runs)))
 
     @app.post("/v1/completions")
@@ -167,7 +168,8 @@ def _prompt_ids(req: protocol.Request, tokenizer: Tokenizer) -> list[int]:
 
 
 def _sampling(req: protocol.Request, prompt_len: int, context: int,
-              defaults: tuple[float, float] = (0.0, 1.0), vocab_size: int | None = None) -> Sampling:
+              defaults: tuple[float, float] = (0.0, 1.0), vocab_size: int | None = None,
+              max_logprobs: int | None = None) -> Sampling:
     """The engine's sampling parameters; 400 when prompt + output cannot fit in the planned context
     or a value is out of the sampler's range (`Sampling.check`, naming the field)."""
     param = "messages" if req.kind == "chat" else "prompt"
@@ -186,10 +188,11 @@ def _sampling(req: protocol.Request, prompt_len: int, context: int,
     top_p = defaults[1] if req.top_p is None else req.top_p
     sampling = Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed,
                         stop_token_ids=req.stop_token_ids, top_k=req.top_k, min_p=req.min_p,
-                        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
+                        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+                        prompt_logprobs=req.prompt_logprobs)
     if vocab_size is not None:
         try:
-            sampling.check(vocab_size)
+            sampling.check(vocab_size, max_logprobs)
         except SamplingError as e:
             raise ApiError(400, str(e), param=e.param) from None
     return sampling
@@ -199,14 +202,17 @@ class _Run:
     """One request in the engine: its event queue, text stream, counts and outcome."""
 
     def __init__(self, engine, metrics: Metrics, tokenizer: Tokenizer, req: protocol.Request,
-                 prompt_tokens: int, arrival: float):
+                 prompt_ids: list[int], arrival: float):
         self.engine, self.metrics, self.req = engine, metrics, req
+        self.prompt_ids = prompt_ids
+        self.formatter = None if req.logprobs is None else Formatter(tokenizer, req.kind, req.logprobs)
+        self._entries: list = []  # log-probability entries not yet handed out with a piece
         self.text = TextStream(tokenizer, req.stop)
         # Tokens that end the request are counted but are not text (as OpenAI and vLLM do).
         eos = frozenset() if req.ignore_eos else frozenset(engine.eos_token_ids)
         self._ending_ids = eos | frozenset(req.stop_token_ids)
         self.rid, self.created = protocol.new_id(req.kind), protocol.now()
-        self.prompt_tokens, self.tokens = prompt_tokens, 0
+        self.prompt_tokens, self.tokens = len(prompt_ids), 0
         self.arrival, self.first, self.last = arrival, None, None
         self.finish: str | None = None
         self.error: str | None = None
@@ -237,27 +243,45 @@ class _Run:
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
 
     async def pieces(self):
-        """The response's text, piece by piece, until the request ends (then `finish` or `error` is set)."""
+        """The response's text, piece by piece, until the request ends (then `finish` or `error` is
+        set): (text, the log-probability entries of the tokens since the last piece; [] when the
+        request asks for none)."""
         while not self.done:
             event = await self._queue.get()
             if event.token is not None:
                 self._token()
+                self._learn_logprobs(event)
                 piece = "" if event.token in self._ending_ids else self.text.add(event.token)
                 if self.text.stopped:
                     self._end("stop")
                     self.engine.cancel(self.id)  # a stop string: the engine need not go on
                 if piece:
-                    yield piece
+                    yield piece, self._take_entries()
                 continue
             if event.finish_reason in ("stop", "length"):
                 tail = self.text.flush()
                 self._end(event.finish_reason)
-                if tail:
-                    yield tail
+                if tail or self._entries:
+                    yield tail, self._take_entries()
             elif event.finish_reason == "cancelled":
                 self._end("cancelled", 503, event.error or "the request was cancelled: the server is stopping")
             else:
                 self._end("error", 500, f"the engine failed: {event.error or 'no reason given'}")
+
+    def _learn_logprobs(self, event) -> None:
+        if self.formatter is None:
+            return
+        if self.req.prompt_logprobs and event.prompt_logprobs is not None:  # the echoed prompt's, first
+            self._entries += entries(self.prompt_ids, (None,) + tuple(event.prompt_logprobs))
+        self._entries += entries([event.token], [event.logprob])
+
+    def _take_entries(self) -> list:
+        out, self._entries = self._entries, []
+        return out
+
+    def logprobs_body(self, items: list) -> dict | None:
+        """The response's logprobs object for `items` (None when the request asks for none)."""
+        return None if self.formatter is None else self.formatter.body(items)
 
     def _token(self) -> None:
         now = time.monotonic()
@@ -280,14 +304,17 @@ class _Run:
             self.engine.cancel(self.id)
 
 
-async def _text(run: _Run, runs: list[_Run]) -> str:
-    """A choice's whole text; when it fails (`run.error` says why), the request's other choices
-    (`runs`) are cancelled rather than waited for."""
-    text = "".join([piece async for piece in run.pieces()])
+async def _text(run: _Run, runs: list[_Run]) -> tuple[str, list]:
+    """A choice's whole text and log-probability entries; when it fails (`run.error` says why),
+    the request's other choices (`runs`) are cancelled rather than waited for."""
+    pieces, items = [], []
+    async for piece, entries_ in run.pieces():
+        pieces.append(piece)
+        items += entries_
     if run.error is not None:
         for other in runs:
             other.close()
-    return text
+    return "".join(pieces), items
 
 
 def _usage(runs: list[_Run]) -> dict:
@@ -321,7 +348,9 @@ async def _stream(runs: list[_Run], rid: str, echo: str = ""):
             i, piece = await queue.get()
             choice = runs[i]
             if piece is not None:
-                yield protocol.sse(protocol.chunk(req, run.rid, run.created, piece, None, index=i))
+                text, items = piece
+                yield protocol.sse(protocol.chunk(req, run.rid, run.created, text, None, index=i,
+                                                  logprobs=choice.logprobs_body(items)))
                 continue
             left -= 1
             if choice.error is not None:

@@ -31,6 +31,7 @@ from opweave.artifact import load_artifact
 from opweave.errors import OpWeaveError
 from opweave.runtime.channel import Add, Cancel, Ready, RoundReport, ServeQueues, Stop, TokenEvent
 from opweave.runtime.launch import STALL_TIMEOUT_S, RunConfig, Ranks, rank_start_method, world_size
+from opweave.kernels.logprobs import MAX_TOP_LOGPROBS
 from opweave.kernels.sampling import MAX_TOP_K, encode
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range [0, 2]
@@ -59,9 +60,18 @@ class Sampling:
     min_p: float = 0.0              # 0: off
     min_tokens: int = 0             # the model's EOS ids are banned, and no stop id ends it, before this many
     ignore_eos: bool = False        # the model's EOS ids do not end the request
+    logprobs: int | None = None     # top log-probabilities with each output token (None: no log-probabilities)
+    prompt_logprobs: bool = False   # each prompt token's log-probability too (fed a token a round)
 
-    def check(self, vocab_size: int) -> None:
-        """Raises SamplingError for a value the device sampler cannot serve as asked."""
+    def check(self, vocab_size: int, max_logprobs: int | None = None) -> None:
+        """Raises SamplingError for a value the device sampler cannot serve as asked
+        (`max_logprobs`: the server's `--max-logprobs`; None: it serves no log-probabilities)."""
+        if self.logprobs is not None or self.prompt_logprobs:
+            if max_logprobs is None:
+                raise SamplingError("log-probabilities are off on this server (--max-logprobs)", "logprobs")
+            if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+                raise SamplingError(f"logprobs must be between 0 and this server's --max-logprobs "
+                                    f"({max_logprobs}), got {self.logprobs}", "logprobs")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {self.temperature:g}",
                                 "temperature")
@@ -82,8 +92,9 @@ class Sampling:
         """The row's sampling word (`opweave.kernels.sampling.encode`) for a prompt of `prompt_len`:
         output k is sampled at position prompt_len - 2 + k, so EOS is banned before
         prompt_len - 1 + min_tokens."""
+        logprobs = self.logprobs if self.logprobs is not None or not self.prompt_logprobs else 0
         return encode(self.temperature, self.top_p, seed, top_k=self.top_k, min_p=self.min_p,
-                      ban_until=prompt_len - 1 + self.min_tokens if self.min_tokens else 0)
+                      ban_until=prompt_len - 1 + self.min_tokens if self.min_tokens else 0, logprobs=logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +104,9 @@ class Event:
     token: int | None             # one new token id (None on the last event)
     finish_reason: str | None     # None while running; then "stop", "length", "cancelled" or "error"
     error: str | None = None
+    logprob: tuple | None = None  # the token's (log-probability, ((id, log-probability), ...)), when asked
+    prompt_logprobs: tuple | None = None  # with the first token, when asked: one such pair per prompt
+                                          # token after the first
 
 
 class QueueFull(Exception):
@@ -109,7 +123,8 @@ class _Request:
 class Engine:
     def __init__(self, artifact: str, weights: str, device: str = "cpu", replica_sets: int = 1,
                  max_queue: int = 256, stall_timeout_s: float = STALL_TIMEOUT_S, threads: int | None = None,
-                 prefill_budget: int | None = None, prefix_cache: bool = True, kv_pages: int | None = None):
+                 prefill_budget: int | None = None, prefix_cache: bool = True, kv_pages: int | None = None,
+                 max_logprobs: int | None = MAX_TOP_LOGPROBS):
         from opweave.runtime.checks import artifact_model_config
 
         if max_queue < 1:
@@ -124,7 +139,8 @@ class Engine:
         self._leaders = [(k, j) for k in range(replica_sets) for j in range(len(program["scheduler_leaders"]))]
         self._args = dict(artifact=artifact, weights=weights, device=device, replica_sets=replica_sets,
                           stall_timeout_s=stall_timeout_s, threads=threads, prefill_budget=prefill_budget,
-                          prefix_cache=prefix_cache, kv_pages=kv_pages)
+                          prefix_cache=prefix_cache, kv_pages=kv_pages, max_logprobs=max_logprobs)
+        self.max_logprobs = max_logprobs
         self.max_queue = max_queue
         self.healthy, self.error = False, None
         self._requests: dict[int, _Request] = {}
@@ -236,7 +252,7 @@ class Engine:
             if event.finish_reason is not None:
                 del self._requests[event.id]
         if event.token is not None:
-            req.on_event(Event(event.token, None))
+            req.on_event(Event(event.token, None, logprob=event.logprob, prompt_logprobs=event.prompt_logprobs))
         if event.finish_reason is not None:
             req.on_event(Event(None, event.finish_reason, event.error))
 
@@ -257,7 +273,7 @@ class Engine:
         """
         if not self.healthy:
             raise RuntimeError(self.error or "the engine is not running")
-        sampling.check(self.vocab_size)
+        sampling.check(self.vocab_size, self.max_logprobs)
         seed = secrets.randbits(63) if sampling.seed is None else sampling.seed
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -279,7 +295,7 @@ class Engine:
             id=index, prompt_ids=tuple(int(t) for t in prompt_ids), max_new_tokens=int(sampling.max_tokens),
             stop_ids=tuple(int(t) for t in sampling.stop_token_ids),
             sampling_word=tuple(sampling.word(len(prompt_ids), seed)), ignore_eos=bool(sampling.ignore_eos),
-            min_tokens=int(sampling.min_tokens)))
+            min_tokens=int(sampling.min_tokens), prompt_logprobs=bool(sampling.prompt_logprobs)))
         return index
 
     def cancel(self, request_id: int) -> None:

@@ -5,8 +5,8 @@ tokenized), `parse_tokenize` and `parse_detokenize` the bodies of vLLM's /tokeni
 /detokenize, or raise `ApiError`, whose `body()` is an OpenAI-style error object
 (`{"error": {"message", "type", "param", "code"}}`) and `status` its HTTP status. Every field has
 its documented effect (docs/serve.md) or is refused with a 400 naming it: fields the server
-cannot honour (logprobs, penalties, logit_bias) are accepted only at their neutral value, and a
-field this module does not know is refused. `n` choices are n requests of the engine on the same
+cannot honour (penalties, logit_bias) are accepted only at their neutral value, and a field this
+module does not know is refused. `n` choices are n requests of the engine on the same
 prompt (choice i draws with seed + i when a seed is given).
 
 `temperature` and `top_p` left out of a request are None here: the server then uses the
@@ -23,6 +23,8 @@ import math
 import re
 import time
 import uuid
+
+from opweave.kernels.logprobs import MAX_TOP_LOGPROBS
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_TEMPERATURE = 2.0               # OpenAI's accepted range is [0, 2]
@@ -75,6 +77,8 @@ class Request:
     ignore_eos: bool = False                   # the model's EOS ids do not end the request
     echo: bool = False                         # completions: the prompt's text comes before the output
     n: int = 1                                 # choices, each its own sequence from the prompt
+    logprobs: int | None = None                # top log-probabilities per output token (None: none)
+    prompt_logprobs: bool = False              # completions: `echo` with `logprobs`: the prompt's too
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[dict, ...] | None = None
@@ -175,15 +179,16 @@ def parse_completion(body: dict) -> Request:
     else:
         raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", param="prompt")
     echo = _flag(body, "echo", False)
-    if echo and body.get("logprobs") is not None:  # logprobs would cover the prompt's tokens too
-        raise ApiError(400, "'echo' with 'logprobs' is not supported (logprobs are not computed yet)",
+    if body.get("suffix") is not None:
+        raise ApiError(400, "'suffix' is not supported", param="suffix")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise ApiError(400, f"'logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {logprobs!r}",
                        param="logprobs")
-    for name, default in (("suffix", None), ("logprobs", None)):
-        if body.get(name, default) not in (default, 0):
-            raise ApiError(400, f"'{name}' is not supported", param=name)
     if body.get("best_of") not in (None, body.get("n", 1) or 1):
         raise ApiError(400, "'best_of' must equal 'n' (every sequence drawn is returned)", param="best_of")
-    return Request(kind="completion", text=text, token_ids=ids, echo=echo, **_common(body))
+    return Request(kind="completion", text=text, token_ids=ids, echo=echo, logprobs=logprobs,
+                   prompt_logprobs=echo and logprobs is not None, **_common(body))
 
 
 def parse_chat(body: dict) -> Request:
@@ -194,16 +199,23 @@ def parse_chat(body: dict) -> Request:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
-    for name in ("logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"):
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
         if body.get(name) not in (None, False, 0, [], "none"):
             raise ApiError(400, f"'{name}' is not supported", param=name)
+    wanted = _flag(body, "logprobs", False)
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise ApiError(400, f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}",
+                       param="top_logprobs")
+    if top and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     if body.get("response_format") not in (None, {"type": "text"}):
         raise ApiError(400, "'response_format' is not supported (only {\"type\": \"text\"})",
                        param="response_format")
     common = _common(body)
     if "max_completion_tokens" in body and "max_tokens" not in body:
         common["max_tokens"] = _max_tokens(body, "max_completion_tokens")
-    return Request(kind="chat", messages=parsed, **common)
+    return Request(kind="chat", messages=parsed, logprobs=(top or 0) if wanted else None, **common)
 
 
 def _message(m, i: int) -> dict:
@@ -413,29 +425,31 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(req: Request, rid: str, created: int, choices: list[tuple[str, str]], use: dict) -> dict:
-    """The whole (non-streaming) response: one choice per (text, finish reason), in index order."""
+def response(req: Request, rid: str, created: int, choices: list[tuple], use: dict) -> dict:
+    """The whole (non-streaming) response: one choice per (text, finish reason[, its logprobs
+    object, `opweave.serve.logprobs`]), in index order."""
+    choices = [(c[0], c[1], c[2] if len(c) > 2 else None) for c in choices]
     if req.kind == "chat":
-        body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                 "finish_reason": finish} for i, (text, finish) in enumerate(choices)]
+        body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                 "finish_reason": finish} for i, (text, finish, lp) in enumerate(choices)]
         obj = "chat.completion"
     else:
-        body = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-                for i, (text, finish) in enumerate(choices)]
+        body = [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+                for i, (text, finish, lp) in enumerate(choices)]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": body, "usage": use}
 
 
 def chunk(req: Request, rid: str, created: int, text: str | None, finish: str | None,
-          role: bool = False, index: int = 0) -> dict:
+          role: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
     """One streamed chunk of choice `index`: new text and/or the finish reason (chat: `role`
-    opens the message)."""
+    opens the message), with the log-probabilities of its tokens when asked."""
     if req.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 
