@@ -80,8 +80,11 @@ def test_moe_weights_read_as_the_grouped_kernel_reads_them():
     assert reads[0] == pytest.approx(experts.weight_bytes * 8 / 128)
     # up to 16 tokens per expert: each touched expert once (the distinct experts touched)
     assert reads[1] == pytest.approx(experts.weight_bytes * (1 - (1 - 8 / 128) ** 4))
-    # 1024 tokens x 8 / 128 = 64 pairs per expert on average: about 4-5 blocks of 16 each
-    assert 4.0 * experts.weight_bytes < reads[-1] < 5.5 * experts.weight_bytes
+    # 1024 tokens x 8 / 128 = 64 pairs per expert on average: the kernel's blocks of 128 read each
+    # expert once, or twice past 128 pairs (a few experts); blocks of 16 would read it 4-5 times
+    assert C.moe_block(1024, 8 / 128) == 128
+    assert 1.0 * experts.weight_bytes < reads[-1] < 1.05 * experts.weight_bytes
+    assert C.expert_reads(1024, 8 / 128, 16) > 4.0
 
 
 def test_expert_reads_against_enumeration():
@@ -93,7 +96,8 @@ def test_expert_reads_against_enumeration():
         exact = sum(math.ceil(sum(hit) / block) * p ** sum(hit) * (1 - p) ** (batch - sum(hit))
                     for hit in itertools.product((0, 1), repeat=batch))
         assert C.expert_reads(batch, p, block) == pytest.approx(exact)
-    assert C.expert_reads(40, 1.0) == 3.0
+    assert C.expert_reads(40, 1.0, 16) == 3.0
+    assert C.expert_reads(40, 1.0) == 1.0  # the kernel's block at 40 pairs an expert: 64
 
 
 def test_transfers_and_boundaries():
@@ -129,8 +133,12 @@ def test_profile_replaces_roofline_where_it_has_a_figure():
     assert not model.op_cost(first(g, OpKind.O_PROJ), h100, 1, 4, 1024, HIDDEN_BYTES).measured
 
 
-def test_moe_block_is_the_kernels():
+@pytest.mark.parametrize("batch,experts,top_k,ranks", [(1, 128, 8, 1), (64, 8, 2, 1), (256, 8, 2, 1),
+                                                       (100, 64, 6, 1), (256, 64, 8, 4), (4096, 256, 8, 32)])
+def test_moe_block_is_the_kernels(batch, experts, top_k, ranks):
+    """The block the cost model charges is the one the kernel takes from its shapes (an
+    expert-parallel shard holds experts / ranks of them)."""
     pytest.importorskip("triton")
-    from opweave.kernels.triton_kernels.moe import MOE_BLOCK_M
+    from opweave.kernels.triton_kernels.moe import moe_block_m
 
-    assert C.MOE_BLOCK_PAIRS == MOE_BLOCK_M
+    assert C.moe_block(batch, top_k / experts, ranks) == moe_block_m(batch, top_k, experts // ranks)

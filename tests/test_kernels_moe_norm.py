@@ -131,15 +131,22 @@ def test_block_table_bound_is_reached():
     assert _check_table(ids[:, None], e, m) == 17 * e // m + e
 
 
-def test_each_experts_weights_are_read_once_per_token_block(monkeypatch):
+@pytest.mark.parametrize("n,e,split,pairs_per_expert", [
+    (40, 4, 16, [40, 16, 24, 0]),    # 20 pairs an expert expected: blocks of 32
+    (12, 4, 4, [12, 4, 8, 0]),       # 6 expected: blocks of 16
+    (128, 2, 128, [128, 128]),       # 128 expected: blocks of 128, each expert read once
+])
+def test_each_experts_weights_are_read_once_per_block(monkeypatch, n, e, split, pairs_per_expert):
     """A spy on the interpreter's loads counts how often each weight element is read: once per
-    block of up to MOE_BLOCK_M pairs of its expert, not once per (token, expert) pair."""
+    block of its expert's pairs (the kernel's block, which grows with the pairs an expert
+    expects: `moe_block_m`), not once per (token, expert) pair."""
     from triton.runtime.interpreter import InterpreterBuilder
 
-    n, e, k, i, h = 40, 4, 2, 16, 32
-    m = tk.moe.MOE_BLOCK_M
-    ids = torch.stack([torch.zeros(n, dtype=torch.int64), torch.where(torch.arange(n) < m, 1, 2)], dim=1)
-    pairs_per_expert = [40, 16, 24, 0]  # expert 3 gets none
+    k, i, h = 2, 16, 32
+    m = tk.moe.moe_block_m(n, k, e)
+    first = torch.zeros(n, dtype=torch.int64)
+    second = torch.where(torch.arange(n) < split, 1, 2) if e > 2 else torch.ones(n, dtype=torch.int64)
+    ids = torch.stack([first, second], dim=1)
     gen = torch.Generator().manual_seed(0)
     gate_up, down = _experts(e, h, i, torch.float32, gen)
     x, w = torch.randn(n, h, generator=gen), torch.full((n, k), 0.5)
@@ -155,14 +162,16 @@ def test_each_experts_weights_are_read_once_per_token_block(monkeypatch):
     monkeypatch.undo()
     torch.testing.assert_close(got, ref.moe_experts(x, w, ids, gate_up, down), **TOL[torch.float32])
     addrs = np.concatenate(loads).astype(np.int64)
+    blocks = [math.ceil(pairs / m) for pairs in pairs_per_expert]
     for weights in (gate_up, down):
         base, size = weights.data_ptr(), weights.numel() * weights.element_size()
         inside = addrs[(addrs >= base) & (addrs < base + size)]
         reads = np.bincount((inside - base) // weights.element_size(), minlength=weights.numel()).reshape(e, -1)
-        for expert, pairs in enumerate(pairs_per_expert):
-            blocks = math.ceil(pairs / m)
-            assert (reads[expert] == blocks).all(), (expert, pairs, np.unique(reads[expert]))
-        assert reads.sum() == 6 * reads[0].size < sum(pairs_per_expert) * reads[0].size
+        for expert, want in enumerate(blocks):
+            assert (reads[expert] == want).all(), (expert, want, np.unique(reads[expert]))
+        assert reads.sum() == sum(blocks) * reads[0].size < sum(pairs_per_expert) * reads[0].size
+    if n * k / e >= 64:
+        assert blocks == [1] * e  # once per step
 
 
 # ---------------------------------------------------------------------------------------------- add + RMSNorm

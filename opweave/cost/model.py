@@ -13,7 +13,8 @@ with `shards` and the state's shards from the TP table (`opweave.ir.tp`): the fu
 one rank's for sharded ops (so replicated KV heads and norm weights count), 1 for replicated ones
 (the embedding too); the state divides by its KV heads at most. Weights read at batch b are all
 of them for dense ops, b rows of the embedding, and for routed experts what the grouped kernel
-reads: each expert's weights once per block of `MOE_BLOCK_PAIRS` (token, expert) pairs, in
+reads: each expert's weights once per block of (token, expert) pairs (the kernel's block, which
+grows with the pairs an expert expects: once per step for up to 128, `moe_block`), in
 expectation over uniform routing (`expert_reads`); expert-parallel experts (each GPU holds
 E / tp whole experts) take the busiest GPU's reads and pairs (`ep_imbalance`). The launch
 overhead is per op, the figure
@@ -44,6 +45,7 @@ from opweave.hardware.catalog import GPUSpec
 from opweave.ir.graph import Op
 from opweave.ir import tp as tp_table
 from opweave.ir.kinds import OpKind
+from opweave.kernels.blocks import moe_block_pairs
 
 ALLREDUCE_RULES = tuple(kind for kind, r in tp_table.TP_TABLE.items() if r.partial_sum)
 """Op kinds whose output is a partial sum over the TP group (from the TP table, `opweave.ir.tp`)."""
@@ -92,13 +94,16 @@ def shards(op: Op, tp: int, layout: str = "tp") -> float:
     return tp_table.compute_shards(op, tp, layout)
 
 
-MOE_BLOCK_PAIRS = 16
-"""The grouped MoE kernel reads an expert's weights once per block of this many (token, expert)
-pairs routed to it (`MOE_BLOCK_M` in `opweave/kernels/triton_kernels/moe.py`; docs/kernels.md)."""
+def moe_block(batch: int, probability: float, ranks: int = 1) -> int:
+    """The (token, expert) pairs per block the grouped MoE kernel takes for a step of `batch`
+    tokens that each route to an expert with `probability` (`opweave.kernels.blocks.moe_block_pairs`
+    of the kernel's mean, batch x top_k / the experts it holds: an expert-parallel shard of
+    `ranks` holds 1 / ranks of them, `moe_block_m` in `opweave/kernels/triton_kernels/moe.py`)."""
+    return moe_block_pairs(batch * probability * ranks)
 
 
 @functools.lru_cache(maxsize=4096)
-def _reads_moments(batch: int, probability: float, block: int = MOE_BLOCK_PAIRS) -> tuple[float, float]:
+def _reads_moments(batch: int, probability: float, block: int) -> tuple[float, float]:
     """(mean, variance) of ceil(n / block), n ~ Binomial(batch, probability): one expert's reads."""
     if probability <= 0.0 or batch <= 0:
         return 0.0, 0.0
@@ -115,10 +120,11 @@ def _reads_moments(batch: int, probability: float, block: int = MOE_BLOCK_PAIRS)
     return m1, max(0.0, m2 - m1 * m1)
 
 
-def expert_reads(batch: int, probability: float, block: int = MOE_BLOCK_PAIRS) -> float:
+def expert_reads(batch: int, probability: float, block: int | None = None) -> float:
     """Expected times one expert's weights are read in a step of `batch` tokens that each route
-    to it with `probability`: E[ceil(n / block)], n ~ Binomial(batch, probability)."""
-    return _reads_moments(batch, probability, block)[0]
+    to it with `probability`: E[ceil(n / block)], n ~ Binomial(batch, probability), in blocks of
+    `block` pairs (default: the kernel's, `moe_block`)."""
+    return _reads_moments(batch, probability, block or moe_block(batch, probability))[0]
 
 
 def expected_max_normal(ranks: int) -> float:
@@ -135,7 +141,8 @@ def ep_imbalance(batch: int, experts: int, top_k: int, ranks: int) -> tuple[floa
     mean (>= 1): `ranks` GPUs each hold experts / ranks whole experts, and a step of `batch`
     tokens routes each to `top_k` of the `experts` uniformly. The busiest rank sets the op's time.
 
-    Per rank, the reads (sum over its experts of ceil(pairs / MOE_BLOCK_PAIRS)) and the pairs are
+    Per rank, the reads (sum over its experts of ceil(pairs / block), the kernel's block on a
+    shard, `moe_block`) and the pairs are
     taken as normal with the mean and variance of independent experts (routing is without
     replacement within a token, so the true spread is a little smaller), and the busiest rank as
     the mean plus `expected_max_normal(ranks)` standard deviations, capped at every one of its
@@ -145,10 +152,11 @@ def ep_imbalance(batch: int, experts: int, top_k: int, ranks: int) -> tuple[floa
         return 1.0, 1.0
     per_rank = experts / ranks
     p = top_k / experts
-    mean, var = _reads_moments(batch, p)
+    block = moe_block(batch, p, ranks)
+    mean, var = _reads_moments(batch, p, block)
     z = expected_max_normal(ranks)
     reads_mean = per_rank * mean
-    reads_max = min(reads_mean + z * math.sqrt(per_rank * var), per_rank * math.ceil(batch / MOE_BLOCK_PAIRS))
+    reads_max = min(reads_mean + z * math.sqrt(per_rank * var), per_rank * math.ceil(batch / block))
     pairs_mean = batch * top_k / ranks
     pairs_max = min(pairs_mean + z * math.sqrt(batch * top_k * (1 / ranks) * (1 - 1 / ranks)), batch * min(top_k, per_rank))
     return (max(1.0, reads_max / reads_mean) if reads_mean > 0 else 1.0,
@@ -163,13 +171,15 @@ def expert_parallel_factors(op: Op, tp: int, batch: int, layout: str) -> tuple[f
     return ep_imbalance(batch, experts, max(1, round(op.active_weight_fraction * experts)), tp)
 
 
-def weight_bytes_read(op: Op, batch: int) -> float:
-    """Weight bytes one step reads at resident batch `batch` (whole group, before sharding)."""
+def weight_bytes_read(op: Op, batch: int, ranks: int = 1) -> float:
+    """Weight bytes one step reads at resident batch `batch` (whole group, before sharding;
+    routed experts over an expert-parallel group of `ranks`: in the blocks its shards take)."""
     if op.kind == OpKind.EMBED:
         rows = op.weights[0].shape[0] if op.weights else 1
         return op.weight_bytes * min(batch, rows) / rows
     if op.active_weight_fraction < 1.0:  # routed experts: each expert once per block of pairs
-        return op.weight_bytes * expert_reads(batch, op.active_weight_fraction)
+        p = op.active_weight_fraction
+        return op.weight_bytes * expert_reads(batch, p, moe_block(batch, p, ranks))
     return float(op.weight_bytes)
 
 
@@ -183,7 +193,8 @@ def op_stream_bytes(op: Op, tp: int, batch: int, layout: str = "tp") -> float:
     busiest GPU's, for expert-parallel experts: `ep_imbalance`)."""
     n = shards(op, tp, layout)
     reads, pairs = expert_parallel_factors(op, tp, batch, layout)
-    return reads * weight_bytes_read(op, batch) / n + pairs * batch * op.act_bytes_per_token / n
+    ranks = tp if layout == "ep" and op.kind in tp_table.EXPERT_KINDS else 1  # the kernel's block on a shard
+    return reads * weight_bytes_read(op, batch, ranks) / n + pairs * batch * op.act_bytes_per_token / n
 
 
 def op_state_bytes(op: Op, tp: int, batch: int, context: int) -> float:

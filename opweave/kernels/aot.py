@@ -248,6 +248,11 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
     yield "E 512, top 10", lambda: tk.moe_route(m(8, 512), 10, True)
     yield "H 2048, I 512, E 512, top 10", lambda: tk.moe_experts(
         m(8, 2048), m(8, 10), m(8, 10, dt=torch.int64), m(512, 1024, 2048), m(512, 2048, 512))
+    # Mixtral's 8 experts, top 2: the grouped kernels' larger blocks (16 pairs an expert at batch
+    # 64: blocks of 32; 64 at batch 256: blocks of 128, `moe_block_m`)
+    for batch in (64, 256):
+        yield f"H 4096, I 14336, E 8, top 2, batch {batch}", lambda b=batch: tk.moe_experts(
+            m(b, 4096), m(b, 2), m(b, 2, dt=torch.int64), m(8, 28672, 4096), m(8, 4096, 14336))
     yield "V 151936", lambda: tk.argmax(m(8, 151936))
     # GPT-OSS: sink logits in the split merge (window 128), clamped-SwiGLU experts with biases
     yield "D 64, GQA 8, L 4096, window 128, sinks", lambda: tk.decode_attention(

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from opweave.kernels.blocks import MOE_BLOCK_MIN, moe_block_pairs
 from opweave.kernels.triton_kernels.common import _MAX_BLOCK, _check_last_contiguous, _dot_fp32, _pow2
 
 MOE_WARPS = 8  # float32 MoE tl.dot tiles spill registers at 4 warps (docs/kernels.md, ahead-of-time checks)
@@ -103,11 +104,24 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
     return weights.view(*lead, top_k), ids.view(*lead, top_k)
 
 
-MOE_BLOCK_M = 16  # (token, expert) pairs per grouped block: the rows of each `tl.dot` (>= 16)
+def moe_block_m(tokens: int, top_k: int, experts: int) -> int:
+    """(token, expert) pairs per grouped block for `tokens` tokens routed to `top_k` of `experts`
+    (`opweave.kernels.blocks.moe_block_pairs` of the mean pairs per expert: from the shapes alone)."""
+    return moe_block_pairs(tokens * top_k / max(1, experts))
+
+
+def moe_tile(block_m: int, fp32: bool) -> int:
+    """The square weight tile (channels x hidden columns) of both grouped kernels at `block_m`
+    pairs per block: 64, narrowed as the blocks grow so the accumulators ([block_m, tile] float32,
+    two in the gate/up kernel) and a float32 model's operand tiles stay in registers (no spills
+    for sm_80/89/90, `tests/test_kernels_aot.py`)."""
+    if fp32:
+        return 64 if block_m <= 16 else 32 if block_m <= 64 else 16
+    return 64 if block_m <= 64 else 32
 
 
 def moe_block_table(ids: torch.Tensor, num_experts: int,
-                    block_m: int = MOE_BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+                    block_m: int = MOE_BLOCK_MIN) -> tuple[torch.Tensor, torch.Tensor]:
     """The grouped MoE schedule of a routing, computed on the device with static shapes.
 
     The N*k (token, expert) pairs (pair p = token * k + j) are sorted by expert (stable, so the
@@ -261,7 +275,7 @@ def _moe_down_kernel(
 def _grouped_experts(x, weights, ids, e: int, i: int, gate_up, gate_up_strides, up_offset: int, down,
                      down_strides, gate_up_bias=None, down_bias=None, alpha: float = 0.0, limit: float = 0.0):
     """The launch both expert layouts share: the (token, expert) pairs sorted by expert in blocks of
-    `MOE_BLOCK_M` (`moe_block_table`, on the device), `_moe_gate_up_act_kernel` then
+    `moe_block_m` pairs (`moe_block_table`, on the device), `_moe_gate_up_act_kernel` then
     `_moe_down_kernel` per block, and the k weighted outputs of a token summed in float32 in a fixed
     order (no atomics). Sentinel pairs (id == e: not on this expert-parallel shard) have no block,
     so their output rows are never written: they are zeroed before the sum (on the device).
@@ -277,21 +291,24 @@ def _grouped_experts(x, weights, ids, e: int, i: int, gate_up, gate_up_strides, 
     if not n * k:
         return torch.zeros_like(x)
     gpt_oss = gate_up_bias is not None
-    order, table = moe_block_table(ids2, e)
+    block_m = moe_block_m(n, k, e)
+    order, table = moe_block_table(ids2, e, block_m)
     act = torch.empty(n * k, i, dtype=x.dtype, device=x.device)
     out = torch.empty(n * k, h, dtype=x.dtype, device=x.device)
     dot_fp32 = _dot_fp32(x.dtype)
-    # float32 tl.dot runs on FMA units: its tiles spill registers at 4 warps (ahead-of-time checks)
-    warps = MOE_WARPS if x.dtype == torch.float32 else 4
-    block_i, block_h = min(_pow2(i, 16), 64), min(_pow2(h, 16), 64)  # weight tiles of both kernels
+    # float32 tl.dot runs on FMA units: its tiles spill registers at 4 warps, as do blocks of 64
+    # pairs or more (ahead-of-time checks)
+    warps = MOE_WARPS if x.dtype == torch.float32 or block_m >= 64 else 4
+    tile = moe_tile(block_m, x.dtype == torch.float32)
+    block_i, block_h = min(_pow2(i, 16), tile), min(_pow2(h, 16), tile)  # weight tiles of both kernels
     _moe_gate_up_act_kernel[(table.shape[0], triton.cdiv(i, block_i))](
         x2, order, table, gate_up, gate_up_bias if gpt_oss else gate_up, act, x2.stride(0), gate_up.stride(0),
         *gate_up_strides, up_offset, gate_up_bias.stride(0) if gpt_oss else 0, h, i, float(alpha), float(limit),
-        K=k, GPT_OSS=gpt_oss, BLOCK_M=MOE_BLOCK_M, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32,
+        K=k, GPT_OSS=gpt_oss, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32,
         num_warps=warps)
     _moe_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](
         act, w2, order, table, down, down_bias if gpt_oss else down, out, w2.stride(0), down.stride(0),
-        *down_strides, down_bias.stride(0) if gpt_oss else 0, h, i, K=k, HAS_BIAS=gpt_oss, BLOCK_M=MOE_BLOCK_M,
+        *down_strides, down_bias.stride(0) if gpt_oss else 0, h, i, K=k, HAS_BIAS=gpt_oss, BLOCK_M=block_m,
         BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32, num_warps=warps)
     out = out.view(n, k, h).masked_fill_((ids2 >= e)[..., None], 0.0)  # sentinel rows: never written
     y = torch.sum(out, dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
@@ -302,7 +319,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
                 down: torch.Tensor) -> torch.Tensor:
     """See `reference.moe_experts`. Grouped (`_grouped_experts`): gate_up + activation then down +
     routing weight per block of pairs of one expert with `tl.dot`, so each expert's weights are read
-    once per block of tokens. No host synchronisation: the grid is sized from the shapes. Ids must
+    once per block of up to `moe_block_m` pairs (once per step for up to 128 pairs an expert). No host synchronisation: the grid is sized from the shapes. Ids must
     be in [0, E]; id E (the foreign-pair sentinel, `reference.local_expert_ids`) contributes
     nothing."""
     h = x.shape[-1]
