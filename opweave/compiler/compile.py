@@ -37,7 +37,8 @@ def compile_model(model: str, cluster: Cluster, tpot_slo_s: float, context: int,
                   options: SearchOptions = SearchOptions(), cost_model: CostModel = CostModel(),
                   progress: Callable[[str], None] | None = None, allow_long_context: bool = False,
                   warn: Callable[[str], None] | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                  front_end: FrontEnd | None = None, workload: Workload | None = None) -> Compiled:
+                  front_end: FrontEnd | None = None, workload: Workload | None = None,
+                  kv_cache_dtype: str = "auto") -> Compiled:
     """Runs the pipeline's steps trace .. plan (`compiler/pipeline.py`).
 
     `prefill_chunk`: prompt tokens per row per step at run time, which sizes the planned
@@ -45,8 +46,24 @@ def compile_model(model: str, cluster: Cluster, tpot_slo_s: float, context: int,
     the compile then starts at the search and does not trace again. `workload`: the traffic to
     plan for (`ir/workload.py`: prompt and output tokens, TTFT SLO, rate, prefill mode; the plan
     then carries its prefill arrangement, TTFT and TPOT under it); None plans decode alone.
+    `kv_cache_dtype`: "fp8" keeps attention's keys and values in float8 e4m3 (half a bf16 cache's
+    bytes, `ModelConfig.kv_cache_dtype`); every GPU type of the cluster must support it.
     """
+    from opweave.kernels.targets import fp8_kv_supported
+    from opweave.models.config import KV_CACHE_DTYPES
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise OpWeaveError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "fp8":
+        lacking = sorted({p.gpu.name for p in cluster.pools if not fp8_kv_supported(p.gpu.name)})
+        if lacking:
+            raise OpWeaveError(f"--kv-cache-dtype fp8 needs float8 conversions (compute capability 8.9 or later: "
+                               f"L40S, L4, H100, H200, B200); {', '.join(lacking)} cannot keep an fp8 KV cache")
+    if front_end is not None and front_end.inputs.kv_cache_dtype != kv_cache_dtype:
+        raise ValueError(f"front_end traced with kv_cache_dtype {front_end.inputs.kv_cache_dtype!r}, "
+                         f"not {kv_cache_dtype!r}")
     inputs = Inputs(model=model, dtype=None if front_end is None else front_end.inputs.dtype, cluster=cluster,
+                    kv_cache_dtype=kv_cache_dtype,
                     tpot_slo_s=tpot_slo_s, context=context, prefill_chunk=prefill_chunk, workload=workload,
                     options=options,
                     cost_model=cost_model, allow_long_context=allow_long_context, progress=progress, warn=warn)

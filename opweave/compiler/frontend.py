@@ -13,6 +13,8 @@ FrontEnd = pipeline.Compiled
 """A compile's record after trace and blocks (`source`, `graph`, `blocks`): the same record type."""
 
 
-def run_front_end(model: str, dtype: str | None = None) -> FrontEnd:
-    """Resolves MODEL, traces its decode step and finds its partition blocks."""
-    return pipeline.run(pipeline.Compiled(inputs=Inputs(model=model, dtype=dtype)), last="blocks")
+def run_front_end(model: str, dtype: str | None = None, kv_cache_dtype: str = "auto") -> FrontEnd:
+    """Resolves MODEL, traces its decode step (attention caching keys and values as
+    `kv_cache_dtype`) and finds its partition blocks."""
+    return pipeline.run(pipeline.Compiled(inputs=Inputs(model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype)),
+                        last="blocks")

@@ -28,6 +28,7 @@ class Inputs:
 
     model: str                                  # built-in name, checkpoint folder or model.py
     dtype: str | None = None                    # the traced dtype (None: the model's own)
+    kv_cache_dtype: str = "auto"                # attention's cache: "auto" (the model's dtype) or "fp8"
     cluster: Cluster | None = None
     tpot_slo_s: float = math.inf
     context: int = 0

@@ -35,7 +35,7 @@ def trace_model(inputs: Inputs) -> tuple[ModelSource, OpGraph]:
     from opweave.passes.trace import build_graph
 
     source = resolve(inputs.model)
-    return source, build_graph(source.build("meta", inputs.dtype))
+    return source, build_graph(source.build("meta", inputs.dtype, inputs.kv_cache_dtype))
 
 
 def check_context(source: ModelSource, graph: OpGraph, context: int, allow_long_context: bool,
@@ -125,7 +125,7 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
                 batch=cand.batch, microbatches=cand.microbatches, replica_sets=sets, idle_gpus=idle,
                 predicted=predicted, counters=dataclasses.asdict(result.counters), return_s=problem.return_s,
                 return_bytes=problem.return_bytes, return_inter_node=problem.return_inter_node,
-                prefill_chunk=inputs.prefill_chunk, isl=inputs.isl, osl=inputs.osl, ttft_idle_ms=idle_ms,
+                prefill_chunk=inputs.prefill_chunk, kv_cache_dtype=inputs.kv_cache_dtype, isl=inputs.isl, osl=inputs.osl, ttft_idle_ms=idle_ms,
                 workload=None if inputs.workload is None else inputs.workload.to_json(),
                 **_traffic_fields(inputs, traffic))
 

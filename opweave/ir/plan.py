@@ -114,6 +114,7 @@ class Plan:
     return_bytes: float | None = None
     return_inter_node: bool | None = None
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per round and microbatch (the planned activations: rows x this)
+    kv_cache_dtype: str = "auto"        # attention's keys and values: the model's dtype, or "fp8" (e4m3)
     isl: int | None = None           # the workload's prompt tokens (compile --isl), None: decode only
     osl: int | None = None           # its output tokens (compile --osl)
     ttft_ms: float | None = None     # mean TTFT at the planned load (`passes/traffic.py`)
@@ -194,6 +195,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         idle_gpus=_tuples(data["idle_gpus"]), predicted=Predicted(**data["predicted"]), counters=dict(data["counters"]),
         return_s=data.get("return_s"), return_bytes=data.get("return_bytes"),
         return_inter_node=data.get("return_inter_node"), prefill_chunk=data.get("prefill_chunk", PREFILL_CHUNK),
+        kv_cache_dtype=data.get("kv_cache_dtype", "auto"),
         isl=data.get("isl"), osl=data.get("osl"), ttft_ms=data.get("ttft_ms"), ttft_p99_ms=data.get("ttft_p99_ms"),
         tpot_p99_ms=data.get("tpot_p99_ms"), ttft_idle_ms=data.get("ttft_idle_ms"), prefill=data.get("prefill"),
         workload=data.get("workload"),
@@ -204,7 +206,8 @@ def format_plan(plan: Plan, search_seconds: float | None = None) -> str:
     """The summary `opweave compile` prints (plan.txt: without the search's time, which is not
     deterministic; the command line gives `search_seconds`)."""
     p = plan.predicted
-    lines = [f"Plan for {plan.model} on {plan.cluster} at context {plan.context} (TPOT SLO {plan.tpot_slo_ms:g} ms)",
+    kv = ", KV cache in fp8 (e4m3)" if plan.kv_cache_dtype == "fp8" else ""
+    lines = [f"Plan for {plan.model} on {plan.cluster} at context {plan.context} (TPOT SLO {plan.tpot_slo_ms:g} ms{kv})",
              f"  template {plan.template} ({plan.template_family}): {plan.num_stages} "
              f"stage{'s' * (plan.num_stages != 1)} per token, "
              f"{plan.stages_per_block} per block",

@@ -102,6 +102,7 @@ class RankProgram:
     plan_hash: str
     context: int
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per round and microbatch at most (chunked prefill)
+    kv_cache_dtype: str = "auto"    # attention's keys and values: the model's dtype, or "fp8" (e4m3)
     experts: str = "tp"             # routed experts' layout in this TP group (`opweave.ir.tp.EXPERT_LAYOUTS`)
 
     @property

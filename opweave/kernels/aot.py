@@ -40,7 +40,7 @@ from opweave.kernels import targets
 ARCHS = {80: (8, 0), 89: (8, 9), 90: (9, 0)}  # sm_XX -> compute capability (A100; L40S, L4; H100, H200)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
-_PTR_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+_PTR_TYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
               torch.int32: "i32"}
 _DEFAULT_WARPS, _DEFAULT_STAGES = 4, 3  # Triton's CUDA defaults when a launcher passes none
 
@@ -241,6 +241,22 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
     yield "paged D 64, GQA 8, page 16, W 256, chunk 512, sinks", lambda: tk.paged_chunk_attention(
         m(2, 512, 64, 64), m(2, 512, 8, 64), m(2, 512, 8, 64), pool(64), pool(64), table[:2],
         m(2, 512, dt=torch.int64), 64 ** -0.5, 256, m(64))
+    if dtype != torch.float32:  # `--kv-cache-dtype fp8`: the pools in float8 e4m3 (sm_89 and later, `run`)
+        f8 = lambda *shape: _meta(*shape, dtype=torch.float8_e4m3fn)  # noqa: E731
+        fpool = f8(8 * 256 + 1, 16, 8, 128)
+        yield "fp8 KV paged D 128, GQA 4, page 16, W 256", lambda: tk.paged_decode_attention(
+            m(8, 32, 128), fpool, fpool, table, pos, 128 ** -0.5, 256)
+        yield "fp8 KV paged D 128, GQA 4, page 16, W 256, chunk 512", lambda: tk.paged_chunk_attention(
+            m(2, 512, 32, 128), m(2, 512, 8, 128), m(2, 512, 8, 128), fpool, fpool, table[:2],
+            m(2, 512, dt=torch.int64), 128 ** -0.5, 256)
+        yield "fp8 KV paged D 128, Hkv 8, page 16, W 256, write", lambda: tk.paged_cache_write(
+            fpool, fpool, table, m(8, 1, 8, 128), m(8, 1, 8, 128), m(8, 1, dt=torch.int64))
+        yield "fp8 KV D 128, GQA 4, L 4096, window 1024", lambda: tk.decode_attention(
+            m(8, 32, 128), f8(8, 4096, 8, 128), f8(8, 4096, 8, 128), pos, 128 ** -0.5, 1024)
+        yield "fp8 KV MLA H 128, R 512, P 64, L 4096", lambda: tk.mla_decode_attention(
+            m(8, 128, 576), f8(8, 4096, 576), pos, 192 ** -0.5, 512)
+        yield "fp8 KV paged MLA H 128, R 512, P 64, page 16, W 256", lambda: tk.paged_mla_decode_attention(
+            m(8, 128, 576), f8(8 * 256 + 1, 16, 576), table, pos, 192 ** -0.5, 512, 256)
     yield "partial rotary D 256 / 64", lambda: tk.rope(m(8, 16, 256), m(8, 2, 256), pos, m(32, dt=f32), 64)
     yield "Dk 128, Dv 128", lambda: tk.gdn_step(m(8, 16, 128), m(8, 16, 128), m(8, 32, 128), m(8, 32, dt=f32),
                                                 m(8, 32, dt=f32), m(8, 32, 128, 128, dt=f32), pos)
@@ -306,6 +322,8 @@ def run(archs=tuple(ARCHS), dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, kernels: 
         limit = targets.smem_limit(ARCHS[sm])
         for dname in dtypes:
             for label, call in cases(DTYPES[dname], head_dims):
+                if label.startswith("fp8 KV") and ARCHS[sm] < targets.FP8_CAPABILITY:
+                    continue  # no float8 conversions there: compile refuses such a plan
                 with targets.for_target(ARCHS[sm]):
                     launches = record(call)
                 for launch in launches:

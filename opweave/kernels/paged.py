@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from opweave.kernels.blocks import ATTN_KEY_BLOCK
-from opweave.kernels.reference import _attend
+from opweave.kernels.reference import _attend, to_cache
 
 
 def _page_blocks(k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor, span: int,
@@ -108,8 +108,8 @@ def paged_cache_write(k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch
     entry = torch.gather(table.long(), 1, torch.div(pos, page, rounding_mode="floor").clamp(max=table.shape[1] - 1))
     pages = torch.where(valid, entry, null)
     slots = torch.where(valid, torch.remainder(pos, page), 0)
-    k_pages[pages, slots] = k.to(k_pages.dtype)
-    v_pages[pages, slots] = v.to(v_pages.dtype)
+    k_pages[pages, slots] = to_cache(k, k_pages.dtype)  # an fp8 pool saturates at +-448
+    v_pages[pages, slots] = to_cache(v, v_pages.dtype)
 
 
 

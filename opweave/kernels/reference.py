@@ -228,6 +228,7 @@ def _attend(q: torch.Tensor, q_pos: torch.Tensor, blocks, scale: float, window: 
     b, t, hq, d = q.shape
     hkv = g = qh = m = l = acc = None
     for keys, vals, k_pos in blocks:
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)  # an fp8 cache's block, read back (no copy otherwise)
         if qh is None:
             hkv = keys.shape[2]
             g = hq // hkv
@@ -315,6 +316,19 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return _attend(q, positions, blocks(), scale, window, sinks)
 
 
+FP8_MAX = 448.0
+"""The largest float8 e4m3 value: a cache in it saturates there (scale 1, `to_cache`)."""
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a cache of `dtype` stores it: a float8 e4m3 cache saturates at +-FP8_MAX (scale 1)
+    and rounds to nearest, explicitly, so the Triton writes (`triton_kernels.paged`, which clamp
+    the same way) agree whatever a cast does out of range; another dtype casts."""
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
 def cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 positions: torch.Tensor) -> None:
     """Writes a step's keys and values into ring-buffer caches, in place: position p -> slot p % L.
@@ -327,7 +341,7 @@ def cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v
     No host synchronisation, no data-dependent shapes (runs on the meta device and in CUDA graphs).
 
     Args:
-        k_cache, v_cache: [B, L, Hkv, D].
+        k_cache, v_cache: [B, L, Hkv, D] (the model's dtype, or float8 e4m3: values rounded to it).
         k, v: [B, T, Hkv, D].
         positions: [B, T] int.
     """
@@ -341,8 +355,9 @@ def cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v
     index = torch.where(keep, torch.remainder(positions.clamp(min=0), slots), fill_slot[:, None])
     rows = batch[:, None].expand(b, t)
     for cache, new in ((k_cache, k), (v_cache, v)):
-        fill = torch.where(any_valid, new[batch, t_newest], cache[batch, fill_slot])  # [B, Hkv, D]
-        cache[rows, index] = torch.where(keep[..., None, None], new, fill[:, None])
+        old = cache[batch, fill_slot].to(new.dtype)  # an fp8 cache's slot, in the model's dtype
+        fill = torch.where(any_valid, new[batch, t_newest], old)  # [B, Hkv, D]
+        cache[rows, index] = to_cache(torch.where(keep[..., None, None], new, fill[:, None]), cache.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- Gated-DeltaNet

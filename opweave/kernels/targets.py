@@ -35,6 +35,16 @@ CATALOG_CAPABILITY = {
     "l40s": (8, 9), "l4": (8, 9), "a10g": (8, 6), "b200": (10, 0),
 }
 
+FP8_CAPABILITY = (8, 9)
+"""float8 e4m3 conversions in Triton (`tl.float8e4nv`) need compute capability 8.9 (Ada, Hopper and
+later); an `--kv-cache-dtype fp8` plan is refused on GPUs below it (A100, A10G)."""
+
+
+def fp8_kv_supported(gpu: str) -> bool:
+    """Whether catalog GPU `gpu` can keep an fp8 KV cache (the CPU always can: torch casts)."""
+    return gpu == "cpu" or CATALOG_CAPABILITY.get(gpu, (0, 0)) >= FP8_CAPABILITY
+
+
 _override: list[tuple[int, int]] = []  # the target of `for_target`, innermost last
 
 

@@ -23,6 +23,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma
                          "qwen3_next", "deepseek_v3", "kimi_k2", "gpt_oss")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""How attention keeps its keys and values: "auto" in the model's dtype; "fp8" in float8 e4m3
+(`float8_e4m3fn`, scale 1: vLLM's `--kv-cache-dtype fp8` without calibrated scales), read back
+into the model's dtype by the attention kernels: half a bf16 cache's bytes."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,10 +186,16 @@ class ModelConfig:
     dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
     weight_format: WeightFormat | None = None  # matrix weights as published (`quantization_config`)
+    kv_cache_dtype: str = "auto"    # attention's keys and values: `KV_CACHE_DTYPES`
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        """Bytes of one cached key or value element (`kv_cache_dtype`)."""
+        return 1 if self.kv_cache_dtype == "fp8" else self.dtype_bytes
 
     def with_dtype(self, dtype: str) -> "ModelConfig":
         return dataclasses.replace(self, dtype=dtype)

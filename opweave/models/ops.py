@@ -35,6 +35,11 @@ def torch_dtype(cfg: ModelConfig) -> torch.dtype:
     return _DTYPES[cfg.dtype]
 
 
+def kv_torch_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The dtype attention caches its keys and values in (`ModelConfig.kv_cache_dtype`)."""
+    return torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else torch_dtype(cfg)
+
+
 def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
@@ -321,8 +326,8 @@ class Attention(OpModule):
     def allocate_state(self, batch: int, max_len: int, device) -> None:
         c = self.cfg
         shape = (batch, self.cache_slots(max_len), c.num_kv_heads, c.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
-        self.v_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
+        self.k_cache = torch.zeros(shape, dtype=kv_torch_dtype(c), device=device)
+        self.v_cache = torch.zeros(shape, dtype=kv_torch_dtype(c), device=device)
 
     @property
     def paged(self) -> bool:
@@ -335,8 +340,8 @@ class Attention(OpModule):
         (`opweave.kernels.paged`)."""
         c = self.cfg
         shape = (pages + 1, page_tokens, c.num_kv_heads, c.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
-        self.v_cache = torch.zeros(shape, dtype=torch_dtype(c), device=device)
+        self.k_cache = torch.zeros(shape, dtype=kv_torch_dtype(c), device=device)
+        self.v_cache = torch.zeros(shape, dtype=kv_torch_dtype(c), device=device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 state: tuple[torch.Tensor, torch.Tensor] | PagedKV | None = None):
@@ -357,7 +362,7 @@ class Attention(OpModule):
 
     def facts(self) -> OpFacts:
         c = self.cfg
-        kv_bytes = 2 * c.num_kv_heads * c.head_dim * c.dtype_bytes
+        kv_bytes = 2 * c.num_kv_heads * c.head_dim * c.kv_dtype_bytes
         return OpFacts(
             flops_per_token=0,
             flops_per_context_token=4 * c.num_heads * c.head_dim,  # q·k and p·v

@@ -41,7 +41,7 @@ from opweave.ir.facts import OpFacts, StateSpec
 from opweave.ir.kinds import OpKind, TPRule
 from opweave.models import ops
 from opweave.models.config import ModelConfig
-from opweave.models.ops import OpModule, _gemm_facts, layer_prefix, load_into, torch_dtype
+from opweave.models.ops import OpModule, _gemm_facts, kv_torch_dtype, layer_prefix, load_into
 
 LATENT_NORM_EPS = 1e-6
 """q_a_layernorm and kv_a_layernorm use RMSNorm's default epsilon, not the config's (transformers)."""
@@ -145,11 +145,11 @@ class MLAAttention(OpModule):
         return self.cfg.mla.kv_lora_rank + self.cfg.mla.qk_rope_head_dim
 
     def allocate_state(self, batch: int, max_len: int, device) -> None:
-        self.kv_cache = torch.zeros(batch, max_len, self.row, dtype=torch_dtype(self.cfg), device=device)
+        self.kv_cache = torch.zeros(batch, max_len, self.row, dtype=kv_torch_dtype(self.cfg), device=device)
 
     def allocate_pages(self, pages: int, page_tokens: int, device) -> None:
         """The layer's pool of latent rows, `[pages + 1, page_tokens, R + Dr]` (the last: the null page)."""
-        self.kv_cache = torch.zeros(pages + 1, page_tokens, self.row, dtype=torch_dtype(self.cfg), device=device)
+        self.kv_cache = torch.zeros(pages + 1, page_tokens, self.row, dtype=kv_torch_dtype(self.cfg), device=device)
 
     def forward(self, q_abs: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, q_pe: torch.Tensor,
                 positions: torch.Tensor, kernels=K, state: tuple[torch.Tensor] | None = None) -> torch.Tensor:
@@ -176,7 +176,7 @@ class MLAAttention(OpModule):
         return OpFacts(
             flops_per_token=0,
             flops_per_context_token=2 * c.num_heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim),
-            state=StateSpec(bytes_per_token=self.row * c.dtype_bytes, max_shards=1),
+            state=StateSpec(bytes_per_token=self.row * c.kv_dtype_bytes, max_shards=1),
             tp_rule=TPRule.HEADS, tp_units=c.num_heads, kv_heads=1,
         )
 

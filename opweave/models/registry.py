@@ -44,12 +44,14 @@ class ModelSource:
             return any(n.endswith(".safetensors") for n in os.listdir(self.path))
         return False
 
-    def build(self, device: str | torch.device = "meta", dtype: str | None = None) -> CausalLM:
-        """The model with this source's config (weights uninitialised unless it came from a model.py)."""
+    def build(self, device: str | torch.device = "meta", dtype: str | None = None,
+              kv_cache_dtype: str = "auto") -> CausalLM:
+        """The model with this source's config (weights uninitialised unless it came from a model.py),
+        its attention caching keys and values as `kv_cache_dtype` (`ModelConfig.kv_cache_dtype`)."""
         if self.module is not None:
             return self.module
         cfg = self.cfg if dtype is None else self.cfg.with_dtype(dtype)
-        return build_model(cfg, device)
+        return build_model(dataclasses.replace(cfg, kv_cache_dtype=kv_cache_dtype), device)
 
     def load(self, dtype: str | None = None) -> CausalLM:
         """The model on CPU with the checkpoint's weights."""

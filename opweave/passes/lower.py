@@ -136,5 +136,5 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
             scheduler_leaders=tuple(leaders[(first_owner, jj)] for jj in range(plan.owners[first_owner].replicas)),
             token_sources=_overlaps(plan, leaders, last_owner, rows, mb, len(plan.stages) - 1) if scheduler else (),
             stages=tuple(stages), model=plan.model, plan_hash=plan_hash, context=plan.context,
-            prefill_chunk=plan.prefill_chunk, experts=owner.experts))
+            prefill_chunk=plan.prefill_chunk, experts=owner.experts, kv_cache_dtype=plan.kv_cache_dtype))
     return tuple(programs)

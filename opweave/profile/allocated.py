@@ -322,6 +322,7 @@ def measure_rank(cfg, op_names: list[str], program: RankProgram, program_class=N
     plan sizes the KV pool (`allocate_state`)."""
     from opweave.models.ops import torch_dtype
 
+    cfg = dataclasses.replace(cfg, kv_cache_dtype=program.kv_cache_dtype)  # the plan's KV cache dtype
     dtype = torch_dtype(cfg)
     buffers = buffer_bytes(program, dtype, width)
     if same_as is not None:
@@ -358,7 +359,8 @@ def artifact_memory(folder: str, activations: bool = True, progress=None) -> lis
     say = progress or (lambda message: None)
     probe = load_artifact(folder, ["plan.json", "model_config.json", "ops.json"])
     plan = plan_from_json(probe.json("plan.json"))
-    cfg = config_from_hf(probe.json("model_config.json"), plan.model)
+    cfg = dataclasses.replace(config_from_hf(probe.json("model_config.json"), plan.model),
+                              kv_cache_dtype=plan.kv_cache_dtype)
     op_names = probe.json("ops.json")
     say(f"tracing {plan.model}'s decode step on meta (the planned figures' graph)")
     graph = build_graph(build_model(cfg, "meta"))

@@ -109,7 +109,8 @@ def check_kv_pages(pages: int, artifact: str | VerifiedArtifact) -> None:
                            f"{PAGE_TOKENS} tokens (the context {program.context}) = {bound} pages")
     from opweave.models.hf_config import config_from_hf
 
-    cfg = config_from_hf(artifact.json("model_config.json"), program.model)
+    cfg = dataclasses.replace(config_from_hf(artifact.json("model_config.json"), program.model),
+                              kv_cache_dtype=program.kv_cache_dtype)
     modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
     why = split_pools(artifact, modules)
     if why is not None:

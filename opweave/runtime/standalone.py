@@ -11,6 +11,7 @@ manifest; the module itself is the file run (`python rank_XX.py`), as its user e
 from __future__ import annotations
 
 import os
+import dataclasses
 import statistics
 import sys
 import time
@@ -30,7 +31,8 @@ from opweave.runtime.state import RankState
 
 class _LoneRuntime:
     def __init__(self, artifact: VerifiedArtifact, program, width: int, device: torch.device):
-        cfg = config_from_hf(artifact.json("model_config.json"), program.model)
+        cfg = dataclasses.replace(config_from_hf(artifact.json("model_config.json"), program.model),
+                                  kv_cache_dtype=program.kv_cache_dtype)
         names = artifact.json("ops.json")
         modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
         self.ops = materialize({i: modules[names[i]] for i in program.ops}, "random", program.tp, program.tp_rank,

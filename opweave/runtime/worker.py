@@ -88,7 +88,8 @@ class Runtime:
         self.program = program
         self.timeline = Timeline() if trace else None  # measured spans (see opweave.runtime.timeline)
         self.device = torch.device(device)
-        cfg = config_from_hf(artifact.json("model_config.json"), program.model)
+        cfg = dataclasses.replace(config_from_hf(artifact.json("model_config.json"), program.model),
+                                  kv_cache_dtype=program.kv_cache_dtype)  # the plan's KV cache dtype
         self.cfg = cfg
         self.dtype = torch_dtype(cfg)
         step = DecodeStep(build_model(cfg, "meta"))

@@ -72,9 +72,9 @@ def _decode_attention_kernel(
         slot = (n % L).to(tl.int64)                          # where the ring keeps them
         kv_mask = (n < hi)[:, None] & (d < D)[None, :]
         k = tl.load(k_ptr + b * stride_kb + slot[:, None] * stride_kl + kvh * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)  # an fp8 cache: dequantized here
         v = tl.load(v_ptr + b * stride_vb + slot[:, None] * stride_vl + kvh * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -168,7 +168,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert hq % hkv == 0, f"{hq} query heads not a multiple of {hkv} kv heads"
     assert slots > 0, "empty cache"
     assert positions.shape == (b,), f"positions {tuple(positions.shape)} != ({b},)"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and caches must share a dtype"
+    assert k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn), \
+        "caches in q's dtype or float8 e4m3 (`--kv-cache-dtype fp8`)"
     assert ATTN_BLOCK_N >= 16 and ATTN_BLOCK_N & (ATTN_BLOCK_N - 1) == 0, "ATTN_BLOCK_N: power of two >= 16"
     assert sinks is None or sinks.shape == (hq,), f"sinks {tuple(sinks.shape)} != ({hq},)"
     _check_last_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -241,8 +242,10 @@ def _mla_decode_kernel(
         n = start + tl.arange(0, BLOCK_N)
         slot = (n % L).to(tl.int64)
         row = kv_ptr + b * stride_kb + slot[:, None] * stride_kl
-        c = tl.load(row + r[None, :], mask=(n < hi)[:, None] & (r < R)[None, :], other=0.0)     # latent = value
-        k_pe = tl.load(row + R + p[None, :], mask=(n < hi)[:, None] & (p < P)[None, :], other=0.0)
+        c = tl.load(row + r[None, :], mask=(n < hi)[:, None] & (r < R)[None, :],
+                    other=0.0).to(q_ptr.dtype.element_ty)   # latent = value (an fp8 cache: dequantized here)
+        k_pe = tl.load(row + R + p[None, :], mask=(n < hi)[:, None] & (p < P)[None, :],
+                       other=0.0).to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             c = c.to(tl.float32)
             s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
@@ -293,7 +296,7 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, positions: tor
         f"cache {tuple(kv_cache.shape)} vs q {tuple(q.shape)}"
     assert 0 < rank < width, f"rank {rank} of rows of {width}"
     assert positions.shape == (b,), f"positions {tuple(positions.shape)} != ({b},)"
-    assert q.dtype == kv_cache.dtype, "q and cache must share a dtype"
+    assert kv_cache.dtype in (q.dtype, torch.float8_e4m3fn), "a cache in q's dtype or float8 e4m3 (`--kv-cache-dtype fp8`)"
     slots = kv_cache.shape[1]
     assert slots > 0, "empty cache"
     _check_last_contiguous(q=q, kv_cache=kv_cache)

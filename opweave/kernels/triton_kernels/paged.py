@@ -82,9 +82,9 @@ def _paged_decode_attention_kernel(
         slot = (n % PAGE).to(tl.int64)
         kv_mask = live[:, None] & (d < D)[None, :]
         k = tl.load(k_ptr + (page * stride_kn + slot * stride_kp + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)  # an fp8 pool: dequantized here
         v = tl.load(v_ptr + (page * stride_vn + slot * stride_vp + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -148,7 +148,8 @@ def paged_decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torc
     assert hq % hkv == 0, f"{hq} query heads not a multiple of {hkv} kv heads"
     assert positions.shape == (b,), f"positions {tuple(positions.shape)} != ({b},)"
     assert span >= 1, f"span {span}: read at least one table entry"
-    assert q.dtype == k_pages.dtype == v_pages.dtype, "q and pools must share a dtype"
+    assert k_pages.dtype == v_pages.dtype in (q.dtype, torch.float8_e4m3fn), \
+        "pools in q's dtype or float8 e4m3 (`--kv-cache-dtype fp8`)"
     assert attention.ATTN_BLOCK_N >= 16 and attention.ATTN_BLOCK_N & (attention.ATTN_BLOCK_N - 1) == 0, \
         "ATTN_BLOCK_N: power of two >= 16"
     assert sinks is None or sinks.shape == (hq,), f"sinks {tuple(sinks.shape)} != ({hq},)"
@@ -256,9 +257,9 @@ def _paged_chunk_attention_kernel(
         slot = (n % PAGE).to(tl.int64)
         kv_mask = live[:, None] & (d < D)[None, :]
         k = tl.load(kp_ptr + (page * stride_kpn + slot * stride_kpp + kvh * stride_kph)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)  # an fp8 pool: dequantized here
         v = tl.load(vp_ptr + (page * stride_vpn + slot * stride_vpp + kvh * stride_vph)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)
         if DOT_FP32:  # re-read (cached): a float32 q held across the loop as an FMA operand spills registers
             qk = tl.load(q_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
         else:
@@ -297,14 +298,15 @@ class ChunkLaunch:
     num_stages: int
 
 
-def chunk_plan(q: torch.Tensor) -> ChunkLaunch:
+def chunk_plan(q: torch.Tensor, fp8_pool: bool = False) -> ChunkLaunch:
     """`paged_chunk_attention`'s launch from head dim, dtype and device only. Under the
     interpreter (no shared-memory limit): `CHUNK_BLOCK_M` rows, `attention.ATTN_BLOCK_N` keys, 4
     warps. On a GPU, 2 stages and (rows, keys, warps): 16-bit (64, 64, 4) at head dim <= 64,
     (128, 64, 8) at 128, (64, 32, 8) at 256; float32, whose tl.dot runs on FMA units and keeps
     its operands in registers, (32, 32, 8) at <= 64 and (32, 16, 8) above: the largest tiles
     tried that compile without register spills on sm_80/89/90 (`aot.py`; at most 97 KiB of
-    shared memory on sm_90, 69 KiB on sm_80/89). Not yet timed on a GPU."""
+    shared memory on sm_90, 69 KiB on sm_80/89). An fp8 pool's dequantized tiles take more
+    registers: at head dim 128, (64, 64, 8) (`fp8_pool`). Not yet timed on a GPU."""
     block_d = _pow2(q.shape[-1], 16)
     if targets.launch_smem_limit(q.device) is None:
         return ChunkLaunch(CHUNK_BLOCK_M, attention.ATTN_BLOCK_N, 4, 3)
@@ -312,7 +314,9 @@ def chunk_plan(q: torch.Tensor) -> ChunkLaunch:
         return ChunkLaunch(32, 32 if block_d <= 64 else 16, 8, 2)
     if block_d <= 64:
         return ChunkLaunch(64, 64, 4, 2)
-    return ChunkLaunch(128, 64, 8, 2) if block_d <= 128 else ChunkLaunch(64, 32, 8, 2)
+    if block_d <= 128:
+        return ChunkLaunch(64 if fp8_pool else 128, 64, 8, 2)
+    return ChunkLaunch(64, 32, 8, 2)
 
 
 def paged_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor,
@@ -332,12 +336,13 @@ def paged_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_p
     assert hq % hkv == 0, f"{hq} query heads not a multiple of {hkv} kv heads"
     assert positions.shape == (b, t), f"positions {tuple(positions.shape)} != ({b}, {t})"
     assert span >= 1, f"span {span}: read at least one table entry"
-    assert q.dtype == k.dtype == v.dtype == k_pages.dtype == v_pages.dtype, "q, k, v and pools must share a dtype"
+    assert q.dtype == k.dtype == v.dtype and k_pages.dtype == v_pages.dtype in (q.dtype, torch.float8_e4m3fn), \
+        "q, k, v in one dtype; pools in it or float8 e4m3 (`--kv-cache-dtype fp8`)"
     assert sinks is None or sinks.shape == (hq,), f"sinks {tuple(sinks.shape)} != ({hq},)"
     _check_last_contiguous(q=q, k=k, v=v, k_pages=k_pages, v_pages=v_pages, table=table, positions=positions)
     o = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
     group = hq // hkv
-    launch = chunk_plan(q)
+    launch = chunk_plan(q, fp8_pool=k_pages.dtype == torch.float8_e4m3fn)
     assert launch.block_m >= 16 and launch.block_m & (launch.block_m - 1) == 0, "CHUNK_BLOCK_M: power of two >= 16"
     if b and t:
         _paged_chunk_attention_kernel[(b, hkv, triton.cdiv(t * group, launch.block_m))](
@@ -368,6 +373,7 @@ def _paged_cache_write_kernel(
     PAGE: tl.constexpr,       # slots per page
     BLOCK_H: tl.constexpr,    # power of two >= Hkv: every head of the token in one program
     BLOCK_D: tl.constexpr,    # power of two >= D
+    FP8: tl.constexpr,        # the pools are float8 e4m3: values saturate at +-448 (`reference.to_cache`)
 ):
     bt = tl.program_id(0).to(tl.int64)
     b, t = bt // T, bt % T
@@ -382,6 +388,9 @@ def _paged_cache_write_kernel(
     mask = (valid & (h < H))[:, None] & (d < D)[None, :]
     k = tl.load(k_ptr + b * stride_kb + t * stride_kt + (h * stride_kh)[:, None] + d[None, :], mask=mask)
     v = tl.load(v_ptr + b * stride_vb + t * stride_vt + (h * stride_vh)[:, None] + d[None, :], mask=mask)
+    if FP8:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
     tl.store(kp_ptr + (page * stride_kpn + slot * stride_kpp + h * stride_kph)[:, None] + d[None, :],
              k.to(kp_ptr.dtype.element_ty), mask=mask)
     tl.store(vp_ptr + (page * stride_vpn + slot * stride_vpp + h * stride_vph)[:, None] + d[None, :],
@@ -405,4 +414,4 @@ def paged_cache_write(k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch
             k, v, k_pages, v_pages, table, positions,
             *k.stride()[:3], *v.stride()[:3], *k_pages.stride()[:3], *v_pages.stride()[:3],
             table.stride(0), positions.stride(0), t, table.shape[1], hkv, d,
-            PAGE=page, BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d))
+            PAGE=page, BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d), FP8=k_pages.dtype == torch.float8_e4m3fn)

@@ -76,8 +76,9 @@ def _paged_mla_decode_kernel(
         live = n < hi
         page = tl.load(table + n // PAGE, mask=live, other=0).to(tl.int64)  # where the table keeps them
         row = kv_ptr + (page * stride_kn + (n % PAGE).to(tl.int64) * stride_kp)[:, None]
-        c = tl.load(row + r[None, :], mask=live[:, None] & (r < R)[None, :], other=0.0)     # latent = value
-        k_pe = tl.load(row + R + p[None, :], mask=live[:, None] & (p < P)[None, :], other=0.0)
+        c = tl.load(row + r[None, :], mask=live[:, None] & (r < R)[None, :],
+                    other=0.0).to(q_ptr.dtype.element_ty)   # latent = value (an fp8 pool: dequantized here)
+        k_pe = tl.load(row + R + p[None, :], mask=live[:, None] & (p < P)[None, :], other=0.0).to(q_ptr.dtype.element_ty)
         if DOT_FP32:
             c = c.to(tl.float32)
             s = tl.dot(q_lat, tl.trans(c), input_precision="ieee")
@@ -137,7 +138,7 @@ def paged_mla_decode_attention(q: torch.Tensor, kv_pages: torch.Tensor, table: t
     assert 0 < rank < width, f"rank {rank} of rows of {width}"
     assert positions.shape == (b,), f"positions {tuple(positions.shape)} != ({b},)"
     assert span >= 1, f"span {span}: read at least one table entry"
-    assert q.dtype == kv_pages.dtype, "q and pool must share a dtype"
+    assert kv_pages.dtype in (q.dtype, torch.float8_e4m3fn), "a pool in q's dtype or float8 e4m3 (`--kv-cache-dtype fp8`)"
     assert attention.ATTN_BLOCK_N >= 16 and attention.ATTN_BLOCK_N & (attention.ATTN_BLOCK_N - 1) == 0, \
         "ATTN_BLOCK_N: power of two >= 16"
     _check_last_contiguous(q=q, kv_pages=kv_pages, table=table)
