@@ -5,17 +5,13 @@ against transformers' log-probabilities (outputs, echoed prompts, chat, streamed
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
 import torch
 
 from opweave.kernels.logprobs import decode, merge, partials, record_width, records
 from opweave.kernels.sampling import encode, sample
-
-from serve_fixtures import write_tokenizer
 
 
 def _lp(rec: torch.Tensor, top: int):
@@ -124,18 +120,11 @@ def test_served_logprobs_are_transformers_log_softmax(tiny_checkpoint, tmp_path)
     two ranks): a greedy completion's logprobs, an echoed prompt's (lm-eval's loglikelihood
     request), chat's and a stream's equal log_softmax of transformers' logits."""
     from opweave.serve.engine import Engine
-    from opweave.serve.tokenizer import Tokenizer
     from hf_fixtures import hf_generate, hf_step_logits
-    from test_runtime import LAYERS, PROMPTS, compile_pinned
-    from test_serve_api import client, serving
+    from test_runtime import PROMPTS
+    from test_serve_api import client, serving, tiny_afd_llama
 
-    folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
-    tok_folder = str(tmp_path / "tok")
-    with open(os.path.join(folder, "config.json")) as f:
-        write_tokenizer(tok_folder, vocab_size=json.load(f)["vocab_size"])
-    tok = Tokenizer.from_folder(tok_folder)
-    art = str(tmp_path / "art")
-    compile_pinned(folder, "afd", art)
+    folder, tok, art = tiny_afd_llama(tiny_checkpoint, tmp_path)
     prompt, new = PROMPTS[2], 4
     steps = torch.log_softmax(hf_step_logits(folder, prompt, new), dim=-1)
     prompt_lp = torch.log_softmax(hf_generate(folder, prompt, 1)[0], dim=-1)

@@ -513,21 +513,28 @@ def test_sigterm_stops_gracefully_exit_0(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_engine_greedy_text_equals_reference(tiny_checkpoint, tmp_path):
-    """Through the server over the real engine (CPU ranks of an AFD plan): the greedy tokens of `opweave
-    run` (the Hugging Face reference), as text, streamed or not, for prompts given as token ids."""
-    from opweave.serve.engine import Engine
+def tiny_afd_llama(tiny_checkpoint, tmp_path):
+    """(checkpoint folder, its tokenizer, an AFD artifact) of the tiny Llama the real-engine tests serve."""
     from opweave.serve.tokenizer import Tokenizer
-    from hf_fixtures import hf_generate
-    from test_runtime import LAYERS, NEW_TOKENS, PROMPTS, compile_pinned
+    from test_runtime import LAYERS, compile_pinned
 
     folder = tiny_checkpoint("llama", num_hidden_layers=LAYERS["llama"])
     tok_folder = str(tmp_path / "tok")
     with open(os.path.join(folder, "config.json")) as f:
         write_tokenizer(tok_folder, vocab_size=json.load(f)["vocab_size"])
-    tok = Tokenizer.from_folder(tok_folder)
     art = str(tmp_path / "art")
     compile_pinned(folder, "afd", art)
+    return folder, Tokenizer.from_folder(tok_folder), art
+
+
+def test_real_engine_greedy_text_equals_reference(tiny_checkpoint, tmp_path):
+    """Through the server over the real engine (CPU ranks of an AFD plan): the greedy tokens of `opweave
+    run` (the Hugging Face reference), as text, streamed or not, for prompts given as token ids."""
+    from opweave.serve.engine import Engine
+    from hf_fixtures import hf_generate
+    from test_runtime import NEW_TOKENS, PROMPTS
+
+    folder, tok, art = tiny_afd_llama(tiny_checkpoint, tmp_path)
     with serving(Engine(art, folder, max_queue=16), tok) as url:
         for prompt in (PROMPTS[0], PROMPTS[2]):
             want = hf_generate(folder, prompt, NEW_TOKENS)[1]

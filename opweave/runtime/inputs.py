@@ -138,11 +138,12 @@ class TokenCopies:
             event.record()
             self._events[round_index % self.LAG] = event
 
-    def read(self, round_index: int) -> list[list[list[int]]]:
-        """The records staged in round `round_index` (sampled in the round before), per microbatch
-        and row (the token id first); waits for that round's copies (long done when read a round
-        later)."""
+    def read(self, round_index: int) -> list[tuple[list[int], torch.Tensor]]:
+        """The records staged in round `round_index` (sampled in the round before), per microbatch:
+        (each row's token id, the host buffer of its records [rows, width], read before this
+        buffer's next copy; the scheduler converts only the rows that report log-probabilities);
+        waits for that round's copies (long done when read a round later)."""
         event = self._events[round_index % self.LAG]
         if event is not None:
             event.synchronize()
-        return [t.tolist() for t in self._host[round_index % self.LAG]]
+        return [(t[:, 0].tolist(), t) for t in self._host[round_index % self.LAG]]

@@ -429,8 +429,8 @@ class Scheduler:
     # ---------------------------------------------------------------- learning the tokens
     def learn(self, round_index: int, mb: int, tokens, records=None) -> None:
         """The token ids (a sequence of ints, one per row) microbatch `mb` sampled in round
-        `round_index`, and with log-probabilities their records (int lists, one per row,
-        `opweave.kernels.logprobs`)."""
+        `round_index`, and with log-probabilities their records (one per row: int lists or the rows
+        of a host tensor, `opweave.kernels.logprobs`; only the rows that report one are read)."""
         plan = self._outputs.pop((round_index, mb), None)
         if plan is None:
             return
@@ -503,6 +503,7 @@ class Scheduler:
 
     def _logprob(self, record: list[int], top: int) -> Logprob:
         """A record's log-probabilities, with the first `top` of the top ones it holds."""
+        record = record.tolist() if hasattr(record, "tolist") else record
         logprob, best = decode_record(record, (len(record) - 2) // 2)
         return Logprob(logprob, best[:top])
 

@@ -415,9 +415,8 @@ class Runtime:
             self.copies.round_done(r)
             lag = self.copies.LAG  # the copies of round r - 1 hold the tokens sampled in round r - 2
             if r >= lag:
-                for mb, records in enumerate(self.copies.read(r - lag + 1)):
-                    self.scheduler.learn(r - lag, mb, [rec[0] for rec in records],
-                                         records if self.width > 1 else None)
+                for mb, (ids, records) in enumerate(self.copies.read(r - lag + 1)):
+                    self.scheduler.learn(r - lag, mb, ids, records if self.width > 1 else None)
         more, counts = self.transport.complete_round(self.has_work, self._ahead())
         self._mark("sync")
         self.round_index += 1
