@@ -202,6 +202,9 @@ def args_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true",
                    help="ops launched one by one instead of a replayed CUDA graph (eager launch overhead) "
                         "(default: CUDA graphs)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="attention's keys and values in the model's dtype (auto) or float8 e4m3 (fp8: half a "
+                        "bf16 cache's memory and reads, as compile --kv-cache-dtype) (default: %(default)s)")
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -215,7 +218,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     batches = list(positive_list(args.batch, "--batch"))
     contexts = parse_contexts(args.context)
     gpu = get_gpu(args.gpu, load_catalog(args.catalog, prices=args.prices, warn=warn))
-    graph = run_front_end(args.model).graph
+    graph = run_front_end(args.model, kv_cache_dtype=args.kv_cache_dtype).graph
     points = estimate(graph, gpu, tps, batches, contexts, CostModel(cuda_graphs=not args.eager), isl=args.isl)
     print(json.dumps(estimate_to_json(graph.model, points), indent=1) if args.format == "json"
           else format_estimate(graph.model, points))
