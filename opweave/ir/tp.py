@@ -444,8 +444,7 @@ def indivisible(op, layout: str = "tp") -> str:
 
 def preferred_layout(ops: Sequence, tp: int) -> str | None:
     """The layout a single group uses where nothing else decides (analysis, estimates): "tp" when
-    legal (expert parallelism never reads less, `opweave.cost.model.ep_imbalance`), else "ep",
-    else None."""
+    legal (no choice here: the search compares both, `passes/owners.py`), else "ep", else None."""
     layouts = expert_layouts(ops, tp)
     return layouts[0] if layouts else None
 

@@ -24,9 +24,11 @@ The owner dimension that varies at a fixed shape is the routed experts' layout (
 expert-parallel "ep", `opweave.ir.tp`): the two configurations of one shape take the same GPUs,
 cost the same and send the same rows, so the one whose stages are no faster is dropped. Memory
 is not compared: every configuration built already fits, and no other owner depends on it. With
-uniform routing expert parallelism reads as much per GPU as slicing plus the busiest GPU's excess
-(`opweave.cost.model.ep_imbalance`), so the "ep" configuration survives only where the sliced one
-is illegal (a TP split that would cut a quantization block, `opweave.ir.tp.QUANT_BLOCK`).
+uniform routing an expert-parallel GPU reads its whole experts in the grouped kernel's blocks (larger
+on a shard, which counts the pairs routed elsewhere, `opweave.cost.model.moe_block`) plus the
+busiest GPU's excess (`opweave.cost.model.ep_imbalance`), so either configuration may be the faster;
+the "ep" one also survives where the sliced one is illegal (a TP split that would cut a quantization
+block, `opweave.ir.tp.QUANT_BLOCK`).
 Comparing GPU types stays unsound for the reason above: changing a slot's GPU type moves the
 owners placed after it too.
 Ties (equal in every respect) keep the first in enumeration order.
