@@ -87,8 +87,11 @@ def test_attention_estimate_bounds_the_compiled_shared_memory(compiled):
     """The launcher picks decode attention's block from `attention_smem_estimate`: it must never be
     below what the compiler allocates, or a pick could exceed a limit the estimate says it fits."""
     attn = [r for r in compiled if r.kernel == "_decode_attention_kernel"]
-    # one case per head dim, and GPT-OSS's windowed attention with sinks; in bf16 and fp32
-    assert len(attn) == len(aot.ARCHS) * (len(aot.HEAD_DIMS) + 1) * 2
+    # one case per head dim, and GPT-OSS's windowed attention with sinks; in bf16 and fp32; and the
+    # fp8 ring cache (bf16 queries) on the targets with float8 conversions (sm_89, sm_90)
+    fp8 = [r for r in attn if r.case.startswith("fp8 KV")]
+    assert sorted(r.sm for r in fp8) == [89, 90]
+    assert len(attn) - len(fp8) == len(aot.ARCHS) * (len(aot.HEAD_DIMS) + 1) * 2
     for r in attn:
         blocks = dict(kv.split("=") for kv in r.constexprs.split())
         est = targets.attention_smem_estimate(int(blocks["N"]), r.num_stages, int(blocks["D"]),
