@@ -107,6 +107,26 @@ def test_a_prompt_with_logprobs_is_fed_a_token_a_round_with_its_targets():
     assert [(i, t, lp.logprob) for i, t, lp in events if t is not None][:2] == [(1, 40, -0.5), (0, 43, -3.5)]
 
 
+def test_token_texts_keep_their_leading_spaces(tmp_path):
+    """A SentencePiece-style tokenizer's word mark becomes the token's leading space (each token is
+    read after the one before it): the tokens join to the text, the offsets follow, and chat's
+    `bytes` are the text's."""
+    from opweave.serve.logprobs import Entry, Formatter
+    from opweave.serve.tokenizer import Tokenizer
+    from serve_fixtures import write_tokenizer
+
+    tok = Tokenizer.from_folder(write_tokenizer(str(tmp_path / "tok")))
+    ids = tok.encode("the cat sat on the mat")[1:]  # BOS dropped: a completion's output
+    items = [Entry(t, -1.0, ((t, -1.0),)) for t in ids]
+    prompt_last = tok.encode("hello")[-1]
+    body = Formatter(tok, "completion", 1, previous=prompt_last).body(items)
+    assert "".join(body["tokens"]) == tok.decode([prompt_last] + ids)[len(tok.decode([prompt_last])):]
+    assert body["tokens"][0].startswith(" ") and body["text_offset"][1] == len(body["tokens"][0])
+    assert all(list(top)[0] == t for top, t in zip(body["top_logprobs"], body["tokens"]))
+    chat = Formatter(tok, "chat", 1, previous=prompt_last).body(items)["content"]
+    assert [c["token"] for c in chat] == body["tokens"] and chat[1]["bytes"] == list(chat[1]["token"].encode())
+
+
 def test_the_cli_default_is_the_kernels_limit():
     from opweave.cli.serving import MAX_LOGPROBS
     from opweave.kernels.logprobs import MAX_TOP_LOGPROBS
@@ -133,7 +153,8 @@ def test_served_logprobs_are_transformers_log_softmax(tiny_checkpoint, tmp_path)
         lp = out.choices[0].logprobs
         ids = steps.argmax(dim=-1).tolist()
         assert lp.token_logprobs == pytest.approx([float(steps[i, t]) for i, t in enumerate(ids)], abs=1e-4)
-        assert lp.tokens == [tok.decode([t]) for t in ids]
+        assert "".join(lp.tokens) == out.choices[0].text  # each token's text in context (its leading space)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
         for i, top in enumerate(lp.top_logprobs):
             best = steps[i].topk(3)
             assert list(top.values())[:3] == pytest.approx(best.values.tolist(), abs=1e-4)

@@ -145,6 +145,8 @@ BAD = [
      {"model": "tiny", "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat logprobs a number", "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "logprobs": 1}, 400,
      "logprobs"),
+    ("chat top_logprobs on a server without them", "/v1/chat/completions",
+     {"model": "tiny", "messages": MESSAGES, "logprobs": True, "top_logprobs": 3}, 400, "top_logprobs"),
     ("echo a string", "/v1/completions", {"model": "tiny", "prompt": "hi", "echo": "yes"}, 400, "echo"),
     ("echo on chat", "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "echo": True}, 400, "echo"),
 ]

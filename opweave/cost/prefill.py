@@ -151,7 +151,9 @@ def round_extra_s(ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, rows: i
         last_only = op.kind in LAST_TOKEN_KINDS
         q = max(1, math.ceil(tokens / isl)) if last_only else tokens
         weights_s, state_s, math_s = op_times(op, gpu, tp, rows, context, layout)
-        stream_s = (op_stream_bytes(op, tp, rows + q, layout) - op_stream_bytes(op, tp, rows, layout)) / gpu.effective_bandwidth
+        # never negative: the grouped MoE kernel's block doubles at some batches, and there it reads less
+        stream_s = max(0.0, op_stream_bytes(op, tp, rows + q, layout) - op_stream_bytes(op, tp, rows, layout)) \
+            / gpu.effective_bandwidth
         kv_s = 0.0
         if op.state and op.state.bytes_per_token and not last_only:
             reads = 1.0 + (op.state.tokens_at(isl) / (2 * QUERY_BLOCK) if op.flops_per_context_token else 0.0)

@@ -49,6 +49,9 @@ class ModelSource:
         """The model with this source's config (weights uninitialised unless it came from a model.py),
         its attention caching keys and values as `kv_cache_dtype` (`ModelConfig.kv_cache_dtype`)."""
         if self.module is not None:
+            if kv_cache_dtype != "auto":
+                raise OpWeaveError(f"{self.name}: --kv-cache-dtype {kv_cache_dtype} needs a built-in model or a "
+                                   "checkpoint folder (a model.py builds its own caches)")
             return self.module
         cfg = self.cfg if dtype is None else self.cfg.with_dtype(dtype)
         return build_model(dataclasses.replace(cfg, kv_cache_dtype=kv_cache_dtype), device)

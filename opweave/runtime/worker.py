@@ -91,6 +91,7 @@ class Runtime:
         cfg = dataclasses.replace(config_from_hf(artifact.json("model_config.json"), program.model),
                                   kv_cache_dtype=program.kv_cache_dtype)  # the plan's KV cache dtype
         self.cfg = cfg
+        check_kv_cache_dtype(cfg, self.device)
         self.dtype = torch_dtype(cfg)
         step = DecodeStep(build_model(cfg, "meta"))
         modules = dict(step.named_modules())
@@ -443,6 +444,20 @@ def _packed(ops: dict, modules: dict[int, OpModule], layout) -> dict:
             op = Packed(op, layout, last=kind == OpKind.LM_HEAD)
         out[i] = op
     return out
+
+
+def check_kv_cache_dtype(cfg, device: torch.device) -> None:
+    """Refuses, at load, an fp8 KV cache on a GPU without float8 conversions (compile refuses such
+    a cluster; an artifact can still be run on another machine than planned)."""
+    from opweave.errors import OpWeaveError
+    from opweave.kernels.targets import FP8_CAPABILITY
+
+    if cfg.kv_cache_dtype == "fp8" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if tuple(capability) < FP8_CAPABILITY:
+            raise OpWeaveError(f"the plan keeps its KV cache in fp8, which needs compute capability "
+                               f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or later; this GPU has "
+                               f"{capability[0]}.{capability[1]}")
 
 
 def prefix_reuse(artifact: VerifiedArtifact, modules: dict) -> str | None:

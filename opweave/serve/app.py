@@ -194,7 +194,9 @@ def _sampling(req: protocol.Request, prompt_len: int, context: int,
         try:
             sampling.check(vocab_size, max_logprobs)
         except SamplingError as e:
-            raise ApiError(400, str(e), param=e.param) from None
+            top = req.kind == "chat" and e.param == "logprobs" and bool(req.logprobs)  # chat's count is top_logprobs
+            param = "top_logprobs" if top else e.param
+            raise ApiError(400, str(e), param=param) from None
     return sampling
 
 
@@ -205,7 +207,8 @@ class _Run:
                  prompt_ids: list[int], arrival: float):
         self.engine, self.metrics, self.req = engine, metrics, req
         self.prompt_ids = prompt_ids
-        self.formatter = None if req.logprobs is None else Formatter(tokenizer, req.kind, req.logprobs)
+        self.formatter = None if req.logprobs is None else Formatter(
+            tokenizer, req.kind, req.logprobs, previous=None if req.prompt_logprobs else prompt_ids[-1])
         self._entries: list = []  # log-probability entries not yet handed out with a piece
         self.text = TextStream(tokenizer, req.stop)
         # Tokens that end the request are counted but are not text (as OpenAI and vLLM do).
@@ -255,7 +258,7 @@ class _Run:
                 if self.text.stopped:
                     self._end("stop")
                     self.engine.cancel(self.id)  # a stop string: the engine need not go on
-                if piece:
+                if piece or (self.done and self._entries):  # a stop string ends it: its figures go too
                     yield piece, self._take_entries()
                 continue
             if event.finish_reason in ("stop", "length"):

@@ -3,7 +3,9 @@
 The engine gives each output token its log-probability and the top ones (`engine.Event.logprob`:
 (log-probability, ((id, log-probability), ...)), most likely first), and a completion that
 `echo`es its prompt with `logprobs` gets each prompt token's too (`Event.prompt_logprobs`, the
-first prompt token having none). A token's text is what the tokenizer decodes for it alone.
+first prompt token having none). A token's text is what it adds to the text decoded before it (the previous token as context, so a
+SentencePiece word mark becomes its leading space, as vLLM and OpenAI give it); the top
+alternatives at a position are read after the same previous token.
 
   - completions: `{"tokens": [...], "token_logprobs": [...], "top_logprobs": [{text: lp}, ...],
     "text_offset": [...]}`, the echoed prompt's tokens first (its first token's entries null);
@@ -34,38 +36,47 @@ class Formatter:
     """A choice's log-probabilities, built chunk by chunk (a stream's) or at once; `top` is the
     number of top log-probabilities the request asked for."""
 
-    def __init__(self, tokenizer, kind: str, top: int):
+    def __init__(self, tokenizer, kind: str, top: int, previous: int | None = None):
+        """`previous`: the token before the first entry (the prompt's last, when the prompt is not
+        echoed; None: the first entry starts the text)."""
         self.tokenizer, self.kind, self.top = tokenizer, kind, top
         self.offset = 0  # completions: the text offset of the next token
+        self.previous = previous
 
-    def text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+    def text(self, token: int, previous: int | None = None) -> str:
+        """What `token` adds to the text after `previous` (alone when None)."""
+        if previous is None:
+            return self.tokenizer.decode([token])
+        before = self.tokenizer.decode([previous])
+        both = self.tokenizer.decode([previous, token])
+        return both[len(before):] if both.startswith(before) else self.tokenizer.decode([token])
 
     def body(self, items: list[Entry]) -> dict:
         """The logprobs object of `items` (the tokens since the previous call)."""
-        if self.kind == "chat":
-            return {"content": [self._chat(e) for e in items]}
-        tokens, offsets, tops = [], [], []
+        out = []
         for e in items:
-            text = self.text(e.token)
-            tokens.append(text)
-            offsets.append(self.offset)
-            self.offset += len(text)
-            tops.append(None if e.top is None else self._top_dict(e))
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in items], "top_logprobs": tops,
-                "text_offset": offsets}
+            out.append(self._chat(e) if self.kind == "chat" else self._completion(e))
+            self.previous = e.token
+        if self.kind == "chat":
+            return {"content": out}
+        return {"tokens": [t for t, _, _ in out], "token_logprobs": [e.logprob for e in items],
+                "top_logprobs": [top for _, top, _ in out], "text_offset": [o for _, _, o in out]}
 
-    def _top_dict(self, e: Entry) -> dict:
-        """{text: logprob} of the top tokens and the token itself (OpenAI's completions shape)."""
-        out = {}
+    def _completion(self, e: Entry) -> tuple[str, dict | None, int]:
+        """(the token's text, its {text: logprob} of the top tokens and itself, its text offset)."""
+        text, offset = self.text(e.token, self.previous), self.offset
+        self.offset += len(text)
+        if e.top is None:
+            return text, None, offset
+        top = {}
         for token, lp in e.top[:self.top]:
-            out.setdefault(self.text(token), lp)
-        out.setdefault(self.text(e.token), e.logprob)
-        return out
+            top.setdefault(self.text(token, self.previous), lp)
+        top.setdefault(text, e.logprob)
+        return text, top, offset
 
     def _chat(self, e: Entry) -> dict:
         def one(token: int, lp: float) -> dict:
-            text = self.text(token)
+            text = self.text(token, self.previous)
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
         return {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in (e.top or ())[:self.top]]}

@@ -388,9 +388,11 @@ def _paged_cache_write_kernel(
     mask = (valid & (h < H))[:, None] & (d < D)[None, :]
     k = tl.load(k_ptr + b * stride_kb + t * stride_kt + (h * stride_kh)[:, None] + d[None, :], mask=mask)
     v = tl.load(v_ptr + b * stride_vb + t * stride_vt + (h * stride_vh)[:, None] + d[None, :], mask=mask)
-    if FP8:
-        k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
-        v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
+    if FP8:  # saturate, and keep a NaN a NaN (as `reference.to_cache`: its row stays non-finite)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        k = tl.where(k != k, k, tl.minimum(tl.maximum(k, -448.0), 448.0))
+        v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
     tl.store(kp_ptr + (page * stride_kpn + slot * stride_kpp + h * stride_kph)[:, None] + d[None, :],
              k.to(kp_ptr.dtype.element_ty), mask=mask)
     tl.store(vp_ptr + (page * stride_vpn + slot * stride_vpp + h * stride_vph)[:, None] + d[None, :],
