@@ -75,6 +75,24 @@ def test_the_plan_counts_half_the_kv_bytes_and_refuses_gpus_without_fp8(tmp_path
     assert plans["fp8"].predicted.cost_per_mtok_usd < plans["auto"].predicted.cost_per_mtok_usd
 
 
+def test_an_fp8_cache_is_refused_on_a_gpu_without_float8(monkeypatch):
+    """At load, a GPU below compute capability 8.9 (an A100) refuses an fp8 KV plan in one line;
+    8.9 (an L40S) takes it (`torch.cuda.get_device_capability` stood in: no GPU here)."""
+    import dataclasses
+
+    from opweave.errors import OpWeaveError
+    from opweave.models.registry import resolve
+    from opweave.runtime.worker import check_kv_cache_dtype
+
+    cfg = dataclasses.replace(resolve("llama-3.1-8b").cfg, kv_cache_dtype="fp8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(OpWeaveError, match="needs compute capability 8.9 or later; this GPU has 8.0"):
+        check_kv_cache_dtype(cfg, torch.device("cuda", 0))
+    check_kv_cache_dtype(dataclasses.replace(cfg, kv_cache_dtype="auto"), torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    check_kv_cache_dtype(cfg, torch.device("cuda", 0))
+
+
 def test_fp8_pools_allocate_what_the_plan_counts():
     from opweave.profile.allocated import pinned_memory
 

@@ -127,6 +127,16 @@ def test_token_texts_keep_their_leading_spaces(tmp_path):
     assert [c["token"] for c in chat] == body["tokens"] and chat[1]["bytes"] == list(chat[1]["token"].encode())
 
 
+def test_a_bad_max_logprobs_is_one_line_and_exit_2(tmp_path, capsys):
+    from opweave.cli import main
+
+    for bad in ("25", "-2"):
+        assert main(["serve", str(tmp_path), "--weights", "random", "--tokenizer", str(tmp_path),
+                     "--max-logprobs", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "--max-logprobs must be -1 (none) or 0 to 20" in err
+
+
 def test_the_cli_default_is_the_kernels_limit():
     from opweave.cli.serving import MAX_LOGPROBS
     from opweave.kernels.logprobs import MAX_TOP_LOGPROBS

@@ -192,6 +192,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise OpWeaveError(f"opweave serve needs {', '.join(missing)}: pip install 'opweave[serve]'")
     if not 0 < args.port < 65536:
         raise OpWeaveError(f"--port must be 1..65535, got {args.port}")
+    if not -1 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise OpWeaveError(f"--max-logprobs must be -1 (none) or 0 to {MAX_LOGPROBS}, got {args.max_logprobs}")
     tokenizer_dir = args.tokenizer or (args.weights if args.weights != "random" else None)
     if tokenizer_dir is None:
         raise OpWeaveError("--weights random has no tokenizer: give --tokenizer CHECKPOINT_FOLDER")

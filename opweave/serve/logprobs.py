@@ -42,19 +42,20 @@ class Formatter:
         self.tokenizer, self.kind, self.top = tokenizer, kind, top
         self.offset = 0  # completions: the text offset of the next token
         self.previous = previous
+        self._before = ""  # the previous token's own text (`body` sets it per entry)
 
-    def text(self, token: int, previous: int | None = None) -> str:
-        """What `token` adds to the text after `previous` (alone when None)."""
-        if previous is None:
+    def text(self, token: int) -> str:
+        """What `token` adds to the text after the previous token (alone when there is none)."""
+        if self.previous is None:
             return self.tokenizer.decode([token])
-        before = self.tokenizer.decode([previous])
-        both = self.tokenizer.decode([previous, token])
-        return both[len(before):] if both.startswith(before) else self.tokenizer.decode([token])
+        both = self.tokenizer.decode([self.previous, token])
+        return both[len(self._before):] if both.startswith(self._before) else self.tokenizer.decode([token])
 
     def body(self, items: list[Entry]) -> dict:
         """The logprobs object of `items` (the tokens since the previous call)."""
         out = []
         for e in items:
+            self._before = "" if self.previous is None else self.tokenizer.decode([self.previous])
             out.append(self._chat(e) if self.kind == "chat" else self._completion(e))
             self.previous = e.token
         if self.kind == "chat":
@@ -64,19 +65,19 @@ class Formatter:
 
     def _completion(self, e: Entry) -> tuple[str, dict | None, int]:
         """(the token's text, its {text: logprob} of the top tokens and itself, its text offset)."""
-        text, offset = self.text(e.token, self.previous), self.offset
+        text, offset = self.text(e.token), self.offset
         self.offset += len(text)
         if e.top is None:
             return text, None, offset
         top = {}
         for token, lp in e.top[:self.top]:
-            top.setdefault(self.text(token, self.previous), lp)
+            top.setdefault(self.text(token), lp)
         top.setdefault(text, e.logprob)
         return text, top, offset
 
     def _chat(self, e: Entry) -> dict:
         def one(token: int, lp: float) -> dict:
-            text = self.text(token, self.previous)
+            text = self.text(token)
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
         return {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in (e.top or ())[:self.top]]}
