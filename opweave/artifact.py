@@ -187,6 +187,15 @@ class VerifiedArtifact:
     def has(self, name: str) -> bool:
         return name in self.manifest["files"]
 
+    def view(self, prefix: str, shared: tuple[str, ...] = ("model_config.json", "ops.json")) -> "VerifiedArtifact":
+        """The files named `prefix` + NAME as NAME, with the `shared` ones as they are: a
+        disaggregated plan's prefill programs (`prefill_rank_00.json` as `rank_00.json`)."""
+        def rename(names):
+            return {n[len(prefix):]: v for n, v in names.items() if n.startswith(prefix)} | \
+                {n: v for n, v in names.items() if n in shared}
+        return dataclasses.replace(self, manifest=dict(self.manifest, files=rename(self.manifest["files"])),
+                                   files=rename(self.files))
+
 
 def load_artifact(folder: str, names: list[str] | None = None, verify_key: bytes | None = None,
                   missing_ok: bool = False) -> VerifiedArtifact:

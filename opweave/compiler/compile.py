@@ -95,6 +95,34 @@ def _write_rank_programs(folder: str, c: Compiled) -> str:
     return sha256_text(config_text)
 
 
+PREFILL_ROWS = 4
+"""Rows of a prefill set's colocated program (prompts it prefills at once, one microbatch)."""
+
+
+def prefill_pool(done: Compiled) -> Compiled | None:
+    """A disaggregated plan's prefill pool as a program of its own: the colocated plan of one TP
+    group of the pool's GPUs (plan.json "prefill" owners), at the plan's context, lowered and
+    rendered; its ranks are the artifact's `prefill_rank_XX` files (`opweave.runtime.pd`). None
+    for any other plan or a model.py model."""
+    from opweave.compiler.pinned import pinned_plan
+
+    pre = done.plan.prefill
+    if not pre or pre.get("mode") != "disaggregated" or done.source.kind == "file":
+        return None
+    owner = pre["owners"][0]
+    last = None
+    for rows in (PREFILL_ROWS, 1):  # fewer rows where four do not fit the pool's memory
+        try:
+            pool = pinned_plan(done, done.inputs.cluster, "colocated", [(owner["gpu"], owner["tp"], 1)], batch=rows,
+                               microbatches=1, context=done.inputs.context, prefill_chunk=done.inputs.prefill_chunk)
+            break
+        except OpWeaveError as e:
+            last = e
+    else:
+        raise OpWeaveError(f"the prefill pool ({owner['gpu']} tp{owner['tp']}) cannot hold one prompt's program: {last}")
+    return pipeline.run(pool, first="lower", last="render")
+
+
 def write_artifact(out_dir: str, compiled: Compiled, *, force: bool = False, sign_key: bytes | None = None) -> None:
     """Runs the pipeline's last steps (lower, render) and writes the artifact into a temporary
     sibling folder, then renames it into place.
@@ -108,6 +136,7 @@ def write_artifact(out_dir: str, compiled: Compiled, *, force: bool = False, sig
     """
     target = check_artifact_dir(out_dir, force=force, inputs=(compiled.source.path,))
     done = pipeline.run(compiled, first="lower", last="render")
+    pool = prefill_pool(done)
     if compiled.inputs.progress is not None:
         compiled.inputs.progress("writing the artifact (plan, rank modules, trace.json, gantt.png, manifest)")
     try:
@@ -117,6 +146,11 @@ def write_artifact(out_dir: str, compiled: Compiled, *, force: bool = False, sig
     try:
         _write(tmp, "plan.json", done.plan_text)
         model_hash = _write_rank_programs(tmp, done)
+        if pool is not None:  # a disaggregated plan's prefill ranks
+            _write(tmp, "prefill_plan.json", pool.plan_text)
+            for program in pool.programs:
+                _write(tmp, f"prefill_rank_{program.rank:02d}.json", json.dumps(program_to_json(program), indent=1))
+                _write(tmp, f"prefill_rank_{program.rank:02d}.py", pool.modules[f"rank_{program.rank:02d}.py"])
         _write(tmp, "plan.txt", format_plan(done.plan) + "\n")
         _write(tmp, "ir.txt", format_graph(done.graph) + "\n")
         write_schedule(done.plan, os.path.join(tmp, "trace.json"), os.path.join(tmp, "gantt.png"))

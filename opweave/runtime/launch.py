@@ -29,6 +29,7 @@ import json
 import math
 import multiprocessing.util  # noqa: F401 - its exit handler is registered before `_kill_left_ranks`
 import os
+import re
 import shutil
 import signal
 import sys
@@ -81,6 +82,7 @@ class RunConfig:
     prefix_cache: bool = True  # prompts start on cached KV pages where the model and plan allow (`runtime.prefix`)
     kv_pages: int | None = None  # KV pages per replica's pool; None: every slot at the plan's context
     max_logprobs: int | None = None  # serving: top log-probabilities a request may ask for; None: none
+    prefill_sets: int = 1     # a disaggregated plan's prefill sets (TP groups of its prefill pool)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -196,11 +198,14 @@ class _RunFolder:
 
 
 def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, folder: _RunFolder, beats: Heartbeat,
-            launcher_pid: int, replica_set: int = 0) -> None:
+            launcher_pid: int, replica_set: int = 0, beat: int | None = None, ranks: int | None = None,
+            pd=None, requests: tuple | None = None) -> None:
     """One rank, started by the launcher (`start_method`): `artifact` holds the files the launcher
-    read and checked (the rank never re-opens them)."""
+    read and checked (the rank never re-opens them). `beat`: its heartbeat slot (default: by set
+    and rank), `ranks`: every rank of the run, `pd`: its part in a disaggregated run."""
     _become_rank(launcher_pid)
-    heartbeat.install(beats, replica_set * world + rank)
+    beat = replica_set * world + rank if beat is None else beat
+    heartbeat.install(beats, beat)
     heartbeat.report(Phase.STARTED)
     import torch
     import torch.distributed as dist
@@ -208,16 +213,18 @@ def _worker(cfg: RunConfig, artifact: VerifiedArtifact, rank: int, world: int, f
     from opweave.runtime.worker import run_rank
 
     try:
-        torch.set_num_threads(threads_per_rank(cfg.threads, world * cfg.replica_sets))
-        gpu = (replica_set * world + rank) % torch.cuda.device_count() if cfg.device == "cuda" else None
+        torch.set_num_threads(threads_per_rank(cfg.threads, ranks or world * cfg.replica_sets))
+        gpu = beat % torch.cuda.device_count() if cfg.device == "cuda" else None
         use_loopback_interface()
         timeout_s = cfg.stall_timeout_s + PG_TIMEOUT_MARGIN_S
         join_process_group(cfg.device, timeout_s, gpu, store=folder.store(replica_set, world, timeout_s),
                            rank=rank, world=world)
         heartbeat.report(Phase.JOINED)
-        out = run_rank(artifact, rank, cfg.weights, cfg.device, list(cfg.requests), cfg.interpret,
+        requests = cfg.requests if requests is None else requests  # a prefill set's: none (a decode leader's jobs)
+        out = run_rank(artifact, rank, cfg.weights, cfg.device, list(requests), cfg.interpret,
                        cfg.trace, serve=cfg.serve, replica_set=replica_set, prefill_budget=cfg.prefill_budget,
-                       prefix_cache=cfg.prefix_cache, kv_pages=cfg.kv_pages, max_logprobs=cfg.max_logprobs)
+                       prefix_cache=cfg.prefix_cache, kv_pages=cfg.kv_pages if pd is None or pd.role.kind == "decode"
+                       else None, max_logprobs=cfg.max_logprobs, pd=pd)
         if rank == 0:
             folder.put_result(replica_set, *out)
         dist.destroy_process_group()
@@ -364,34 +371,79 @@ class Ranks:
         self.sets = _deal(cfg.requests, cfg.replica_sets) if cfg.requests else [((), [])] * cfg.replica_sets
         self.procs: dict[tuple[int, int], object] = {}
         self.folder = _RunFolder()
+        self.prefill = disaggregated(self.artifact)  # the prefill pool's view, or None
+        self.prefill_world = 0 if self.prefill is None else world_size_of(self.prefill)
+        self.beat = {(k, r): k * self.world + r for k in range(len(self.sets)) for r in range(self.world)}
+        if self.prefill is not None:
+            if cfg.prefill_sets < 1:
+                raise OpWeaveError(f"--prefill-sets must be at least 1, got {cfg.prefill_sets}")
+            base = len(self.sets) * self.world
+            self.beat.update({(len(self.sets) + j, s): base + j * self.prefill_world + s
+                              for j in range(cfg.prefill_sets) for s in range(self.prefill_world)})
 
     def start(self) -> None:
         import multiprocessing as mp
 
         cfg = self.cfg
-        method = rank_start_method(cfg.device, cfg.threads, self.world * len(self.sets))
+        method = rank_start_method(cfg.device, cfg.threads, len(self.beat))
         ctx = mp.get_context(method)
         if method == "fork":
             _import_for_ranks()
-        self.beats = Heartbeat(len(self.sets) * self.world, ctx)
+        self.beats = Heartbeat(len(self.beat), ctx)
         with deferred():  # a signal meanwhile raises once every started rank is in `procs` (to be stopped)
             self._start_all(cfg, ctx)
 
     def _start_all(self, cfg: RunConfig, ctx) -> None:
+        pd = self._pd_ranks(cfg, ctx) if self.prefill is not None else None
         for k, (requests, _) in enumerate(self.sets):
             mine = dataclasses.replace(cfg, requests=requests)
             for r in range(self.world):
-                self.procs[(k, r)] = ctx.Process(
-                    target=_worker, args=(mine, self.artifact, r, self.world, self.folder, self.beats, os.getpid(), k),
-                    name=_name((k, r), len(self.sets)), daemon=True)
-                with _held_signals():
-                    self.procs[(k, r)].start()
-                _STARTED.add(self.procs[(k, r)])
+                self._start((k, r), ctx, mine, self.artifact, self.world, None if pd is None else pd("decode", k))
+        for j in range(cfg.prefill_sets if pd is not None else 0):
+            k = len(self.sets) + j
+            for r in range(self.prefill_world):
+                self._start((k, r), ctx, cfg, self.prefill, self.prefill_world, pd("prefill", j), requests=())
+
+    def _start(self, key, ctx, cfg: RunConfig, artifact: VerifiedArtifact, world: int, pd,
+               requests: tuple | None = None) -> None:
+        k, r = key
+        self.procs[key] = ctx.Process(
+            target=_worker, args=(cfg, artifact, r, world, self.folder, self.beats, os.getpid(), k,
+                                  self.beat[key], len(self.beat), pd, requests),
+            name=self.name(key), daemon=True)
+        with _held_signals():
+            self.procs[key].start()
+        _STARTED.add(self.procs[key])
+
+    def name(self, key: tuple[int, int]) -> str:
+        if self.prefill is not None and key[0] >= len(self.sets):
+            return f"prefill set {key[0] - len(self.sets)}, rank {key[1]}"
+        return _name(key, len(self.sets))
+
+    def _pd_ranks(self, cfg: RunConfig, ctx):
+        """The parts of a disaggregated run's ranks (`opweave.runtime.pd`): one function of
+        (kind, set) to the rank's `PDRank`, sharing the queues and the KV group's store."""
+        from opweave.runtime import pd as PD
+
+        decode = tuple(self.artifact.json(f"rank_{r:02d}.json") for r in range(self.world))
+        leaders = len(decode[0]["scheduler_leaders"])
+        queues = PD.Queues(tuple(tuple(ctx.Queue() for _ in range(leaders)) for _ in self.sets),
+                           tuple(ctx.Queue() for _ in range(cfg.prefill_sets)))
+        tp = self.prefill.json("rank_00.json")["tp"]
+        store = os.path.join(self.folder.path, "store-kv")
+        timeout_s = cfg.stall_timeout_s + PG_TIMEOUT_MARGIN_S
+
+        def part(kind: str, k: int):
+            role = PD.Role(kind, k, len(self.sets), cfg.prefill_sets, self.world, self.prefill_world, leaders, store,
+                           timeout_s)
+            return PD.PDRank(role, queues, decode, tp)
+        return part
 
     def watch(self) -> dict[int, tuple[list[Request], dict]]:
         """Until every rank exits 0 (each set's results) or one fails, dies or stalls (OpWeaveError)."""
-        return _watch(self.procs, self.folder, StallWatch(self.beats, self.cfg.stall_timeout_s), self.cfg.timeout_s,
-                      len(self.sets))
+        done = _watch(self.procs, self.folder, StallWatch(self.beats, self.cfg.stall_timeout_s), self.cfg.timeout_s,
+                      len(self.sets) + (self.cfg.prefill_sets if self.prefill is not None else 0), self.beat, self.name)
+        return {k: v for k, v in done.items() if k < len(self.sets)}
 
     def stop(self) -> None:
         _stop(list(self.procs.values()))
@@ -455,19 +507,33 @@ def cuda_device_count() -> int:
 def planned_prefill(cfg: RunConfig, artifact: VerifiedArtifact) -> RunConfig:
     """`cfg` with the plan's prefill arrangement (plan.json's "prefill", `passes/traffic.py`): an
     aggregated plan's token budget is the default `--prefill-budget`; a disaggregated plan is
-    refused in one line (its prefill ranks are not started by this runtime yet)."""
+    served by prefill ranks of its own (`disaggregated`)."""
     plan = artifact.json("plan.json") if "plan.json" in artifact.files else None
     prefill = plan.get("prefill") if isinstance(plan, dict) else None
     if not isinstance(prefill, dict):
         return cfg
     if prefill.get("mode") == "disaggregated":
-        raise OpWeaveError(f"{os.path.join(artifact.folder, 'plan.json')}: the plan prefills on GPUs of its own "
-                           "(prefill mode disaggregated), which this runtime cannot start yet; compile with "
-                           "--prefill aggregated to serve it")
+        if not artifact.has("prefill_rank_00.json"):
+            raise OpWeaveError(f"{os.path.join(artifact.folder, 'plan.json')}: the plan prefills on GPUs of its own "
+                               "(prefill mode disaggregated) and the artifact holds no prefill programs "
+                               "(prefill_rank_XX files): recompile it with this version")
+        return cfg
     budget = prefill.get("token_budget")
     if cfg.prefill_budget is None and type(budget) is int and budget >= 1:
         return dataclasses.replace(cfg, prefill_budget=budget)
     return cfg
+
+
+def disaggregated(artifact: VerifiedArtifact) -> VerifiedArtifact | None:
+    """A disaggregated plan's prefill programs, as an artifact of their own (`prefill_rank_XX`
+    as `rank_XX`, `prefill_plan.json` as `plan.json`); None for any other plan."""
+    if not artifact.has("prefill_rank_00.json"):
+        return None
+    return artifact.view("prefill_")
+
+
+def world_size_of(artifact: VerifiedArtifact) -> int:
+    return sum(1 for name in artifact.manifest["files"] if re.fullmatch(r"rank_\d\d\.json", name))
 
 
 def planned_replica_sets(artifact: str | VerifiedArtifact) -> int:
@@ -503,23 +569,27 @@ def _name(key: tuple[int, int], sets: int) -> str:
 
 
 def _watch(procs: dict, folder: _RunFolder, stall: StallWatch, timeout_s: float | None,
-           sets: int) -> dict[int, tuple[list[Request], dict]]:
+           sets: int, beat: dict | None = None, name=None) -> dict[int, tuple[list[Request], dict]]:
     """Waits for every rank to exit 0 (then returns each set's results); raises naming the rank
-    on the first error, death or stall."""
+    on the first error, death or stall. `beat`: each rank's heartbeat slot (default: set x world
+    + rank), `name`: a rank's name in messages."""
     from multiprocessing.connection import wait
 
     start = time.monotonic()
     world = len(procs) // sets
+    beat = beat or {key: key[0] * world + key[1] for key in procs}
+    key_of = {w: key for key, w in beat.items()}
+    name = name or (lambda key: _name(key, sets))
     while True:
         wait([p.sentinel for p in procs.values() if p.exitcode is None], timeout=POLL_S)
         if any(p.exitcode not in (None, 0) for p in procs.values()) or folder.errors():
-            raise OpWeaveError(_root_cause(procs, folder, sets))
+            raise OpWeaveError(_root_cause(procs, folder, sets, name))
         if all(p.exitcode == 0 for p in procs.values()):
             return _results(folder, sets)
-        running = [[k * world + r for r in range(world) if procs[(k, r)].exitcode is None] for k in range(sets)]
-        slot = stall.stalled(running, lambda w: _is_stopped(procs[divmod(w, world)].pid))
+        running = [[beat[key] for key in procs if key[0] == k and procs[key].exitcode is None] for k in range(sets)]
+        slot = stall.stalled(running, lambda w: _is_stopped(procs[key_of[w]].pid))
         if slot is not None:
-            raise OpWeaveError(f"{_name(divmod(slot, world), sets)} made no progress for {stall.timeout_s:g} s "
+            raise OpWeaveError(f"{name(key_of[slot])} made no progress for {stall.timeout_s:g} s "
                                f"(last: {stall.heartbeat.describe(slot)})")
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             raise OpWeaveError(f"the run did not finish within {timeout_s:g} s")
@@ -544,23 +614,24 @@ def _is_stopped(pid: int | None) -> bool:
         return False
 
 
-def _root_cause(procs: dict, folder: _RunFolder, sets: int) -> str:
+def _root_cause(procs: dict, folder: _RunFolder, sets: int, name=None) -> str:
     """The failure to report: a rank that died without a word (killed) before the errors its
     peers then raise (lost connections), else the first error reported."""
     from multiprocessing.connection import wait
 
+    name = name or (lambda key: _name(key, sets))
     deadline = time.monotonic() + ROOT_CAUSE_WAIT_S  # peers of a dead rank fail within it
     while time.monotonic() < deadline and any(p.exitcode is None for p in procs.values()):
         wait([p.sentinel for p in procs.values() if p.exitcode is None], timeout=POLL_S)
     errors = folder.errors()
     for key, p in procs.items():
         if p.exitcode is not None and p.exitcode < 0 and key not in errors:
-            return f"{_name(key, sets)} died (killed by signal {-p.exitcode})"
+            return f"{name(key)} died (killed by signal {-p.exitcode})"
     if errors:
         key = min(errors, key=lambda k: ("Connection closed" in errors[k] or "connection" in errors[k].lower(), k))
-        return f"{_name(key, sets)} failed: {errors[key]}"
+        return f"{name(key)} failed: {errors[key]}"
     key = next(k for k, p in procs.items() if p.exitcode not in (None, 0))
-    return f"{_name(key, sets)} died (exit code {procs[key].exitcode})"
+    return f"{name(key)} died (exit code {procs[key].exitcode})"
 
 
 def _stop(procs) -> None:

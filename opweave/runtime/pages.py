@@ -36,30 +36,42 @@ NONE, RELEASE, START, SHARED = 0, 1, 2, 3
 """A row's page event in a round: nothing; drop its pages; a new request starts on fresh pages;
 `SHARED + p`: a new request starts on the cached chain ending at page p."""
 
-_TOKEN_BITS = 24  # a control-word value: tokens | padding << 24 | sampled << 25 | logprobs << 26 | event << 27
-_EVENT_SHIFT = _TOKEN_BITS + 3
+_TOKEN_BITS = 24
+# a control-word value: tokens | padding << 24 | sampled << 25 | logprobs << 26 | imported << 27 | event << 28
+_IMPORTED = _TOKEN_BITS + 3
+_EVENT_SHIFT = _TOKEN_BITS + 4
 
 
-def encode(tokens: int, event: int, padding: bool = False, sampled: bool = False, logprobs: bool = False) -> int:
+def encode(tokens: int, event: int, padding: bool = False, sampled: bool = False, logprobs: bool = False,
+           imported: bool = False) -> int:
     """One row's control-word value: its tokens this round, whether they are padding tokens of an
     idle row (computed, position -1: they take no page), whether the row's token this round is
     drawn at a positive temperature (`sampled`: the sampler walks the vocabulary for it; greedy
     rows only take the argmax), whether the row reports log-probabilities this round
-    (`logprobs`: the last stage computes them, `opweave.kernels.logprobs`), and its page event."""
+    (`logprobs`: the last stage computes them, `opweave.kernels.logprobs`), whether `tokens` are
+    positions whose state arrives from a prefill rank instead of being computed (`imported`:
+    prefill/decode disaggregation, `opweave.runtime.kvtransfer`), and its page event."""
     if not 0 <= tokens < 1 << _TOKEN_BITS:
         raise ValueError(f"{tokens} tokens in one row's round")
     return (tokens | int(padding) << _TOKEN_BITS | int(sampled) << (_TOKEN_BITS + 1)
-            | int(logprobs) << (_TOKEN_BITS + 2) | event << _EVENT_SHIFT)
+            | int(logprobs) << (_TOKEN_BITS + 2) | int(imported) << _IMPORTED | event << _EVENT_SHIFT)
 
 
 def decode(value: int) -> tuple[int, int]:
-    """(tokens, page event) of a control-word value (tokens: what the round computes for the row)."""
-    return value & ((1 << _TOKEN_BITS) - 1), value >> _EVENT_SHIFT
+    """(tokens, page event) of a control-word value (tokens: what the round computes for the row;
+    none for an imported row)."""
+    return 0 if value >> _IMPORTED & 1 else value & ((1 << _TOKEN_BITS) - 1), value >> _EVENT_SHIFT
 
 
 def held_tokens(value: int) -> int:
-    """The positions a control-word value adds to its slot's sequence (0 for padding tokens)."""
+    """The positions a control-word value adds to its slot's sequence (0 for padding tokens; an
+    imported row's positions)."""
     return 0 if value >> _TOKEN_BITS & 1 else value & ((1 << _TOKEN_BITS) - 1)
+
+
+def imported(value: int) -> int:
+    """The positions of a row whose state this round arrives from a prefill rank (0: none)."""
+    return value & ((1 << _TOKEN_BITS) - 1) if value >> _IMPORTED & 1 else 0
 
 
 def sampled(value: int) -> bool:

@@ -76,6 +76,8 @@ class Request:
     min_tokens: int = 0       # no EOS or stop id ends it before this many outputs (the sampler bans EOS)
     prompt_logprobs: bool = False  # report each prompt token's log-probability (fed a token a round)
     prompt_lp: dict = dataclasses.field(default_factory=dict)  # prompt index -> its `Logprob`
+    transfer: int = 0  # prefill/decode disaggregation, prefill side: its KV transfer's key + 1 (0: none)
+    local: bool = False  # decode side: prefilled here, not on a prefill rank (after a preemption)
 
     @property
     def top_logprobs(self) -> int | None:
@@ -112,6 +114,8 @@ class RowStep:
     fills: tuple[int, ...] = ()  # prompt pages this step fills that a later prompt may share
     bucket: bool = False   # `pad` is a free row's padding token filling a decode round to its bucket
     target: int = -1       # the prompt token after this step's, whose log-probability it reports
+    imported: int = 0      # positions whose state arrives from a prefill rank this round (nothing computed)
+    key: int = 0           # the row's KV transfer key + 1 (`opweave.runtime.kvtransfer`), 0: none
 
     @property
     def idle(self) -> bool:
@@ -142,12 +146,18 @@ class StepPlan:
     @property
     def counts(self) -> tuple[int, ...]:
         """Tokens per row this round (0 idle, 1 decoding, a prompt chunk's length)."""
-        return tuple(s.pad if s.idle else len(s.tokens) or 1 for s in self.rows)
+        return tuple(s.pad if s.idle else 0 if s.imported else len(s.tokens) or 1 for s in self.rows)
 
     @property
     def values(self) -> tuple[int, ...]:
         """Per row, its tokens and page event as the control word carries them (`pages.encode`)."""
-        return tuple(P.encode(c, s.event, s.bucket, s.sampled, s.logprobs) for c, s in zip(self.counts, self.rows))
+        return tuple(P.encode(s.imported, s.event, imported=True) if s.imported else
+                     P.encode(c, s.event, s.bucket, s.sampled, s.logprobs) for c, s in zip(self.counts, self.rows))
+
+    @property
+    def aux(self) -> tuple[int, ...]:
+        """Per row, its KV transfer key + 1 (0: none), beside `values` in the control word."""
+        return tuple(s.key for s in self.rows)
 
 
 def bucketed(steps: list[RowStep]) -> list[RowStep]:
@@ -174,18 +184,27 @@ class _Row:
     keys: list[int] = dataclasses.field(default_factory=list)  # the prompt's page keys (prefix reuse)
     fed: list[int] = dataclasses.field(default_factory=list)   # what the row prefills: the prompt (and,
                                                                # after a preemption, the outputs so far)
+    waiting: bool = False            # reserved for a request being prefilled on a prefill rank
+    key: int = 0                     # ... whose state arrived there: its transfer key + 1, until imported
 
 
 class Scheduler:
     def __init__(self, requests: list[Request], num_microbatches: int, rows: int, context: int,
                  eos_ids: tuple[int, ...], prefill_chunk: int = PREFILL_CHUNK, on_event=None,
-                 prefix_cache: bool = False, buckets: bool = False, pages: int | None = None):
+                 prefix_cache: bool = False, buckets: bool = False, pages: int | None = None,
+                 prefill_on=None):
         """`prefix_cache`: start prompts on the cached pages of earlier ones (`opweave.runtime.prefix`;
         the caller checks the model and plan allow it). `buckets`: a decode round of a microbatch
         computes its first 1, 2, 4, 8, ... rows (up to its rows), free rows below its last live
         one feeding a padding token, so few layouts recur (a CUDA graph each). `pages`: the KV
         pages of the replica's pool (default: every slot at the full context, so none is ever
-        short; fewer: admission by free pages and preemption)."""
+        short; fewer: admission by free pages and preemption).
+
+        `prefill_on(request, mb, row)` (prefill/decode disaggregation, decode side): a request
+        admitted into a row is prefilled elsewhere; the row waits, reserved, until `prefilled`
+        says its state has been sent, then a step imports it (`RowStep.imported`) and the row
+        goes on from its first output. A request with a `transfer` key (prefill side) ends at its
+        first output, the step that computes it marked for export."""
         if prefill_chunk < 1:
             raise OpWeaveError(f"prefill chunk must be at least 1 token, got {prefill_chunk}")
         # the pages of this replica's slots as every rank holding them will (`opweave.runtime.pages`)
@@ -210,6 +229,7 @@ class Scheduler:
         self.preemptions = 0
         self._reserved = 0  # pages the requests admitted in the round being planned will need
         self.on_event = on_event  # (request, token or None, finish reason or None, Logprob or None), as learned
+        self.prefill_on = prefill_on
 
     @property
     def active(self) -> bool:
@@ -227,7 +247,7 @@ class Scheduler:
             self.pool.available - self._reserved
 
     # ---------------------------------------------------------------- planning
-    def _admit(self, row: _Row) -> None:
+    def _admit(self, row: _Row, mb: int = 0, r: int = 0) -> None:
         while self.queue and row.request is None:
             req = self.queue[0]
             need = P.pages_for(len(req.prompt) + len(req.output) + 1, self.pool.page_tokens)
@@ -244,6 +264,15 @@ class Scheduler:
             else:
                 fed = self._fed(req)
                 self._reserved += need
+                if self.prefill_on is not None and not req.local:  # prefilled on a prefill rank meanwhile
+                    row.request, row.waiting, row.position, row.pending, row.planned = req, True, 0, [], 0
+                    row.fed, row.keys = fed, []
+                    row.event, row.release = (P.RELEASE if row.release else P.NONE), False
+                    self._admissions += 1
+                    row.admitted = self._admissions
+                    self._open.add(req.index)
+                    self.prefill_on(req, mb, r)
+                    return
                 row.request, row.position, row.pending, row.planned = req, 0, fed, len(req.output)
                 row.fed = list(fed)
                 row.event, row.release = P.START, False
@@ -269,8 +298,13 @@ class Scheduler:
         req = row.request
         event, row.event = row.event, P.NONE
         target = -1
-        if req is None:
+        if req is None or (row.waiting and not row.key):  # idle, or waiting for its prefill
             return RowStep(event=event)
+        if row.waiting:  # its prompt's state arrives this round: nothing is computed
+            key, row.key, row.waiting = row.key, 0, False
+            if req.finish_reason is not None:  # it ended at its first output: the state is taken and dropped
+                row.request, row.release = None, True
+            return RowStep(req, imported=len(req.prompt), event=P.START, key=key)
         if row.pending:
             if budget <= 0:  # waits (idle); a new request's page event goes out now all the same
                 return RowStep(event=event)
@@ -285,11 +319,13 @@ class Scheduler:
         last = False
         if output:
             row.planned += 1
-            last = row.planned >= req.max_new_tokens or row.position >= self.context
+            # a prefill rank: its first output ends it there, and its state goes to a decode rank
+            last = row.planned >= req.max_new_tokens or row.position >= self.context or req.transfer > 0
             if last:
                 row.request = None  # the slot takes the next request in the next planned round
                 row.release = True
-        return RowStep(req, tuple(chunk), first, output, last, event=event, target=target)
+        return RowStep(req, tuple(chunk), first, output, last, event=event, target=target,
+                       key=req.transfer if output else 0)
 
     def _plan_rows(self, mb: int) -> StepPlan:
         """One microbatch's round: free rows admit (while the pool has their pages), decoding rows
@@ -297,15 +333,15 @@ class Scheduler:
         rows need more pages than the pool has, the newest request is preempted."""
         rows = self._rows[mb]
         self._reserved = 0
-        for row in rows:
+        for r, row in enumerate(rows):
             if row.request is None:
-                self._admit(row)
+                self._admit(row, mb, r)
             if row.request is None and row.release:  # ended, and no request takes the row
                 row.event, row.release = P.RELEASE, False
         steps: list[RowStep | None] = [None] * len(rows)
         prefilling = []
         for i, row in enumerate(rows):
-            if row.request is not None and row.pending:
+            if row.request is not None and row.pending and not row.waiting:
                 prefilling.append(i)
             else:
                 steps[i] = self._step(row, 0)
@@ -341,6 +377,7 @@ class Scheduler:
         for r, (c, s) in enumerate(zip(StepPlan(tuple(steps)).counts, steps)):
             slot = mb * self.rows + r
             pages, length = held.get(slot, (len(self.pool.tables[slot]), self.pool.lengths[slot]))
+            c = s.imported or c
             if c and not s.bucket:
                 need += max(0, min(P.pages_for(length + c, p), width) - pages)
         return need > available
@@ -357,6 +394,7 @@ class Scheduler:
             self.queue.appendleft(req)
             return RowStep(event=P.RELEASE if self.pool.tables[slot] else P.NONE)
         self._preempted[req.index] = req
+        req.local = True  # its imported state is dropped: it prefills here when it comes back
         self._void(req)
         self._requeue(req)
         return RowStep(event=P.RELEASE)
@@ -395,7 +433,7 @@ class Scheduler:
         """Plans round `planned_rounds` (then advances it); per microbatch, each row's tokens and
         page event as the control word carries them (`opweave.runtime.pages.encode`)."""
         r = self.planned_rounds
-        values = []
+        values, aux = [], []
         for mb in range(self.num_microbatches):
             plan = self._plan_rows(mb)
             plan = self._pages(mb, plan, r)
@@ -403,7 +441,9 @@ class Scheduler:
             if any(s.output or s.target >= 0 for s in plan.rows):
                 self._outputs[(r, mb)] = plan
             values.append(plan.values)
+            aux.append(plan.aux)
         self.planned_rounds += 1
+        self.last_aux = tuple(aux)
         return tuple(values)
 
     def _pages(self, mb: int, plan: StepPlan, round_index: int) -> StepPlan:
@@ -458,6 +498,31 @@ class Scheduler:
         for req in list(self._preempted.values()):
             self._requeue(req)
 
+    def prefilled(self, index: int, token: int | None, key: int | None, finish_reason: str | None = None,
+                  error: str | None = None) -> None:
+        """Request `index`, waiting in its row, was prefilled on a prefill rank: its first output
+        `token`, its state sent with transfer `key` (None: nothing was sent).
+        The next planned round imports the state; a request that ended there (`finish_reason`:
+        "stop", "length", "error" with `error`) is over once its state is taken."""
+        for rows in self._rows:
+            for row in rows:
+                req = row.request
+                if req is None or req.index != index or not row.waiting:
+                    continue
+                if token is not None and req.finish_reason is None:
+                    req.output.append(int(token))  # reported by the prefill rank, which learned it
+                row.planned = len(req.output)
+                row.position, row.pending = len(req.prompt), list(req.output)
+                if finish_reason is not None and req.finish_reason is None:
+                    req.error = error
+                    self._finish(req, finish_reason, report=False)
+                    row.request = req  # still reserved: the state is taken, then dropped
+                if key is None:  # nothing to import: the row is free
+                    row.request, row.waiting, row.release = None, False, True
+                else:
+                    row.key = key + 1
+                return
+
     # ---------------------------------------------------------------- serving
     def add(self, req: Request) -> None:
         """A new request, admitted into the next free slot of a round not yet planned."""
@@ -511,15 +576,16 @@ class Scheduler:
         if self.on_event is not None:
             self.on_event(req, token, reason, logprobs)
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, report: bool = True) -> None:
         req.finish_reason = reason
-        self._report(req, None, reason)
+        if report:
+            self._report(req, None, reason)
         self._finished.add(req.index)
         self._open.discard(req.index)
         self.done.append(req)
-        for rows in self._rows:  # stop planning it
+        for rows in self._rows:  # stop planning it (a row waiting for its prefill stays reserved)
             for row in rows:
-                if row.request is req:
+                if row.request is req and not row.waiting:
                     row.request, row.pending, row.release = None, [], True
         for key, plan in list(self._plans.items()):  # planned steps not yet run: the row idles, its
             if any(s.request is req for s in plan.rows):  # agreed tokens become padding

@@ -106,6 +106,7 @@ class Transport:
         self.last_counts = self.counts  # the previous round's
         self.layouts: tuple[Layout, ...] = tuple(self.layout(c) for c in self.counts)  # this replica's rows
         self._second = self.counts  # round 1's, set by `agree`
+        self._second_aux = self.next_aux = self.aux = self.counts  # transfer keys per row (zeros: none)
 
     def layout(self, counts: tuple[int, ...], values: tuple[int, ...] = ()) -> Layout:
         """This replica's packed layout of a microbatch whose rows feed `counts` tokens (global
@@ -218,14 +219,21 @@ class Transport:
         self._pending += [(work, t) for work, (t, _) in zip(works, messages)]
 
     # ---------------------------------------------------------------- between rounds
-    def agree(self, counts: list[tuple[tuple[int, ...], ...]]) -> list[tuple[tuple[int, ...], ...]]:
+    def agree(self, counts: list[tuple[tuple[int, ...], ...]], aux: list | None = None
+              ) -> list[tuple[tuple[int, ...], ...]]:
         """Before the first round: every rank's planned tokens per row of the first rounds, merged
-        (each scheduler plans its own rows; ranks without a scheduler pass zeros); blocking."""
-        word = torch.tensor([c for rnd in counts for mb in rnd for c in mb], dtype=torch.long, device=self.device)
+        (each scheduler plans its own rows; ranks without a scheduler pass zeros), and their
+        transfer keys (`aux`, as `complete_round`); blocking."""
+        n = self._flat_size
+        aux = aux or [((0,) * self.program.microbatch_size,) * self.program.num_microbatches] * len(counts)
+        word = torch.tensor([c for rnd in counts for mb in rnd for c in mb] + [a for rnd in aux for mb in rnd for a in mb],
+                            dtype=torch.long, device=self.device)
         self.comm.all_reduce(word, op=dist.ReduceOp.MAX)
-        agreed = [self._unflatten(word.tolist()[i * self._flat_size:(i + 1) * self._flat_size])
-                  for i in range(len(counts))]
+        values = word.tolist()
+        agreed = [self._unflatten(values[i * n:(i + 1) * n]) for i in range(len(counts))]
+        keys = [self._unflatten(values[(len(counts) + i) * n:(len(counts) + i + 1) * n]) for i in range(len(counts))]
         self._second = agreed[1]  # what the first `complete_round` answers (no word a round ago yet)
+        self._second_aux, self.next_aux = keys[1], keys[0]
         return agreed
 
     @property
@@ -236,29 +244,37 @@ class Transport:
         b = self.program.microbatch_size
         return tuple(tuple(values[mb * b:(mb + 1) * b]) for mb in range(self.program.num_microbatches))
 
-    def complete_round(self, active: bool, counts_ahead: tuple[tuple[int, ...], ...]
+    def complete_round(self, active: bool, counts_ahead: tuple[tuple[int, ...], ...],
+                       aux_ahead: tuple[tuple[int, ...], ...] | None = None
                        ) -> tuple[bool, tuple[tuple[int, ...], ...]]:
         """Completes the previous round's sends (this round's token ids are only received at the
         start of the next round) and starts the all-reduce of this rank's control word: whether
-        it still has work, and the tokens per row it planned two rounds ahead. Answers the word of
-        one round ago: whether any rank had work then (always, after the first round), and the
-        tokens per row of the next round."""
+        it still has work, the tokens per row it planned two rounds ahead, and those rows'
+        transfer keys (`aux_ahead`: 0, or a prefill/decode KV transfer's key + 1,
+        `opweave.runtime.kvtransfer`). Answers the word of one round ago: whether any rank had
+        work then (always, after the first round), and the tokens per row of the next round (its
+        keys: `next_aux`)."""
         for work, _ in self._previous:
             work.wait()
         self._previous, self._pending = self._pending, []
-        word = torch.tensor([1 if active else 0, *(c for mb in counts_ahead for c in mb)], dtype=torch.long,
+        n = self._flat_size
+        aux = [a for mb in aux_ahead for a in mb] if aux_ahead is not None else [0] * n
+        word = torch.tensor([1 if active else 0, *(c for mb in counts_ahead for c in mb), *aux], dtype=torch.long,
                             device=self.device)
         previous, self._flag = self._flag, (self.comm.all_reduce(word, op=dist.ReduceOp.MAX, async_op=True), word)
         if previous is None:
+            self.next_aux = self._second_aux
             return True, self._second
         previous[0].wait()
         values = previous[1].tolist()
-        return bool(values[0]), self._unflatten(values[1:])
+        self.next_aux = self._unflatten(values[1 + n:])
+        return bool(values[0]), self._unflatten(values[1:1 + n])
 
     def start_round(self, round_index: int, values: tuple[tuple[int, ...], ...]) -> None:
         """The round's control-word values per row (global rows, per microbatch: tokens and page
-        event, `opweave.runtime.pages.encode`); posts its first receives (CPU)."""
-        self.values = values
+        event, `opweave.runtime.pages.encode`; their transfer keys: `aux`); posts its first
+        receives (CPU)."""
+        self.values, self.aux = values, self.next_aux
         self.last_counts, self.counts = self.counts, tuple(tuple(decode(v)[0] for v in mb) for mb in values)
         self.layouts = tuple(self.layout(c, v) for c, v in zip(self.counts, values))
         for layout, counts in zip(self.layouts, self.counts):

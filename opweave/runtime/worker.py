@@ -71,7 +71,7 @@ class Runtime:
                  groups: dict[tuple[int, ...], object], requests: list[Request], trace: bool = False,
                  comm=dist, serve: ServeQueues | None = None, replica_set: int = 0,
                  prefill_budget: int | None = None, prefix_cache: bool = True, kv_pages: int | None = None,
-                 max_logprobs: int | None = None):
+                 max_logprobs: int | None = None, pd: "PDRank | None" = None):
         """With `serve` (a server's queues), the rank serves: it samples each row by its sampling
         word, and a scheduler leader takes its requests from its inbox in `replica_set` between
         rounds and reports every token learned and every end to the outbox (`Ready` once loaded).
@@ -84,7 +84,8 @@ class Runtime:
         holding the replica's KV keeps a pool of that size; the launcher checks the plan allows it,
         `checks.check_kv_pages`). `max_logprobs` (serving): the top log-probabilities a request may
         ask for, which sizes the records the last stage returns (`opweave.kernels.logprobs`; None:
-        token ids alone, and a request asking for log-probabilities fails)."""
+        token ids alone, and a request asking for log-probabilities fails). `pd`: this rank's part
+        in a prefill/decode disaggregated run (`opweave.runtime.pd`)."""
         self.program = program
         self.timeline = Timeline() if trace else None  # measured spans (see opweave.runtime.timeline)
         self.device = torch.device(device)
@@ -111,12 +112,17 @@ class Runtime:
         pack_cpu_gemms(self.modules, self.device)  # CPU: GEMM weights in oneDNN's layout
         self.huge_pages = back_with_huge_pages() if self.device.type == "cpu" else None  # ... in 2 MiB pages
         self.scheduler = None
+        self.pd, self.exporter, self.importer = pd, None, None
+        decoding = pd is not None and pd.role.kind == "decode"
         if program.scheduler and program.tp_rank == 0:
             self.scheduler = Scheduler(requests, m, self.rows, program.context, cfg.eos_token_ids,
                                        prefill_budget or program.prefill_chunk,
-                                       prefix_cache=prefix_cache and prefix_reuse(artifact, modules) is None,
+                                       prefix_cache=(prefix_cache and prefix_reuse(artifact, modules) is None
+                                                     and not decoding),  # a decode set prefills nothing
                                        buckets=self.device.type == "cuda",  # few decode layouts: few graphs
-                                       pages=kv_pages)
+                                       pages=kv_pages, prefill_on=self._prefill_on if decoding else None)
+        if pd is not None:
+            self._join_pd(pd, artifact)
         self.tp = TPGroup(program.tp_group, program.tp_rank, groups[program.tp_group] if program.tp > 1 else None,
                           comm=comm, device=self.device)
         self.max_logprobs = max_logprobs if serve is not None else None
@@ -140,9 +146,93 @@ class Runtime:
             self.scheduler.on_event = self._send_event  # each token learned and each end, as it happens
         self.stopping = False
         first = [self._ahead() for _ in range(2)]
-        self._start_round(0, self.transport.agree(first)[0])
+        self._start_round(0, self.transport.agree([v for v, _ in first], [a for _, a in first])[0])
         if self.channel is not None:
             self.channel.send(Ready())
+
+    # ---------------------------------------------------------------- prefill/decode disaggregation
+    def _join_pd(self, pd, artifact: VerifiedArtifact) -> None:
+        """Joins the KV group; a prefill rank sends states after rounds, a decode rank receives
+        them before (`opweave.runtime.pd`)."""
+        from opweave.runtime import pd as PD
+
+        group = pd.role.join(self.program.rank)
+        full = config_from_hf(artifact.json("model_config.json"), self.program.model)
+        if pd.role.kind == "prefill":
+            decode = [program_from_json(p) for p in pd.decode_programs]
+            self.exporter = PD.Exporter(pd.role, self.program, self.modules, self.state, full, decode, group)
+        else:
+            self.importer = PD.Importer(pd.role, self.program, self.modules, self.state, full, pd.prefill_tp, group)
+        self._jobs: dict[int, object] = {}   # prefill leader: local index -> its job; decode: id -> key
+        self._first: dict[int, int] = {}     # prefill leader: local index -> first output
+        self._drained, self._sent_jobs, self._told_drained = 0, 0, False
+        if pd.role.kind == "prefill" and self.scheduler is not None:
+            self.scheduler.on_event = self._prefill_event
+        self._leader = (self.program.scheduler_leaders.index(self.program.rank)
+                        if self.program.rank in self.program.scheduler_leaders else 0)
+
+    def _prefill_on(self, req: Request, mb: int, row: int) -> None:
+        """Decode leader: `req` took row `row` of microbatch `mb`; a prefill set computes it."""
+        from opweave.runtime import pd as PD
+        from opweave.runtime.kvtransfer import transfer_key
+
+        role = self.pd.role
+        j = self._sent_jobs % role.prefill_sets
+        key = transfer_key(j, role.replica_set, mb, self.program.rows[0] + row,
+                           self._sent_jobs * role.leaders + self._leader)
+        self._sent_jobs += 1
+        self._jobs[req.index] = key
+        self.pd.queues.prefill[j].put(PD.PrefillJob(
+            req.index, tuple(req.prompt), req.max_new_tokens, tuple(req.stop_ids), tuple(req.sampling),
+            req.ignore_eos, req.min_tokens, req.prompt_logprobs, key, role.replica_set, self._leader))
+
+    def _prefill_event(self, req: Request, token: int | None, reason: str | None, logprob=None) -> None:
+        """Prefill leader: a token or an end learned for a job's request."""
+        from opweave.runtime import pd as PD
+
+        job = self._jobs[req.index]
+        if token is not None:
+            self._first[req.index] = token
+            if self.channel is not None:  # the server streams the first token now
+                self._send_event(dataclasses.replace(req, index=job.id), token, None, logprob)
+            return
+        token = self._first.pop(req.index, None)
+        finish, error = None, None
+        if reason != "length" or token is None:
+            finish, error = "error" if reason != "cancelled" else reason, req.error
+        else:
+            finish = PD.ends_at_first(req, token, self.scheduler.eos, self.program.context)
+        sent = req.transfer - 1 in self.exporter.exported
+        self.pd.queues.decode[job.decode_set][job.leader].put(PD.Prefilled(job.id, token, sent, finish, error))
+        if finish is not None and self.channel is not None:
+            self.channel.send(TokenEvent(job.id, None, finish, error))
+        del self._jobs[req.index]
+
+    def _pd_io(self) -> None:
+        """Between rounds, a leader's messages: jobs in (prefill), prefilled requests in (decode)."""
+        from opweave.runtime import pd as PD
+
+        role = self.pd.role
+        if role.kind == "prefill":
+            for message in PD.receive(self.pd.queues.prefill[role.replica_set]):
+                if isinstance(message, PD.Drained):
+                    self._drained += 1
+                    continue
+                local, self._sent_jobs = self._sent_jobs, self._sent_jobs + 1
+                self._jobs[local] = message
+                self.scheduler.add(Request(
+                    index=local, prompt=list(message.prompt_ids), max_new_tokens=message.max_new_tokens,
+                    stop_ids=message.stop_ids, sampling=message.sampling_word, ignore_eos=message.ignore_eos,
+                    min_tokens=message.min_tokens, prompt_logprobs=message.prompt_logprobs, transfer=message.key + 1))
+            return
+        for message in PD.receive(self.pd.queues.decode[role.replica_set][self._leader]):
+            key = self._jobs.pop(message.id)
+            self.scheduler.prefilled(message.id, message.token, key if message.sent else None,
+                                     message.finish_reason, message.error)
+        if self.channel is None and not self.scheduler.active and not self._told_drained:
+            self._told_drained = True
+            for inbox in self.pd.queues.prefill:
+                inbox.put(PD.Drained())
 
     @property
     def is_leader(self) -> bool:
@@ -187,6 +277,8 @@ class Runtime:
         until it is told to stop)."""
         if self.scheduler is None:
             return False
+        if self.pd is not None and self.pd.role.kind == "prefill" and self.channel is None:  # `opweave run`
+            return self.scheduler.active or self._drained < self.pd.role.decode_sets * self.pd.role.leaders
         return self.scheduler.active or (self.channel is not None and not self.stopping)
 
     @property
@@ -233,13 +325,16 @@ class Runtime:
             self.copies.stage(mb, self.transport.recv_tokens(mb))
         return False
 
-    def _ahead(self) -> tuple[tuple[int, ...], ...]:
-        """The tokens per row of the round the scheduler plans now, on every row of each
-        microbatch (zeros outside this replica's rows; all zeros without a scheduler)."""
+    def _ahead(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        """The control-word values per row of the round the scheduler plans now, on every row of
+        each microbatch (zeros outside this replica's rows; all zeros without a scheduler), and
+        their transfer keys (`Transport.complete_round`)."""
         b, (lo, hi) = self.program.microbatch_size, self.program.rows
         if self.scheduler is None:
-            return ((0,) * b,) * self.program.num_microbatches
-        return tuple((0,) * lo + values + (0,) * (b - hi) for values in self.scheduler.plan_round())
+            zeros = ((0,) * b,) * self.program.num_microbatches
+            return zeros, zeros
+        values = tuple((0,) * lo + v + (0,) * (b - hi) for v in self.scheduler.plan_round())
+        return values, tuple((0,) * lo + a + (0,) * (b - hi) for a in self.scheduler.last_aux)
 
     def _mark(self, kind: str, stage: int = -1, mb: int = -1) -> None:
         if self.timeline is not None:
@@ -398,6 +493,10 @@ class Runtime:
         for layout in self.layouts:  # its index tensors, made here rather than in the round
             layout.prepare(self.device)
         self.state.apply_round(self.transport.values, self.program.rows[0])  # pages, as every rank does
+        if self.exporter is not None:
+            self.exporter.observe(self.transport.values)
+        if self.importer is not None:  # imported rows' state, before the round reads it
+            self.importer.before_round(self.transport.values, self.transport.aux)
         if self.scheduler is not None:
             for mb in range(self.program.num_microbatches):
                 plan = self.scheduler.take(round_index, mb)
@@ -410,15 +509,19 @@ class Runtime:
         (`Transport.complete_round`) is one round late, so a round of idle steps follows the
         last real one."""
         r = self.round_index
+        if self.exporter is not None:  # the state of the rows this round prefilled to the end
+            self.exporter.after_round(self.transport.aux)
         if self.channel is not None:
             self._serve_io()
+        if self.pd is not None and self.scheduler is not None:
+            self._pd_io()
         if self.scheduler is not None:
             self.copies.round_done(r)
             lag = self.copies.LAG  # the copies of round r - 1 hold the tokens sampled in round r - 2
             if r >= lag:
                 for mb, (ids, records) in enumerate(self.copies.read(r - lag + 1)):
                     self.scheduler.learn(r - lag, mb, ids, records if self.width > 1 else None)
-        more, counts = self.transport.complete_round(self.has_work, self._ahead())
+        more, counts = self.transport.complete_round(self.has_work, *self._ahead())
         self._mark("sync")
         self.round_index += 1
         if more:
@@ -432,6 +535,8 @@ class Runtime:
                 if self.transport.live(mb):  # it ran in the last round: its token ids came back
                     self.transport.recv_tokens(mb)
         self.transport.drain()
+        if self.exporter is not None:
+            self.exporter.drain()
 
 
 def _packed(ops: dict, modules: dict[int, OpModule], layout) -> dict:
@@ -512,7 +617,8 @@ def load_program_module(path: str):
 def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: str, requests: list[Request],
              interpret: bool = False, trace: bool = False, serve: ServeQueues | None = None, replica_set: int = 0,
              prefill_budget: int | None = None, prefix_cache: bool = True,
-             kv_pages: int | None = None, max_logprobs: int | None = None) -> tuple[list[Request], dict] | None:
+             kv_pages: int | None = None, max_logprobs: int | None = None, pd=None
+             ) -> tuple[list[Request], dict] | None:
     """Runs one rank to completion (torch.distributed already initialised); rank 0 returns the
     outputs and its per-round wall and host (CPU) times, and with `trace` every rank's spans
     (`{"spans": {rank: rows}}`, see opweave.runtime.timeline).
@@ -520,14 +626,16 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
     `artifact` is the folder (its files are then read and checked here) or the files already
     read and checked; either way the rank uses only those checked bytes. With `serve`
     (`channel.ServeQueues`), a scheduler leader takes its requests from its inbox while rounds run
-    and reports tokens and ends to the outbox; the ranks run until the server says stop."""
+    and reports tokens and ends to the outbox; the ranks run until the server says stop. `pd`: the
+    rank's part in a prefill/decode disaggregated run (`opweave.runtime.pd.PDRank`; `artifact`
+    is then the prefill pool's view for a prefill rank)."""
     if isinstance(artifact, str):
         artifact = load_artifact(artifact, rank_files(rank))
     program = program_from_json(artifact.json(f"rank_{rank:02d}.json"))
     groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
     rt = Runtime(artifact, program, weights, device, groups, _my_requests(program, requests), trace=trace,
                  serve=serve, replica_set=replica_set, prefill_budget=prefill_budget, prefix_cache=prefix_cache,
-                 kv_pages=kv_pages, max_logprobs=max_logprobs)
+                 kv_pages=kv_pages, max_logprobs=max_logprobs, pd=pd)
     reports = RoundReports(serve.outbox, replica_set, rank) if serve is not None else None
     runner = RoundRunner(rt, _round_program(rt, artifact, rank, interpret), who=f"rank {rank}")
     rounds = _Rounds(rt, runner, rank, reports)

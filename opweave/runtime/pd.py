@@ -1,0 +1,230 @@
+"""Prefill/decode disaggregation at run time: the roles of a rank, the messages between scheduler
+leaders, and the sending and receiving of prompts' state (`opweave.runtime.kvtransfer`).
+
+The launcher starts `decode_sets` replica sets of the plan's ranks and `prefill_sets` sets of the
+prefill pool's ranks (one colocated TP group each). Every rank of both kinds also joins one KV
+process group: decode set k's rank r is `k * decode_world + r`, prefill set j's rank s is
+`decode_sets * decode_world + j * prefill_world + s`. The messages between leaders go through
+queues the launcher makes:
+  - a decode leader admits a request into a row (reserved) and sends `PrefillJob` to a prefill
+    set (round-robin), carrying the transfer key (which names that row);
+  - the prefill leader's scheduler prefills it as a request ending at its first output; every
+    prefill rank sends its share of the slot's state after the round that computed it
+    (`Exporter`), and the leader answers `Prefilled` (the first output, whether it ended there)
+    once the token is learned; serving, it reports that first token to the server itself;
+  - the decode scheduler plans the import step; before that round every decode rank holding the
+    row receives its share (`Importer`), and the row decodes from its first output;
+  - `opweave run`: a decode leader with no request left sends `Drained` to every prefill leader,
+    which stops once all have (a server says `Stop` to every leader).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+
+from opweave.runtime import kvtransfer as KV
+from opweave.runtime import pages as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """A rank's part in a disaggregated run (picklable: the launcher hands it to the rank)."""
+
+    kind: str                 # "decode" or "prefill"
+    replica_set: int          # this set's index among its kind
+    decode_sets: int
+    prefill_sets: int
+    decode_world: int
+    prefill_world: int
+    leaders: int              # scheduler leaders per decode set
+    store_path: str           # the KV group's file store
+    timeout_s: float
+
+    @property
+    def size(self) -> int:
+        return self.decode_sets * self.decode_world + self.prefill_sets * self.prefill_world
+
+    def decode_rank(self, replica_set: int, rank: int) -> int:
+        return replica_set * self.decode_world + rank
+
+    def prefill_rank(self, replica_set: int, rank: int) -> int:
+        return self.decode_sets * self.decode_world + replica_set * self.prefill_world + rank
+
+    def kv_rank(self, rank: int) -> int:
+        return (self.decode_rank if self.kind == "decode" else self.prefill_rank)(self.replica_set, rank)
+
+    def join(self, rank: int):
+        """This rank's handle on the KV group (gloo: CPU tensors, point to point)."""
+        import torch.distributed as dist
+
+        store = dist.FileStore(self.store_path, self.size)
+        store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+        return dist.ProcessGroupGloo(dist.PrefixStore("kv", store), self.kv_rank(rank), self.size,
+                                     datetime.timedelta(seconds=self.timeout_s))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillJob:
+    """A decode leader -> a prefill leader: prefill this prompt, then send its state by `key`."""
+
+    id: int
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    sampling_word: tuple[int, ...]
+    ignore_eos: bool
+    min_tokens: int
+    prompt_logprobs: bool
+    key: int                  # `kvtransfer.transfer_key`
+    decode_set: int
+    leader: int               # the decode leader's index in its set
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """A prefill leader -> the decode leader: request `id`'s first output, and whether its state
+    was sent (`sent`); `finish_reason` when it ended there ("stop", "length", "error")."""
+
+    id: int
+    token: int | None
+    sent: bool
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Drained:
+    """A decode leader sends no more jobs."""
+
+
+def _receiver_ops(program, modules) -> list[int]:
+    return sorted(i for i in program.ops if getattr(modules.get(i), "state_attrs", ()))
+
+
+class Exporter:
+    """A prefill rank's sends: after each round, the state of every row the round marked (its
+    transfer key in the control word) to the decode ranks that will hold it."""
+
+    def __init__(self, role: Role, program, modules: dict, state, cfg, decode_programs: list, group):
+        self.role, self.program, self.modules, self.state, self.cfg = role, program, modules, state, cfg
+        self.decode_programs, self.group = decode_programs, group
+        self.lengths = [0] * (program.num_microbatches * (program.rows[1] - program.rows[0]))
+        self.sent: list = []      # (work, buffer) until complete
+        self._routes: dict[int, list] = {}  # decode rank -> this rank's segments for it
+        self.exported: set[int] = set()     # keys sent (the leader answers with them)
+
+    def observe(self, values) -> None:
+        """A round's control-word values (before it runs): each slot's positions."""
+        lo, rows = self.program.rows[0], self.program.rows[1] - self.program.rows[0]
+        for mb, row_values in enumerate(values):
+            for r in range(rows):
+                v = row_values[lo + r]
+                if v and P.decode(v)[1] >= P.RELEASE:
+                    self.lengths[mb * rows + r] = 0
+                self.lengths[mb * rows + r] += P.held_tokens(v) if v else 0
+
+    def _segments(self, d) -> list:
+        if d.rank not in self._routes:
+            parts = [p for op in _receiver_ops(d, self.modules) for p in KV.state_parts(op, self.modules[op], self.cfg)]
+            self._routes[d.rank] = KV.routes(parts, self.program.tp, d.tp, d.tp_rank).get(self.program.tp_rank, [])
+        return self._routes[d.rank]
+
+    def after_round(self, aux) -> None:
+        """After a round ran: send the marked rows' state (asynchronously; completed later)."""
+        self.sent = [(w, b) for w, b in self.sent if not w.is_completed()]
+        lo, rows = self.program.rows[0], self.program.rows[1] - self.program.rows[0]
+        for mb, keys in enumerate(aux):
+            for r in range(rows):
+                if not keys[lo + r]:
+                    continue
+                key = keys[lo + r] - 1
+                _, dset, dmb, drow, tag = KV.parse_key(key)
+                slot = mb * rows + r
+                for d in self.decode_programs:
+                    if not d.rows[0] <= drow < d.rows[1] or not _receiver_ops(d, self.modules):
+                        continue
+                    segments = self._segments(d)
+                    if not segments:
+                        continue
+                    data = KV.pack(self.modules, segments, self.state, slot, self.lengths[slot])
+                    work = self.group.send([data], self.role.decode_rank(dset, d.rank), tag)
+                    self.sent.append((work, data))
+                self.exported.add(key)
+
+    def drain(self) -> None:
+        for work, _ in self.sent:
+            work.wait()
+        self.sent = []
+
+
+class Importer:
+    """A decode rank's receives: before a round, the state of every row it imports."""
+
+    def __init__(self, role: Role, program, modules: dict, state, cfg, prefill_tp: int, group):
+        self.role, self.program, self.modules, self.state, self.group = role, program, modules, state, group
+        parts = [p for op in _receiver_ops(program, modules) for p in KV.state_parts(op, modules[op], cfg)]
+        self.routes = KV.routes(parts, prefill_tp, program.tp, program.tp_rank) if parts else {}
+
+    def before_round(self, values, aux) -> None:
+        """The round's agreed values, after the pages were applied: receive the imported rows'."""
+        if not self.routes:
+            return
+        lo, rows = self.program.rows[0], self.program.rows[1] - self.program.rows[0]
+        for mb, row_values in enumerate(values):
+            for r in range(rows):
+                length = P.imported(row_values[lo + r])
+                if not length:
+                    continue
+                pset, _, _, _, tag = KV.parse_key(aux[mb][lo + r] - 1)
+                slot = mb * rows + r
+                messages = []
+                for s in sorted(self.routes):
+                    segments = self.routes[s]
+                    data = torch.empty(KV.message_bytes(self.modules, segments, self.state, slot, length),
+                                       dtype=torch.uint8)
+                    self.group.recv([data], self.role.prefill_rank(pset, s), tag).wait()
+                    messages.append((segments, data))
+                KV.unpack(self.modules, messages, self.state, slot, length)
+
+
+@dataclasses.dataclass
+class Queues:
+    """The leaders' inboxes of a disaggregated run (multiprocessing queues)."""
+
+    decode: tuple[tuple[object, ...], ...]  # per decode set, per scheduler leader: `Prefilled`
+    prefill: tuple[object, ...]             # per prefill set: `PrefillJob`, `Drained`
+
+
+@dataclasses.dataclass
+class PDRank:
+    """What a rank of a disaggregated run is given: its role, the queues, one decode set's rank
+    programs (JSON: a prefill rank sends to them) and the prefill sets' TP degree."""
+
+    role: Role
+    queues: Queues
+    decode_programs: tuple
+    prefill_tp: int
+
+
+def receive(inbox) -> list:
+    import queue
+
+    out = []
+    try:
+        while True:
+            out.append(inbox.get_nowait())
+    except queue.Empty:
+        return out
+
+
+def ends_at_first(req, token: int, eos, context: int) -> str | None:
+    """How a request whose first output is `token` ends there ("stop", "length"), or None."""
+    if token in req.stop_ids or (token in eos and not req.ignore_eos):
+        if req.min_tokens <= 1:
+            return "stop"
+    if req.max_new_tokens <= 1 or len(req.prompt) + 1 >= context:
+        return "length"
+    return None
