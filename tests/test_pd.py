@@ -149,3 +149,38 @@ def test_disaggregated_plan_generates_reference_tokens(tiny_checkpoint, tmp_path
     assert all(r.error is None for r in outputs)
     assert [tuple(r.output) for r in outputs] == list(_reference(folder))
     assert min(stats["checked_rounds"]) >= 1
+
+
+@pytest.mark.slow
+def test_a_server_of_a_disaggregated_plan(tiny_checkpoint, tmp_path, monkeypatch):
+    """`opweave serve`'s engine over prefill sets: the first token comes from the prefill leader,
+    the rest from the decode ranks; greedy and seeded tokens as a plan without them, a request
+    that ends at its first token (a stop id, max_tokens 1) ends on the prefill side, a cancel."""
+    from opweave.serve.engine import Engine, Sampling
+    from test_serve_engine import Collect, sampled_reference
+
+    folder = tiny_checkpoint("llama")
+    out = _pd_artifact(folder, str(tmp_path / "art"), "afd", [("h100", 1, 1), ("l40s", 2, 1)], 2)
+    monkeypatch.setenv("OPWEAVE_CHECK_SYNC", "1")
+    engine = Engine(out, folder, max_queue=16, prefill_sets=2)
+    engine.start()
+    try:
+        want = _reference(folder)
+        got = Collect()
+        for i, p in enumerate(PROMPTS):
+            engine.submit(p, Sampling(max_tokens=RUN_TOKENS), got.callback(i))
+        engine.submit(PROMPTS[0], Sampling(max_tokens=RUN_TOKENS, stop_token_ids=(want[0][0],)), got.callback("stop"))
+        engine.submit(PROMPTS[1], Sampling(max_tokens=1), got.callback("one"))
+        engine.submit(PROMPTS[2], Sampling(max_tokens=RUN_TOKENS, temperature=1.0, seed=7), got.callback("seeded"))
+        long = engine.submit(PROMPTS[3], Sampling(max_tokens=40), got.callback("long"))
+        got.wait(list(range(len(PROMPTS))) + ["stop", "one", "seeded"], timeout=120)
+        engine.cancel(long)
+        got.wait(["long"], timeout=60)
+        assert [tuple(got.tokens(i)) for i in range(len(PROMPTS))] == list(want)
+        assert got.tokens("stop") == [want[0][0]] and got.reason("stop") == "stop"
+        assert got.tokens("one") == [want[1][0]] and got.reason("one") == "length"
+        assert got.tokens("seeded") == sampled_reference(folder, PROMPTS[2], RUN_TOKENS, 1.0, 1.0, 7)
+        assert got.reason("long") == "cancelled"
+        assert {k for k, _ in engine.stats()["round_s"]} == {0, 1, 2}  # the decode set and both prefill sets
+    finally:
+        engine.stop()

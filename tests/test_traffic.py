@@ -204,33 +204,40 @@ def test_compile_with_a_workload_file_and_a_rate(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_run_takes_the_plans_token_budget_and_refuses_a_disaggregated_plan(tiny_checkpoint, tmp_path, capsys):
+def test_run_takes_the_plans_token_budget_and_serves_a_disaggregated_plan(tiny_checkpoint, tmp_path, capsys):
     """An aggregated plan's token budget is the runtime's default prefill budget (and the plan runs);
-    a disaggregated plan is refused in one line, before any rank starts."""
+    a disaggregated plan's artifact holds its prefill pool's programs, and `opweave run` starts them
+    beside the decode ranks: the same tokens. `--prefill-sets` on an aggregated plan is refused."""
     from opweave.artifact import load_artifact
     from opweave.cli import main
     from opweave.runtime.launch import RunConfig, planned_prefill
 
     folder = tiny_checkpoint("llama")
+    tokens = {}
     for mode in ("aggregated", "disaggregated"):
         out = tmp_path / mode
         assert main(["compile", folder, "--cluster", "cpux2", "--tpot-slo", "10s", "--isl", "24", "--osl", "8",
                      "--prefill", mode, "--templates", "colocated", "-o", str(out), "--quiet"]) == 0
         plan = json.loads((out / "plan.json").read_text())
         assert plan["prefill"]["mode"] == mode
+        assert (out / "prefill_rank_00.py").exists() == (mode == "disaggregated")
         capsys.readouterr()
-        code = main(["run", str(out), "--weights", folder, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "3"])
-        err = capsys.readouterr().err
-        if mode == "disaggregated":
-            assert code == 2 and "prefill mode disaggregated" in err and "Traceback" not in err
-        else:
-            assert code == 0, err
+        code = main(["run", str(out), "--weights", folder, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "3",
+                     "--json"])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        tokens[mode] = json.loads(captured.out)["outputs"][0]["token_ids"]
+        if mode == "aggregated":
             from opweave.runtime.scheduler import Request
 
             cfg = planned_prefill(RunConfig(artifact=str(out), weights="random", device="cpu",
                                             requests=(Request(index=0, prompt=(1, 2), max_new_tokens=1),)),
                                   load_artifact(str(out)))
             assert cfg.prefill_budget == plan["prefill"]["token_budget"]
+            assert main(["run", str(out), "--weights", folder, "--prompt-ids", "1,2", "--prefill-sets", "2"]) == 2
+            err = capsys.readouterr().err
+            assert "--prefill-sets 2: the plan has no prefill GPUs of its own" in err and "Traceback" not in err
+    assert tokens["disaggregated"] == tokens["aggregated"] and len(tokens["aggregated"]) == 3
 
 
 def test_a_workload_sizes_the_kv_pool_and_holds_a_larger_batch():

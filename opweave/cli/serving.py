@@ -43,6 +43,7 @@ def args_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torchrun", action="store_true", help="print the torchrun command for each node instead")
     p.add_argument("--replica-sets", default="1", metavar="N|all",
                    help="run N of the plan's replica sets at once (requests dealt round-robin; default %(default)s)")
+    prefill_sets_flag(p)
     p.add_argument("--trace", metavar="FILE.json",
                    help="record what every rank did when (Chrome trace: compute, wait, send per stage and "
                         "microbatch) (default: none)")
@@ -68,6 +69,12 @@ def rank_flags(p: argparse.ArgumentParser, stall_help: str) -> None:
                    help="KV pages (16 tokens each) of each replica's pool (default: every slot at the plan's context); "
                         "with fewer, requests are admitted while their pages are free and the newest is preempted "
                         "and computed again when a round runs short")
+
+
+def prefill_sets_flag(p) -> None:
+    p.add_argument("--prefill-sets", type=int, default=None, metavar="N",
+                   help="a plan with disaggregated prefill: start N prefill sets (TP groups of its prefill pool) "
+                        "beside the decode ranks; decode leaders send them prompts round-robin (default 1)")
 
 
 def replica_sets(text: str, artifact: str) -> int:
@@ -113,7 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     trace=bool(args.trace), replica_sets=replica_sets(args.replica_sets, args.artifact),
                     stall_timeout_s=args.stall_timeout, verify_key=verify_key, threads=args.threads,
                     prefill_budget=args.prefill_budget, prefix_cache=not args.no_prefix_cache,
-                    kv_pages=args.kv_pages)
+                    kv_pages=args.kv_pages, prefill_sets=args.prefill_sets)
     outputs, stats = run_detailed(cfg)
     print_outputs(outputs, tokenizer, args.json, _run_stats(stats))
     if args.trace:
@@ -158,6 +165,7 @@ def args_serve(p: argparse.ArgumentParser) -> None:
                         "alone (default %(default)s)")
     p.add_argument("--replica-sets", default="1", metavar="N|all",
                    help="run N of the plan's replica sets (default %(default)s)")
+    prefill_sets_flag(p)
     device_arg(p)
     rank_flags(p, "a rank without progress for this long stops the server, naming the rank "
                   "(default %(default)g)")
@@ -206,7 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     replica_sets=replica_sets(args.replica_sets, args.artifact), max_queue=args.max_queue,
                     stall_timeout_s=args.stall_timeout, threads=args.threads, prefill_budget=args.prefill_budget,
                     prefix_cache=not args.no_prefix_cache, kv_pages=args.kv_pages,
-                    max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs)
+                    max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs, prefill_sets=args.prefill_sets)
     print(f"opweave: starting the ranks of {args.artifact} ...", file=sys.stderr)
     try:
         engine.start()

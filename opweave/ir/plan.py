@@ -252,7 +252,8 @@ def format_traffic(plan: Plan) -> list[str]:
         groups = f"{o['replicas']}x {o['gpu']} tp{o['tp']} for {o['for_sets']} replica set(s)"
         how = (f"disaggregated: {groups} prefill each prompt in {o['prefill_ms']:.3g} ms and send "
                f"its KV state ({o['kv_bytes'] / 1e6:.3g} MB, {o['kv_transfer_ms']:.3g} ms) to the decode owners; "
-               f"the prefill GPUs are among those listed idle (the runtime does not start them yet)")
+               f"the prefill GPUs are among those listed idle (prefill_rank_XX: `opweave run` and `serve` "
+               f"start them, --prefill-sets)")
     lines.append(f"  prefill {how}")
     first = plan.owners[plan.stages[0].owner]
     slots = plan.microbatches * -(-plan.batch // (plan.microbatches * first.replicas))

@@ -60,6 +60,8 @@ class RowInputs:
             if self._target[mb][r] != step.target + 1:
                 self._target[mb][r] = step.target + 1
                 targets.append((r, step.target + 1))
+            if step.imported:  # its state arrives from a prefill rank: no token this round
+                continue
             if step.tokens:
                 n = len(step.tokens)
                 positions += range(step.first, step.first + n)

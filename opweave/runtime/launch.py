@@ -82,7 +82,7 @@ class RunConfig:
     prefix_cache: bool = True  # prompts start on cached KV pages where the model and plan allow (`runtime.prefix`)
     kv_pages: int | None = None  # KV pages per replica's pool; None: every slot at the plan's context
     max_logprobs: int | None = None  # serving: top log-probabilities a request may ask for; None: none
-    prefill_sets: int = 1     # a disaggregated plan's prefill sets (TP groups of its prefill pool)
+    prefill_sets: int | None = None  # a disaggregated plan's prefill sets (TP groups of its prefill pool); None: 1
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -374,12 +374,17 @@ class Ranks:
         self.prefill = disaggregated(self.artifact)  # the prefill pool's view, or None
         self.prefill_world = 0 if self.prefill is None else world_size_of(self.prefill)
         self.beat = {(k, r): k * self.world + r for k in range(len(self.sets)) for r in range(self.world)}
+        if self.prefill is None and cfg.prefill_sets is not None:
+            raise OpWeaveError(f"--prefill-sets {cfg.prefill_sets}: the plan has no prefill GPUs of its own (its "
+                               "prefill is aggregated); only a disaggregated plan starts prefill sets")
+        self.prefill_sets = (1 if cfg.prefill_sets is None else cfg.prefill_sets) if self.prefill is not None else 0
         if self.prefill is not None:
-            if cfg.prefill_sets < 1:
-                raise OpWeaveError(f"--prefill-sets must be at least 1, got {cfg.prefill_sets}")
+            if isinstance(cfg.prefill_sets, bool) or not isinstance(self.prefill_sets, int) or \
+                    not 1 <= self.prefill_sets <= 255:
+                raise OpWeaveError(f"--prefill-sets must be a whole number from 1 to 255, got {cfg.prefill_sets!r}")
             base = len(self.sets) * self.world
             self.beat.update({(len(self.sets) + j, s): base + j * self.prefill_world + s
-                              for j in range(cfg.prefill_sets) for s in range(self.prefill_world)})
+                              for j in range(self.prefill_sets) for s in range(self.prefill_world)})
 
     def start(self) -> None:
         import multiprocessing as mp
@@ -399,7 +404,7 @@ class Ranks:
             mine = dataclasses.replace(cfg, requests=requests)
             for r in range(self.world):
                 self._start((k, r), ctx, mine, self.artifact, self.world, None if pd is None else pd("decode", k))
-        for j in range(cfg.prefill_sets if pd is not None else 0):
+        for j in range(self.prefill_sets):
             k = len(self.sets) + j
             for r in range(self.prefill_world):
                 self._start((k, r), ctx, cfg, self.prefill, self.prefill_world, pd("prefill", j), requests=())
@@ -428,13 +433,13 @@ class Ranks:
         decode = tuple(self.artifact.json(f"rank_{r:02d}.json") for r in range(self.world))
         leaders = len(decode[0]["scheduler_leaders"])
         queues = PD.Queues(tuple(tuple(ctx.Queue() for _ in range(leaders)) for _ in self.sets),
-                           tuple(ctx.Queue() for _ in range(cfg.prefill_sets)))
+                           tuple(ctx.Queue() for _ in range(self.prefill_sets)))
         tp = self.prefill.json("rank_00.json")["tp"]
         store = os.path.join(self.folder.path, "store-kv")
         timeout_s = cfg.stall_timeout_s + PG_TIMEOUT_MARGIN_S
 
         def part(kind: str, k: int):
-            role = PD.Role(kind, k, len(self.sets), cfg.prefill_sets, self.world, self.prefill_world, leaders, store,
+            role = PD.Role(kind, k, len(self.sets), self.prefill_sets, self.world, self.prefill_world, leaders, store,
                            timeout_s)
             return PD.PDRank(role, queues, decode, tp)
         return part
@@ -442,7 +447,7 @@ class Ranks:
     def watch(self) -> dict[int, tuple[list[Request], dict]]:
         """Until every rank exits 0 (each set's results) or one fails, dies or stalls (OpWeaveError)."""
         done = _watch(self.procs, self.folder, StallWatch(self.beats, self.cfg.stall_timeout_s), self.cfg.timeout_s,
-                      len(self.sets) + (self.cfg.prefill_sets if self.prefill is not None else 0), self.beat, self.name)
+                      len(self.sets) + self.prefill_sets, self.beat, self.name)
         return {k: v for k, v in done.items() if k < len(self.sets)}
 
     def stop(self) -> None:

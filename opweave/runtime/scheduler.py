@@ -233,8 +233,9 @@ class Scheduler:
 
     @property
     def active(self) -> bool:
-        """Work left: requests queued, being planned, or with outputs still to learn."""
-        return bool(self.queue) or bool(self._open)
+        """Work left: requests queued, being planned, with outputs still to learn, or rows waiting
+        for a prefill rank's state (it is on its way)."""
+        return bool(self.queue) or bool(self._open) or any(row.waiting for rows in self._rows for row in rows)
 
     def _fed(self, req: Request) -> list[int]:
         """What a request prefills when admitted: its prompt, and the outputs it had when preempted."""

@@ -144,6 +144,8 @@ class Runtime:
         if serve is not None and self.scheduler is not None:
             self.channel = serve.channel(replica_set, program.scheduler_leaders.index(program.rank))
             self.scheduler.on_event = self._send_event  # each token learned and each end, as it happens
+        if pd is not None and pd.role.kind == "prefill" and self.scheduler is not None:
+            self.scheduler.on_event = self._prefill_event  # a job's first token: to its decode leader
         self.stopping = False
         first = [self._ahead() for _ in range(2)]
         self._start_round(0, self.transport.agree([v for v, _ in first], [a for _, a in first])[0])
@@ -166,8 +168,6 @@ class Runtime:
         self._jobs: dict[int, object] = {}   # prefill leader: local index -> its job; decode: id -> key
         self._first: dict[int, int] = {}     # prefill leader: local index -> first output
         self._drained, self._sent_jobs, self._told_drained = 0, 0, False
-        if pd.role.kind == "prefill" and self.scheduler is not None:
-            self.scheduler.on_event = self._prefill_event
         self._leader = (self.program.scheduler_leaders.index(self.program.rank)
                         if self.program.rank in self.program.scheduler_leaders else 0)
 
@@ -197,10 +197,12 @@ class Runtime:
                 self._send_event(dataclasses.replace(req, index=job.id), token, None, logprob)
             return
         token = self._first.pop(req.index, None)
-        finish, error = None, None
-        if reason != "length" or token is None:
-            finish, error = "error" if reason != "cancelled" else reason, req.error
-        else:
+        error = None
+        if reason == "cancelled":
+            finish = reason
+        elif reason == "error" or token is None:
+            finish, error = "error", req.error or "no first output"
+        else:  # it ends here ("length": its last prefill step) only if its first output ends it
             finish = PD.ends_at_first(req, token, self.scheduler.eos, self.program.context)
         sent = req.transfer - 1 in self.exporter.exported
         self.pd.queues.decode[job.decode_set][job.leader].put(PD.Prefilled(job.id, token, sent, finish, error))
@@ -217,6 +219,10 @@ class Runtime:
             for message in PD.receive(self.pd.queues.prefill[role.replica_set]):
                 if isinstance(message, PD.Drained):
                     self._drained += 1
+                    continue
+                if self.stopping:  # the server stops: nothing more is prefilled (nothing sent)
+                    self.pd.queues.decode[message.decode_set][message.leader].put(
+                        PD.Prefilled(message.id, None, False, "cancelled"))
                     continue
                 local, self._sent_jobs = self._sent_jobs, self._sent_jobs + 1
                 self._jobs[local] = message

@@ -124,12 +124,14 @@ class Engine:
     def __init__(self, artifact: str, weights: str, device: str = "cpu", replica_sets: int = 1,
                  max_queue: int = 256, stall_timeout_s: float = STALL_TIMEOUT_S, threads: int | None = None,
                  prefill_budget: int | None = None, prefix_cache: bool = True, kv_pages: int | None = None,
-                 max_logprobs: int | None = MAX_TOP_LOGPROBS):
+                 max_logprobs: int | None = MAX_TOP_LOGPROBS, prefill_sets: int | None = None):
         from opweave.runtime.checks import artifact_model_config
 
         if max_queue < 1:
             raise OpWeaveError(f"--max-queue must be at least 1, got {max_queue}")
         files = load_artifact(artifact, ["model_config.json", "rank_00.json"])  # checked against the manifest
+        # a disaggregated plan: its prefill sets' leaders have inboxes too (for `Stop`), after the decode sets'
+        self._prefill_leaders = (1 if prefill_sets is None else prefill_sets) if files.has("prefill_rank_00.json") else 0
         cfg = artifact_model_config(files)
         program = files.json("rank_00.json")
         self.model = program["model"]
@@ -139,7 +141,8 @@ class Engine:
         self._leaders = [(k, j) for k in range(replica_sets) for j in range(len(program["scheduler_leaders"]))]
         self._args = dict(artifact=artifact, weights=weights, device=device, replica_sets=replica_sets,
                           stall_timeout_s=stall_timeout_s, threads=threads, prefill_budget=prefill_budget,
-                          prefix_cache=prefix_cache, kv_pages=kv_pages, max_logprobs=max_logprobs)
+                          prefix_cache=prefix_cache, kv_pages=kv_pages, max_logprobs=max_logprobs,
+                          prefill_sets=prefill_sets)
         self.max_logprobs = max_logprobs
         self.max_queue = max_queue
         self.healthy, self.error = False, None
@@ -167,8 +170,8 @@ class Engine:
         ctx = mp.get_context(rank_start_method(self._args["device"], self._args["threads"],
                                                world_size(self._args["artifact"]) * sets))
         per_set = len(self._leaders) // sets
-        self._queues = ServeQueues(tuple(tuple(ctx.Queue() for _ in range(per_set)) for _ in range(sets)),
-                                   ctx.Queue())
+        self._queues = ServeQueues(tuple(tuple(ctx.Queue() for _ in range(per_set)) for _ in range(sets))
+                                   + tuple((ctx.Queue(),) for _ in range(self._prefill_leaders)), ctx.Queue())
         cfg = RunConfig(requests=(), serve=self._queues, **self._args)
         self._ranks = Ranks(cfg)
         self._ranks.start()
@@ -238,7 +241,7 @@ class Engine:
                         self._kv_usage[key] = message.kv_usage
             elif isinstance(message, Ready):
                 self._ready += 1
-                if self._ready == len(self._leaders):
+                if self._ready == len(self._leaders) + self._prefill_leaders:
                     self.healthy = True
                     self._started.set()
 
