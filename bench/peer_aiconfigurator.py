@@ -147,7 +147,8 @@ def describe_aic(best: dict, mode: str) -> str:
                 f"ctx_tokens {c['ctx_tokens']} ({_quant(c)})")
     p, d = c["prefill"], c["decode"]
     return (f"prefill {p['workers']}x {p['parallel']} b{p['batch_size']} + decode {d['workers']}x "
-            f"{d['parallel']} b{d['batch_size']}/rank ({_quant(c)})" + (f", {c['replicas']}x" if c["replicas"] > 1 else ""))
+            f"{d['parallel']} b{d['batch_size']}/rank ({_quant(c)})"
+            + (f", {c['replicas']}x" if c["replicas"] > 1 else ""))
 
 
 def aic_rows(peer: dict) -> list[dict]:
@@ -365,6 +366,8 @@ def setting_report(s: Setting, aic_bin: str, cache: str, refresh: bool) -> tuple
                 f"{est.get('ctx_tokens')}): {est['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, TTFT "
                 f"{est['ttft_ms']:,.0f} ms, TPOT {est['tpot_ms']:.1f} ms; OpWeave's own: {agg_ours['tps_gpu']:,.0f}, "
                 f"{agg_ours['ttft_ms']:,.0f} ms, {agg_ours['tpot_ms']:.1f} ms"
+                + (f" (AIConfigurator prices it at its own quantization, {_quant(agg_aic['raw']['config'])})"
+                   if agg_aic and "error" not in agg_aic else "")
                 + ("; AIConfigurator flags a KV-cache OOM" if est.get("kv_cache_oom") else ""))
     if "equivalent_cli" in peer:
         lines.append(f"- AIConfigurator call ({peer['elapsed_s']:.0f} s): `{peer['equivalent_cli']}`")
@@ -376,34 +379,38 @@ def setting_report(s: Setting, aic_bin: str, cache: str, refresh: bool) -> tuple
 NOTES = """## Where the two model different things
 
 - **Plan space.** AIConfigurator searches TP x PP x attention data-parallel x MoE TP/EP layouts per
-  worker (wide expert parallelism with attention DP: e.g. `tp1 dp16 ep16` for DeepSeek-V3), and
-  xPyD worker counts for disaggregation. OpWeave searches stage templates that cut the model by
-  operator (colocated, AFD, CAD), owners of TP groups (experts sliced or whole-expert EP within the
-  group), replica sets and microbatches; it has no pipeline stages across layers in a colocated
-  plan and no attention data-parallelism, so AIConfigurator's attention-DP and PP plans are not
-  expressible in it (said so per setting). On one GPU type OpWeave's best plans here are colocated.
+  worker (wide expert parallelism with attention DP, e.g. `tp1 dp16 ep16` for DeepSeek-V3) and xPyD
+  worker counts for disaggregation. OpWeave searches stage templates that cut the model by operator
+  (colocated; AFD: attention and FFN/experts on different owners; CAD), owners of TP groups with
+  experts sliced or whole-expert EP inside the group, replica sets and microbatches. It has no
+  attention data-parallelism and no layer pipeline in a colocated plan, so AIConfigurator's
+  attention-DP (and PP) configurations are not expressible in it (said so per setting); OpWeave's
+  AFD plans and microbatched plans are not expressible in AIConfigurator's `cli estimate`.
 - **Cost model.** AIConfigurator interpolates a measured kernel database (TensorRT-LLM on the named
-  system: GEMM, attention, MoE, NCCL tables) and picks the quantization its database holds (FP8
-  block GEMMs and an FP8 KV cache for DeepSeek-V3's FP8 checkpoint). OpWeave's model is analytic
-  per operator with efficiencies fitted to public TensorRT-LLM and vLLM measurements
-  (`docs/calibration`), the weights as published (DeepSeek-V3 FP8) and the KV cache in the
-  model's dtype unless `--kv-cache-dtype fp8`.
-- **Aggregated serving.** AIConfigurator's step mixes whole prompts (`ctx_tokens`, a multiple of
-  the ISL) with decode rows and reports the mean step as TPOT; OpWeave searches a chunked-prefill
-  token budget (256-8192 tokens per round), weighs rounds carrying a chunk by their share, and
-  checks the TPOT SLO on that mean round.
-- **TTFT.** AIConfigurator's is its prefill latency times a queueing factor (aggregated) or a
-  batch-1 prefill with fixed derates (disaggregated). OpWeave's is predicted at 80% of the plan's
-  capacity: an M/D/1 wait for the budget or the prefill pool, an Erlang-C wait for a free row,
-  the request's own chunks or prefill and KV transfer, and two rounds of host lag.
-- **Disaggregation.** AIConfigurator derates prefill and decode worker throughput and balances
-  their counts; OpWeave sizes the fewest prefill TP groups that keep up with y decode sets at
-  capacity and meet the TTFT SLO, and costs the KV transfer over the NICs. OpWeave's plan may
-  leave GPUs idle (its objective is the cheapest tokens, which on one GPU type is the most
-  tokens/s per GPU used); its tokens/s/GPU here counts the GPUs it prices, decode and prefill.
+  system: GEMM, attention, MoE, communication tables) and picks the quantization its database
+  holds: FP8 block GEMMs and an FP8 KV cache for DeepSeek-V3's FP8 checkpoint, BF16 for the others.
+  OpWeave's model is analytic per operator with efficiencies fitted to public TensorRT-LLM and vLLM
+  measurements (`opweave/hardware/catalog.json` sources), the weights as published (DeepSeek-V3
+  FP8) and the KV cache in the model's dtype unless `--kv-cache-dtype fp8` (the
+  `deepseek-v3-fp8kv` setting).
+- **Aggregated serving.** AIConfigurator's mixed step carries `ctx_tokens` prompt tokens (whole
+  prompts, a multiple of the ISL, in its search) beside the decode rows; its TPOT is the mean step.
+  OpWeave searches a chunked-prefill token budget (256-8192 tokens per round), weighs rounds that
+  carry a chunk by their share and checks the TPOT SLO on that mean round.
+- **TTFT.** AIConfigurator's aggregated TTFT is the per-request prefill time times a queueing factor
+  min(2 + (steps - 3) / 20, 4) (`aiconfigurator_core/sdk/backends/base_backend.py`); disaggregated,
+  a prefill worker's TTFT times a fixed correction of 1.8. OpWeave's is predicted at 80% of the
+  plan's capacity: an M/D/1 wait for the budget or the prefill pool, a wait for a free row, the
+  request's own chunks (or its prefill and KV transfer) and two rounds of host lag.
+- **Disaggregation.** AIConfigurator rate-matches prefill and decode workers with their throughputs
+  derated (x 0.9 prefill, x 0.92 decode, `aiconfigurator/sdk/picking.py`) and fills the GPUs it is
+  given. OpWeave sizes the fewest prefill TP groups that keep up with its decode sets at capacity and
+  meet the TTFT SLO, costs the KV transfer over the NICs, and may leave GPUs idle: its objective is
+  the cheapest tokens, which on one GPU type is the most tokens/s per GPU it prices (decode and
+  prefill GPUs), the figure in the tables.
 - **Memory.** OpWeave sizes the KV pool at the workload's expected occupancy + 3 sigma and checks
-  90% of each GPU; AIConfigurator uses its own memory model and free-memory fraction, so a batch
-  one accepts the other may refuse (flagged where OpWeave's check had to be waived to price it).
+  90% of each GPU; AIConfigurator has its own memory model, so a batch one accepts the other may
+  refuse (flagged where OpWeave's check had to be waived to price AIConfigurator's plan).
 """
 
 
@@ -439,8 +446,8 @@ def main(argv=None) -> int:
     cmd = "python bench/peer_aiconfigurator.py" + ("" if args.settings == "all" else f" --settings {args.settings}")
     head = [f"# OpWeave beside AIConfigurator {aic_v}", "",
             f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-            f"- Machine: {platform.node() or 'this machine'}, {os.cpu_count()}-core CPU VM, no GPU: both tools only plan "
-            "from their models.",
+            f"- Machine: {platform.node() or 'this machine'}, {os.cpu_count()}-core CPU VM, no GPU: both tools "
+            "only plan from their models.",
             f"- AIConfigurator {aic_v} (`cli default`, backend trtllm, database mode SILICON; perf database "
             f"{', '.join(dbs) or 'unknown'}), run from its own venv through `bench/aic_runner.py`.",
             "- OpWeave: `python -m opweave compile MODEL --cluster GPUxN --isl --osl --tpot-slo --ttft-slo "
@@ -466,7 +473,7 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
+            f.write(text + "\n")
     return 0
 
 

@@ -228,3 +228,85 @@ def ends_at_first(req, token: int, eos, context: int) -> str | None:
     if req.max_new_tokens <= 1 or len(req.prompt) + 1 >= context:
         return "length"
     return None
+
+
+class Leader:
+    """A scheduler leader's side of a disaggregated run (`Runtime.pd_leader`): a decode leader
+    sends jobs and takes `Prefilled` answers, a prefill leader takes jobs and answers them."""
+
+    def __init__(self, rt, pd: PDRank):
+        self.rt, self.pd, self.role = rt, pd, pd.role
+        program = rt.program
+        self.index = program.scheduler_leaders.index(program.rank) if program.rank in program.scheduler_leaders else 0
+        self.jobs: dict[int, object] = {}  # prefill: local index -> its job; decode: request id -> its key
+        self.first: dict[int, int] = {}    # prefill: local index -> its first output
+        self.count, self.drained, self.told = 0, 0, False
+
+    @property
+    def all_drained(self) -> bool:
+        return self.drained >= self.role.decode_sets * self.role.leaders
+
+    def prefill_on(self, req, mb: int, row: int) -> None:
+        """Decode leader: `req` took row `row` of microbatch `mb`; a prefill set computes it."""
+        j = self.count % self.role.prefill_sets
+        key = KV.transfer_key(j, self.role.replica_set, mb, self.rt.program.rows[0] + row,
+                              self.count * self.role.leaders + self.index)
+        self.count += 1
+        self.jobs[req.index] = key
+        self.pd.queues.prefill[j].put(PrefillJob(
+            req.index, tuple(req.prompt), req.max_new_tokens, tuple(req.stop_ids), tuple(req.sampling),
+            req.ignore_eos, req.min_tokens, req.prompt_logprobs, key, self.role.replica_set, self.index))
+
+    def prefill_event(self, req, token: int | None, reason: str | None, logprob=None) -> None:
+        """Prefill leader: a token or an end its scheduler learned for a job's request."""
+        from opweave.runtime.channel import TokenEvent
+
+        rt, job = self.rt, self.jobs[req.index]
+        if token is not None:
+            self.first[req.index] = token
+            if rt.channel is not None:  # the server streams the first token now
+                rt._send_event(dataclasses.replace(req, index=job.id), token, None, logprob)
+            return
+        token = self.first.pop(req.index, None)
+        error = None
+        if reason == "cancelled":
+            finish = reason
+        elif reason == "error" or token is None:
+            finish, error = "error", req.error or "no first output"
+        else:  # it ends here ("length": its last prefill step) only if its first output ends it
+            finish = ends_at_first(req, token, rt.scheduler.eos, rt.program.context)
+        sent = req.transfer - 1 in rt.exporter.exported
+        self.pd.queues.decode[job.decode_set][job.leader].put(Prefilled(job.id, token, sent, finish, error))
+        if finish is not None and rt.channel is not None:
+            rt.channel.send(TokenEvent(job.id, None, finish, error))
+        del self.jobs[req.index]
+
+    def io(self) -> None:
+        """Between rounds: jobs in (prefill), answers in (decode)."""
+        from opweave.runtime.scheduler import Request
+
+        rt = self.rt
+        if self.role.kind == "prefill":
+            for message in receive(self.pd.queues.prefill[self.role.replica_set]):
+                if isinstance(message, Drained):
+                    self.drained += 1
+                    continue
+                if rt.stopping:  # the server stops: nothing more is prefilled (nothing sent)
+                    self.pd.queues.decode[message.decode_set][message.leader].put(
+                        Prefilled(message.id, None, False, "cancelled"))
+                    continue
+                local, self.count = self.count, self.count + 1
+                self.jobs[local] = message
+                rt.scheduler.add(Request(
+                    index=local, prompt=list(message.prompt_ids), max_new_tokens=message.max_new_tokens,
+                    stop_ids=message.stop_ids, sampling=message.sampling_word, ignore_eos=message.ignore_eos,
+                    min_tokens=message.min_tokens, prompt_logprobs=message.prompt_logprobs, transfer=message.key + 1))
+            return
+        for message in receive(self.pd.queues.decode[self.role.replica_set][self.index]):
+            key = self.jobs.pop(message.id)
+            rt.scheduler.prefilled(message.id, message.token, key if message.sent else None,
+                                   message.finish_reason, message.error)
+        if rt.channel is None and not rt.scheduler.active and not self.told:  # `opweave run`: no more jobs
+            self.told = True
+            for inbox in self.pd.queues.prefill:
+                inbox.put(Drained())

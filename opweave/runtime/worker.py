@@ -120,7 +120,8 @@ class Runtime:
                                        prefix_cache=(prefix_cache and prefix_reuse(artifact, modules) is None
                                                      and not decoding),  # a decode set prefills nothing
                                        buckets=self.device.type == "cuda",  # few decode layouts: few graphs
-                                       pages=kv_pages, prefill_on=self._prefill_on if decoding else None)
+                                       pages=kv_pages,
+                                       prefill_on=(lambda *a: self.pd_leader.prefill_on(*a)) if decoding else None)
         if pd is not None:
             self._join_pd(pd, artifact)
         self.tp = TPGroup(program.tp_group, program.tp_rank, groups[program.tp_group] if program.tp > 1 else None,
@@ -145,7 +146,7 @@ class Runtime:
             self.channel = serve.channel(replica_set, program.scheduler_leaders.index(program.rank))
             self.scheduler.on_event = self._send_event  # each token learned and each end, as it happens
         if pd is not None and pd.role.kind == "prefill" and self.scheduler is not None:
-            self.scheduler.on_event = self._prefill_event  # a job's first token: to its decode leader
+            self.scheduler.on_event = self.pd_leader.prefill_event  # a job's first token: to its decode leader
         self.stopping = False
         first = [self._ahead() for _ in range(2)]
         self._start_round(0, self.transport.agree([v for v, _ in first], [a for _, a in first])[0])
@@ -165,80 +166,7 @@ class Runtime:
             self.exporter = PD.Exporter(pd.role, self.program, self.modules, self.state, full, decode, group)
         else:
             self.importer = PD.Importer(pd.role, self.program, self.modules, self.state, full, pd.prefill_tp, group)
-        self._jobs: dict[int, object] = {}   # prefill leader: local index -> its job; decode: id -> key
-        self._first: dict[int, int] = {}     # prefill leader: local index -> first output
-        self._drained, self._sent_jobs, self._told_drained = 0, 0, False
-        self._leader = (self.program.scheduler_leaders.index(self.program.rank)
-                        if self.program.rank in self.program.scheduler_leaders else 0)
-
-    def _prefill_on(self, req: Request, mb: int, row: int) -> None:
-        """Decode leader: `req` took row `row` of microbatch `mb`; a prefill set computes it."""
-        from opweave.runtime import pd as PD
-        from opweave.runtime.kvtransfer import transfer_key
-
-        role = self.pd.role
-        j = self._sent_jobs % role.prefill_sets
-        key = transfer_key(j, role.replica_set, mb, self.program.rows[0] + row,
-                           self._sent_jobs * role.leaders + self._leader)
-        self._sent_jobs += 1
-        self._jobs[req.index] = key
-        self.pd.queues.prefill[j].put(PD.PrefillJob(
-            req.index, tuple(req.prompt), req.max_new_tokens, tuple(req.stop_ids), tuple(req.sampling),
-            req.ignore_eos, req.min_tokens, req.prompt_logprobs, key, role.replica_set, self._leader))
-
-    def _prefill_event(self, req: Request, token: int | None, reason: str | None, logprob=None) -> None:
-        """Prefill leader: a token or an end learned for a job's request."""
-        from opweave.runtime import pd as PD
-
-        job = self._jobs[req.index]
-        if token is not None:
-            self._first[req.index] = token
-            if self.channel is not None:  # the server streams the first token now
-                self._send_event(dataclasses.replace(req, index=job.id), token, None, logprob)
-            return
-        token = self._first.pop(req.index, None)
-        error = None
-        if reason == "cancelled":
-            finish = reason
-        elif reason == "error" or token is None:
-            finish, error = "error", req.error or "no first output"
-        else:  # it ends here ("length": its last prefill step) only if its first output ends it
-            finish = PD.ends_at_first(req, token, self.scheduler.eos, self.program.context)
-        sent = req.transfer - 1 in self.exporter.exported
-        self.pd.queues.decode[job.decode_set][job.leader].put(PD.Prefilled(job.id, token, sent, finish, error))
-        if finish is not None and self.channel is not None:
-            self.channel.send(TokenEvent(job.id, None, finish, error))
-        del self._jobs[req.index]
-
-    def _pd_io(self) -> None:
-        """Between rounds, a leader's messages: jobs in (prefill), prefilled requests in (decode)."""
-        from opweave.runtime import pd as PD
-
-        role = self.pd.role
-        if role.kind == "prefill":
-            for message in PD.receive(self.pd.queues.prefill[role.replica_set]):
-                if isinstance(message, PD.Drained):
-                    self._drained += 1
-                    continue
-                if self.stopping:  # the server stops: nothing more is prefilled (nothing sent)
-                    self.pd.queues.decode[message.decode_set][message.leader].put(
-                        PD.Prefilled(message.id, None, False, "cancelled"))
-                    continue
-                local, self._sent_jobs = self._sent_jobs, self._sent_jobs + 1
-                self._jobs[local] = message
-                self.scheduler.add(Request(
-                    index=local, prompt=list(message.prompt_ids), max_new_tokens=message.max_new_tokens,
-                    stop_ids=message.stop_ids, sampling=message.sampling_word, ignore_eos=message.ignore_eos,
-                    min_tokens=message.min_tokens, prompt_logprobs=message.prompt_logprobs, transfer=message.key + 1))
-            return
-        for message in PD.receive(self.pd.queues.decode[role.replica_set][self._leader]):
-            key = self._jobs.pop(message.id)
-            self.scheduler.prefilled(message.id, message.token, key if message.sent else None,
-                                     message.finish_reason, message.error)
-        if self.channel is None and not self.scheduler.active and not self._told_drained:
-            self._told_drained = True
-            for inbox in self.pd.queues.prefill:
-                inbox.put(PD.Drained())
+        self.pd_leader = PD.Leader(self, pd) if self.scheduler is not None else None
 
     @property
     def is_leader(self) -> bool:
@@ -284,7 +212,7 @@ class Runtime:
         if self.scheduler is None:
             return False
         if self.pd is not None and self.pd.role.kind == "prefill" and self.channel is None:  # `opweave run`
-            return self.scheduler.active or self._drained < self.pd.role.decode_sets * self.pd.role.leaders
+            return self.scheduler.active or not self.pd_leader.all_drained
         return self.scheduler.active or (self.channel is not None and not self.stopping)
 
     @property
@@ -520,7 +448,7 @@ class Runtime:
         if self.channel is not None:
             self._serve_io()
         if self.pd is not None and self.scheduler is not None:
-            self._pd_io()
+            self.pd_leader.io()
         if self.scheduler is not None:
             self.copies.round_done(r)
             lag = self.copies.LAG  # the copies of round r - 1 hold the tokens sampled in round r - 2
