@@ -136,10 +136,11 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in _OFF
 
 
-def fault_injection(rank: int) -> dict[str, int]:
+def fault_injection(rank: int, prefill: bool = False) -> dict[str, int]:
     """The fault tests' injections for `rank`: OPWEAVE_FAULT_KILL=RANK:ROUND makes that rank kill
     itself after that round, OPWEAVE_FAULT_STALL=RANK:ROUND makes it sleep forever there,
-    OPWEAVE_FAULT_RAISE=RANK:ROUND makes it raise an exception there.
+    OPWEAVE_FAULT_RAISE=RANK:ROUND makes it raise an exception there. RANK `pN` names rank N of
+    the prefill sets of a disaggregated run (`prefill`), a plain number the plan's ranks.
     Returns {"kill": round, "stall": round, "raise": round} for the faults aimed at this rank."""
     faults = {}
     for kind in ("kill", "stall", "raise"):
@@ -148,13 +149,14 @@ def fault_injection(rank: int) -> dict[str, int]:
         if not text:
             continue
         target, _, at = text.partition(":")
+        aimed_at_prefill = target.startswith("p")
         try:
-            target_rank, at_round = int(target), int(at or 0)
+            target_rank, at_round = int(target[aimed_at_prefill:]), int(at or 0)
         except ValueError:
             raise OpWeaveError(f"{name}={text!r}: expected RANK:ROUND") from None
         if target_rank < 0 or at_round < 0:
             raise OpWeaveError(f"{name}={text!r}: RANK and ROUND must be 0 or more")
-        if target_rank == rank:
+        if target_rank == rank and aimed_at_prefill == prefill:
             faults[kind] = at_round
     return faults
 
@@ -192,16 +194,18 @@ def check_environment() -> None:
     debug_dir()
 
 
-def check_run(device: str, world: int) -> None:
-    """What the variables ask of a run on `device` with `world` ranks per replica set, checked
-    before any rank starts: a fault aimed at a rank the plan does not have, Triton kernels on the
-    CPU without Triton's interpreter."""
+def check_run(device: str, world: int, prefill_world: int = 0) -> None:
+    """What the variables ask of a run on `device` with `world` ranks per replica set (and
+    `prefill_world` per prefill set), checked before any rank starts: a fault aimed at a rank the
+    plan does not have, Triton kernels on the CPU without Triton's interpreter."""
     check_environment()
     for name in FAULT_VARIABLES:
         text = os.environ.get(name, "").strip()
-        if text and not 0 <= int(text.partition(":")[0]) < world:
-            raise OpWeaveError(f"{name}={text!r}: the plan has no rank {text.partition(':')[0]} "
-                               f"(ranks 0..{world - 1})")
+        target = text.partition(":")[0]
+        ranks, kind = (prefill_world, "prefill sets have") if target.startswith("p") else (world, "plan has")
+        if text and not 0 <= int(target.lstrip("p")) < ranks:
+            raise OpWeaveError(f"{name}={text!r}: the {kind} no rank {target} "
+                               f"({f'ranks 0..{ranks - 1}' if ranks else 'no ranks'})")
     if kernels_forced() == "triton" and device == "cpu" and not triton_interpret():
         raise OpWeaveError("OPWEAVE_KERNELS=triton on --device cpu needs TRITON_INTERPRET=1 (Triton's CPU "
                            "interpreter, slow) or a GPU; unset OPWEAVE_KERNELS to use the torch kernels on CPU")

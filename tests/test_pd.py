@@ -184,3 +184,16 @@ def test_a_server_of_a_disaggregated_plan(tiny_checkpoint, tmp_path, monkeypatch
         assert {k for k, _ in engine.stats()["round_s"]} == {0, 1, 2}  # the decode set and both prefill sets
     finally:
         engine.stop()
+
+
+@pytest.mark.slow
+def test_a_prefill_rank_that_dies_fails_the_run_naming_it(tiny_checkpoint, tmp_path, monkeypatch):
+    from opweave.errors import OpWeaveError
+    from opweave.runtime.launch import RunConfig, run_detailed
+
+    folder = tiny_checkpoint("llama")
+    out = _pd_artifact(folder, str(tmp_path / "art"), "colocated", [("h100", 1, 1)], 1)
+    monkeypatch.setenv("OPWEAVE_FAULT_KILL", "p0:3")  # the prefill set's rank 0, after its round 3
+    requests = tuple(Request(index=i, prompt=p, max_new_tokens=RUN_TOKENS) for i, p in enumerate(PROMPTS))
+    with pytest.raises(OpWeaveError, match=r"prefill set 0, rank 0 died \(killed by signal 9\)"):
+        run_detailed(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests, timeout_s=120))

@@ -367,12 +367,13 @@ class Ranks:
         check_inputs(cfg, self.artifact)
         self.world = world_size(cfg.artifact, self.artifact.manifest)
         _check_devices(cfg, self.artifact, self.world)
-        config.check_run(cfg.device, self.world)  # fault ranks the plan has, kernels the device can run
+
         self.sets = _deal(cfg.requests, cfg.replica_sets) if cfg.requests else [((), [])] * cfg.replica_sets
         self.procs: dict[tuple[int, int], object] = {}
         self.folder = _RunFolder()
         self.prefill = disaggregated(self.artifact)  # the prefill pool's view, or None
         self.prefill_world = 0 if self.prefill is None else world_size_of(self.prefill)
+        config.check_run(cfg.device, self.world, self.prefill_world)  # fault ranks it has, kernels it can run
         self.beat = {(k, r): k * self.world + r for k in range(len(self.sets)) for r in range(self.world)}
         if self.prefill is None and cfg.prefill_sets is not None:
             raise OpWeaveError(f"--prefill-sets {cfg.prefill_sets}: the plan has no prefill GPUs of its own (its "

@@ -612,7 +612,7 @@ class _Rounds:
 
     def __init__(self, rt: Runtime, runner: RoundRunner, rank: int, reports: RoundReports | None):
         self.rt, self.runner, self.rank, self.reports = rt, runner, rank, reports
-        self.faults = config.fault_injection(rank)
+        self.faults = config.fault_injection(rank, prefill=rt.pd is not None and rt.pd.role.kind == "prefill")
         self.check = config.check_sync()
         self.checked = 0  # decode rounds run under the check
         self.wall: list[float] = []
