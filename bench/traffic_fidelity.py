@@ -2,18 +2,19 @@
 against `opweave serve` measured on this machine's CPU ranks.
 
 A Llama-style checkpoint (4 layers, hidden 512, float32, random weights, a small BPE tokenizer
-built offline) is profiled on this machine (`opweave profile`, one thread), then compiled for
-`cpux1` with a workload (`--isl ISL --osl OSL --prefill aggregated --profile PROFILE`, and
-`--rate R` for each load: the plan's TTFT is predicted at the load the rate leaves). Each plan is
-served (`opweave serve --threads 1`, one rank) and driven by Poisson arrivals at that rate for
+built offline) is profiled on this machine (`opweave profile`, one thread), then compiled with a
+workload (`--isl ISL --osl OSL --profile PROFILE`, and `--rate R` for each load: the plan's TTFT is
+predicted at the load the rate leaves) in two ways: aggregated (`--prefill aggregated` for
+`cpux1`: one rank computes prompts and decodes) and disaggregated (`--prefill disaggregated` for
+`cpux2`: one decode rank, one prefill rank, each on its core). Each plan is served
+(`opweave serve --threads 1`) and driven by Poisson arrivals at that rate for
 `--duration` seconds: prompts of exactly ISL random token ids, OSL output tokens each
 (`ignore_eos`), greedy, streamed through the official `openai` client. Per load: predicted and
 measured TTFT (mean and p99), TPOT (mean at the load, and the p99 round against the measured
 p99 of the inter-token gaps) and output tokens/s, and the mean absolute error over them.
 
-The disaggregated mode is not measured: the runtime does not start prefill ranks yet.
-
-    python bench/traffic_fidelity.py [--loads 0.4,0.75] [--duration 60] [--out bench/results/traffic_fidelity.md]
+    python bench/traffic_fidelity.py [--loads 0.4,0.75] [--modes aggregated,disaggregated] [--duration 60]
+                                     [--out bench/results/traffic_fidelity.md]
 """
 
 from __future__ import annotations
@@ -61,11 +62,14 @@ def build(tmp: str) -> tuple[str, str]:
     return ckpt, path
 
 
-def compile_plan(ckpt: str, prof: str, out: str, rate: float | None) -> dict:
+CLUSTERS = {"aggregated": "cpux1", "disaggregated": "cpux2"}
+
+
+def compile_plan(ckpt: str, prof: str, out: str, rate: float | None, mode: str = "aggregated") -> dict:
     from opweave.cli import main
 
-    args = ["compile", ckpt, "--cluster", "cpux1", "--tpot-slo", "10s", "--isl", str(ISL), "--osl", str(OSL),
-            "--prefill", "aggregated", "--profile", prof, "--max-batch", str(MAX_BATCH), "-o", out, "--force",
+    args = ["compile", ckpt, "--cluster", CLUSTERS[mode], "--tpot-slo", "10s", "--isl", str(ISL), "--osl", str(OSL),
+            "--prefill", mode, "--profile", prof, "--max-batch", str(MAX_BATCH), "-o", out, "--force",
             "--quiet"] + ([] if rate is None else ["--rate", f"{rate:.6g}"])
     if main(args) != 0:
         raise SystemExit("compile failed")
@@ -146,25 +150,30 @@ def main() -> None:
     ap.add_argument("--loads", default="0.4,0.75", help="arrival rates as shares of the plan's predicted capacity "
                     "(below 0.8: at more, `--rate` plans a second replica set)")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per load")
+    ap.add_argument("--modes", default="aggregated,disaggregated", help="how prefill is served")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "traffic_fidelity.md"))
     args = ap.parse_args()
     loads = [float(x) for x in args.loads.split(",")]
+    modes = args.modes.split(",")
+    if any(m not in CLUSTERS for m in modes):
+        raise SystemExit(f"--modes: each of {', '.join(CLUSTERS)}")
     started = datetime.datetime.now(datetime.timezone.utc)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt, prof = build(tmp)
-        base = compile_plan(ckpt, prof, os.path.join(tmp, "base"), None)
-        capacity = base["prefill"]["requests_per_s"]
-        for i, load in enumerate(loads):
-            art = os.path.join(tmp, f"art{i}")
-            plan = compile_plan(ckpt, prof, art, load * capacity)
-            measured = serve_and_drive(ckpt, art, load * capacity, args.duration, seed=i)
-            pre = plan["prefill"]
-            predicted = {"ttft_mean": plan["ttft_ms"], "ttft_p99": plan["ttft_p99_ms"],
-                         "tpot_mean": pre["tpot_at_load_ms"], "itl_p99": plan["tpot_p99_ms"],
-                         "tokens_per_s": load * capacity * OSL}
-            print(f"load {load:g}: predicted {predicted}, measured {measured}", file=sys.stderr)
-            rows.append((load, plan, predicted, measured))
+        for mode in modes:
+            base = compile_plan(ckpt, prof, os.path.join(tmp, f"base-{mode}"), None, mode)
+            capacity = base["prefill"]["requests_per_s"]
+            for i, load in enumerate(loads):
+                art = os.path.join(tmp, f"art-{mode}-{i}")
+                plan = compile_plan(ckpt, prof, art, load * capacity, mode)
+                measured = serve_and_drive(ckpt, art, load * capacity, args.duration, seed=i)
+                pre = plan["prefill"]
+                predicted = {"ttft_mean": plan["ttft_ms"], "ttft_p99": plan["ttft_p99_ms"],
+                             "tpot_mean": pre["tpot_at_load_ms"], "itl_p99": plan["tpot_p99_ms"],
+                             "tokens_per_s": load * capacity * OSL}
+                print(f"{mode}, load {load:g}: predicted {predicted}, measured {measured}", file=sys.stderr)
+                rows.append((mode, load, capacity, plan, predicted, measured))
     keys = ("ttft_mean", "ttft_p99", "tpot_mean", "itl_p99", "tokens_per_s")
     names = {"ttft_mean": "TTFT mean ms", "ttft_p99": "TTFT p99 ms", "tpot_mean": "TPOT mean ms",
              "itl_p99": "inter-token gap p99 ms (predicted: the p99 round)",
@@ -175,17 +184,21 @@ def main() -> None:
              f"- machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; load "
              f"average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
              f"- git commit: {git_commit()}",
-             f"- command: `python bench/traffic_fidelity.py --loads {args.loads} --duration {args.duration:g}`", "",
+             f"- command: `python bench/traffic_fidelity.py --loads {args.loads} --modes {args.modes} "
+             f"--duration {args.duration:g}`", "",
              f"Model: Llama-style, 4 layers, hidden 512, float32, random weights; profiled on this machine, compiled "
-             f"for `cpux1` with `--isl {ISL} --osl {OSL} --prefill aggregated --max-batch {MAX_BATCH} --rate R`; served "
-             "with one rank on one thread; prompts of exactly ISL random ids, OSL tokens each (ignore_eos), greedy, "
+             f"with `--isl {ISL} --osl {OSL} --max-batch {MAX_BATCH} --rate R` and `--prefill aggregated` for `cpux1` "
+             "(one rank) or `--prefill disaggregated` for `cpux2` (a decode rank and a prefill rank, each on its core); "
+             "served with one thread per rank; prompts of exactly ISL random ids, OSL tokens each (ignore_eos), greedy, "
              "streamed with the `openai` client after a 5 s warm-up. Measured TTFT: request sent to first text; "
              "TPOT: per request (last - first text) / (tokens - 1), its mean over requests; inter-token gaps: "
              "every gap between two streamed tokens.", ""]
-    for load, plan, predicted, measured in rows:
+    for mode, load, capacity, plan, predicted, measured in rows:
         pre = plan["prefill"]
-        lines += [f"## Load {load:g} of the predicted capacity ({load * base['prefill']['requests_per_s']:.3g} requests/s)",
-                  "", f"Plan: batch {plan['batch']}, token budget {pre['token_budget']}, predicted capacity "
+        how = (f"token budget {pre['token_budget']}" if mode == "aggregated" else
+               "prefill on " + ", ".join(f"{o['replicas']}x {o['gpu']} tp{o['tp']}" for o in pre["owners"]))
+        lines += [f"## {mode.capitalize()}, load {load:g} of the predicted capacity ({load * capacity:.3g} requests/s)",
+                  "", f"Plan: batch {plan['batch']}, {how}, predicted capacity "
                   f"{pre['requests_per_s']:.3g} requests/s; {measured['ok']}/{measured['sent']} requests completed.", "",
                   "| figure | predicted | measured | error |", "|---|---:|---:|---:|"]
         for k in keys:
@@ -193,14 +206,15 @@ def main() -> None:
             errors[k].append(abs(err))
             lines.append(f"| {names[k]} | {predicted[k]:.4g} | {measured[k]:.4g} | {err:+.0%} |")
         lines += [f"| longest inter-token gap ms (not compared) | | {measured['itl_max']:.4g} | |", ""]
+    by_mode = {m: [abs(p[k] / ms[k] - 1) for mm, _, _, _, p, ms in rows if mm == m for k in keys if ms[k]]
+               for m in modes}
     every = [e for k in keys for e in errors[k] if e == e]
     lines.append(f"Mean absolute error over every figure and load: {statistics.fmean(every):.0%} "
                  f"(TTFT {statistics.fmean(errors['ttft_mean'] + errors['ttft_p99']):.0%}, TPOT mean "
                  f"{statistics.fmean(errors['tpot_mean']):.0%}, p99 round {statistics.fmean(errors['itl_p99']):.0%}, "
                  "throughput "
-                 f"{statistics.fmean(errors['tokens_per_s']):.0%}).")
-    lines.append("")
-    lines.append("Not measured: the disaggregated mode (the runtime does not start prefill ranks yet).")
+                 f"{statistics.fmean(errors['tokens_per_s']):.0%}); "
+                 + ", ".join(f"{m} {statistics.fmean(e):.0%}" for m, e in by_mode.items() if e) + ".")
     emit(lines, args.out)
 
 

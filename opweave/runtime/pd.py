@@ -209,11 +209,14 @@ class PDRank:
     prefill_tp: int
 
 
-def receive(inbox) -> list:
+def receive(inbox, wait_s: float = 0.0) -> list:
+    """Every message waiting; with `wait_s`, waits that long for the first one."""
     import queue
 
     out = []
     try:
+        if wait_s > 0:
+            out.append(inbox.get(timeout=wait_s))
         while True:
             out.append(inbox.get_nowait())
     except queue.Empty:
@@ -285,9 +288,12 @@ class Leader:
         """Between rounds: jobs in (prefill), answers in (decode)."""
         from opweave.runtime.scheduler import Request
 
+        from opweave.runtime.channel import IDLE_WAIT_S
+
         rt = self.rt
-        if self.role.kind == "prefill":
-            for message in receive(self.pd.queues.prefill[self.role.replica_set]):
+        if self.role.kind == "prefill":  # an idle prefill leader waits a little for a job
+            wait = IDLE_WAIT_S if not rt.scheduler.active and not rt.stopping else 0.0
+            for message in receive(self.pd.queues.prefill[self.role.replica_set], wait):
                 if isinstance(message, Drained):
                     self.drained += 1
                     continue
@@ -302,7 +308,9 @@ class Leader:
                     stop_ids=message.stop_ids, sampling=message.sampling_word, ignore_eos=message.ignore_eos,
                     min_tokens=message.min_tokens, prompt_logprobs=message.prompt_logprobs, transfer=message.key + 1))
             return
-        for message in receive(self.pd.queues.decode[self.role.replica_set][self.index]):
+        # rows waiting for their prefill and nothing else to run: wait a little for an answer
+        wait = IDLE_WAIT_S if rt.scheduler.only_waiting else 0.0
+        for message in receive(self.pd.queues.decode[self.role.replica_set][self.index], wait):
             key = self.jobs.pop(message.id)
             rt.scheduler.prefilled(message.id, message.token, key if message.sent else None,
                                    message.finish_reason, message.error)

@@ -237,6 +237,13 @@ class Scheduler:
         for a prefill rank's state (it is on its way)."""
         return bool(self.queue) or bool(self._open) or any(row.waiting for rows in self._rows for row in rows)
 
+    @property
+    def only_waiting(self) -> bool:
+        """Rows wait for a prefill rank's state and nothing else is left to plan or learn."""
+        rows = [row for mb in self._rows for row in mb]
+        return (any(row.waiting and not row.key for row in rows) and not self.queue and not self._outputs
+                and all(row.request is None or (row.waiting and not row.key) for row in rows))
+
     def _fed(self, req: Request) -> list[int]:
         """What a request prefills when admitted: its prompt, and the outputs it had when preempted."""
         return list(req.prompt) + list(req.output)

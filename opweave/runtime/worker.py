@@ -182,7 +182,8 @@ class Runtime:
     def _serve_io(self) -> None:
         """Between rounds: take the server's messages (an idle leader waits a little for one)."""
         self.scheduler.done.clear()  # reported as they ended: a server keeps no history
-        idle = not self.scheduler.active and not self.stopping
+        prefill = self.pd is not None and self.pd.role.kind == "prefill"  # waits on its jobs instead
+        idle = not self.scheduler.active and not self.stopping and not prefill
         for message in self.channel.receive(IDLE_WAIT_S if idle else 0.0):
             if isinstance(message, Add):
                 self._admit(message)
