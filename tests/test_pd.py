@@ -197,3 +197,17 @@ def test_a_prefill_rank_that_dies_fails_the_run_naming_it(tiny_checkpoint, tmp_p
     requests = tuple(Request(index=i, prompt=p, max_new_tokens=RUN_TOKENS) for i, p in enumerate(PROMPTS))
     with pytest.raises(OpWeaveError, match=r"prefill set 0, rank 0 died \(killed by signal 9\)"):
         run_detailed(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests, timeout_s=120))
+
+
+def test_dump_memory_covers_the_prefill_ranks(tiny_checkpoint, tmp_path):
+    """`opweave dump --what memory` measures a disaggregated plan's prefill ranks too, against
+    their own plan: the allocated weights and state are the planned ones."""
+    from opweave.profile.allocated import artifact_memory
+
+    folder = tiny_checkpoint("llama")
+    out = _pd_artifact(folder, str(tmp_path / "art"), "colocated", [("h100", 2, 1)], 1)
+    ranks = artifact_memory(out, activations=False)
+    assert [(r.prefill, r.rank, r.tp) for r in ranks] == [(False, 0, 2), (False, 1, 2), (True, 0, 1)]
+    for r in ranks:
+        assert r.allocated.weights == r.planned.weights and r.allocated.state == r.planned.state, r
+        assert r.kv_pages[0] == r.kv_pages[1] > 0

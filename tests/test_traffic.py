@@ -141,7 +141,7 @@ def test_a_tight_ttft_moves_prefill_to_its_own_gpus(tmp_path, capsys):
     from opweave.cli import main
 
     modes = {}
-    for ttft in (None, "100ms"):
+    for ttft in (None, "130ms"):
         out = tmp_path / f"a{ttft}"
         args = ["compile", "llama-3.1-70b", "--cluster", "h100x16", "--tpot-slo", "50ms", "--isl", "1024", "--osl",
                 "1024", "--templates", "colocated", "-o", str(out), "--quiet", "--format", "json"]
@@ -150,10 +150,10 @@ def test_a_tight_ttft_moves_prefill_to_its_own_gpus(tmp_path, capsys):
         modes[ttft] = data["prefill"]
         assert data["workload"]["isl"] == 1024 and data["ttft_p99_ms"] >= data["ttft_ms"]
         if ttft:
-            assert data["ttft_ms"] <= 100
+            assert data["ttft_ms"] <= 130
     assert modes[None]["mode"] == "aggregated" and modes[None]["token_budget"] >= 256
-    pool = modes["100ms"]["owners"][0]
-    assert modes["100ms"]["mode"] == "disaggregated" and pool["gpu"] == "h100" and pool["replicas"] >= 1
+    pool = modes["130ms"]["owners"][0]
+    assert modes["130ms"]["mode"] == "disaggregated" and pool["gpu"] == "h100" and pool["replicas"] >= 1
     assert pool["prefill_ms"] < 100 and pool["kv_bytes"] > 0
 
 

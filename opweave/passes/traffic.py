@@ -24,14 +24,18 @@ osl - 1 + R rounds each), plus the R rounds of the request's own chunks, each ca
 the others' mean prompt tokens (rho * lam * isl), the round interpolated between T_0 and T_C, plus
 the `HOST_TOKEN_LAG` rounds (at the load) after which the host learns the first token.
 
-Disaggregated: the decode plan decodes only (T_0; a row is held osl rounds, the first one for the
-arriving KV), and x TP groups of one GPU type of the cluster prefill prompts one at a time
-(`cost.prefill.prefill_s` at batch 1, as AIConfigurator's disaggregated mode) and send each
-request's KV state over the NICs (`cost.model.transfer_s`, layer group by layer group, so the
-prompt waits only for the last group). x is the fewest groups whose TTFT (the M/D/1 wait, the
-prefill and the last group's transfer, and the Erlang C wait for a decode row held osl rounds)
-meets the TTFT SLO at the planned load and that keep up with the decode plan at capacity; their
-GPUs join the set's price.
+Disaggregated: the decode plan decodes only (T_0), and x TP groups of one GPU type of the cluster
+prefill prompts one at a time (`cost.prefill.prefill_s` at batch 1, as AIConfigurator's
+disaggregated mode) and send each request's KV state over the NICs (`cost.model.transfer_s`, layer
+group by layer group, so the prompt waits only for the last group). As the runtime serves it
+(`opweave.runtime.pd`), a decode row is reserved when the request is admitted and held through its
+prefill and transfer, the `HOST_TOKEN_LAG` prefill rounds after which the prefill set learns the
+first token, `IMPORT_ROUNDS` decode rounds (the import step is planned two rounds ahead, then
+runs) and osl - 1 decode rounds: the decode plan's capacity in requests/s is its rows over that
+time, and its tokens/s that rate times osl. x is the fewest groups whose TTFT (the M/D/1 wait,
+the prefill and the last group's transfer, the lag rounds at the prefill groups' utilisation, and
+the Erlang C wait for a decode row) meets the TTFT SLO at the planned load and that keep up with
+the decode plan at capacity; their GPUs join the set's price.
 
 Both are exact over their own grid: a mode's cost is never below the decode plan's (a row gives at
 most one token per round, rounds only grow, prefill GPUs only add), so the search's decode-only
@@ -48,6 +52,10 @@ from opweave.cost.model import boundary_s, transfer_s
 from opweave.cost.prefill import prefill_s, round_extra_s
 from opweave.hardware.catalog import GPUSpec
 from opweave.ir.plan import HOST_TOKEN_LAG
+
+IMPORT_ROUNDS = 3
+"""Decode rounds a disaggregated request's row spends on its import: the import step is planned
+two rounds ahead of the round that runs it (`opweave.runtime.scheduler`), then runs (idle)."""
 from opweave.ir.tp import legal_tp
 from opweave.ir.workload import Workload
 from opweave.passes.simulate import simulate
@@ -280,19 +288,21 @@ class TrafficModel:
         """The cheapest prefill pool of each (GPU type, TP) that keeps up with `cand` and meets the
         TTFT SLO, or its fewest-groups try when none does (its TTFT then says by how much)."""
         w, sim, space = self.workload, cand.sim, self.space
-        requests = cand.batch / (w.osl * sim.tpot_s)
-        load = self._load(requests, cand.sets)
+        decoding = (w.osl - 1 + IMPORT_ROUNDS) * sim.tpot_s  # a row's decode rounds, the import's included
         used: dict[str, int] = {}
         for o in cand.owners:
             used[o.gpu.name] = used.get(o.gpu.name, 0) + o.num_gpus
         kv = space.graph.state_bytes(w.isl)
-        row, row99 = erlang_c_wait(cand.batch, load * requests * w.osl * sim.tpot_s, w.osl * sim.tpot_s)
         blocks = max(1, self.space.blocks.num_blocks)
         out = []
         for p, tp, seconds, memory in self.prefill_groups():
             pool = space.cluster.pools[p]
             move = max(transfer_s(kv / tp, pool.gpu, o.gpu, inter_node=True) for o in cand.owners)
             service, tail = max(seconds, move), move / blocks
+            held = decoding + seconds + tail + HOST_TOKEN_LAG * seconds  # a decode row's time per request
+            requests = cand.batch / held
+            load = self._load(requests, cand.sets)
+            row, row99 = erlang_c_wait(cand.batch, load * requests * held, held)
             alone = seconds + tail + row   # with the wait for a decode row
             best = None
             for y in range(1, MAX_SHARING_SETS + 1):
@@ -300,7 +310,8 @@ class TrafficModel:
                 if found is None:
                     continue
                 x, wait, wait99, sets = found
-                wait, wait99 = wait + row, wait99 + row99
+                lag = HOST_TOKEN_LAG * seconds * min(1.0, load * requests * y * service / x)  # rounds at load
+                wait, wait99 = wait + row + lag, wait99 + row99 + lag
                 price = sim.cost_per_hour + x * tp * pool.gpu.price_per_hour / y
                 meets = seconds + tail + wait <= w.ttft_slo_s
                 key = (not meets, price, y)
@@ -308,7 +319,7 @@ class TrafficModel:
                     group = PrefillPool(gpu=pool.gpu, tp=tp, replicas=x, sets=y, prefill_s=seconds, kv_bytes=kv,
                                         kv_transfer_s=move, memory_per_gpu=memory)
                     best = (key, Traffic(mode="disaggregated", pool=group, requests_per_s=requests,
-                                         tokens_per_s=cand.batch / sim.tpot_s, cost_per_hour=price,
+                                         tokens_per_s=requests * w.osl, cost_per_hour=price,
                                          tpot_s=sim.tpot_s, tpot_p99_s=sim.tpot_s, tpot_at_load_s=sim.tpot_s,
                                          ttft_s=seconds + tail + wait,
                                          ttft_p99_s=seconds + tail + wait99, load=load, sets=sets))

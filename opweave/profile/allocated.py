@@ -283,9 +283,10 @@ class RankMemory:
     planned: MemoryBreakdown
     allocated: MemoryBreakdown
     kv_pages: tuple[int, int] = (0, 0)  # KV pages per full-attention layer: planned, allocated (no null page)
+    prefill: bool = False  # a rank of a disaggregated plan's prefill sets (`prefill_rank_XX`)
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "owner": self.owner, "gpu": self.gpu, "tp": self.tp,
+        return {"rank": self.rank, "prefill": self.prefill, "owner": self.owner, "gpu": self.gpu, "tp": self.tp,
                 "planned": self.planned.to_json(), "allocated": self.allocated.to_json(),
                 "kv_pages": {"planned": self.kv_pages[0], "allocated": self.kv_pages[1], "page_tokens": PAGE_TOKENS}}
 
@@ -348,7 +349,17 @@ def artifact_memory(folder: str, activations: bool = True, progress=None) -> lis
     """Per rank of an artifact: planned and allocated bytes by category, for steps of the
     program's prefill chunk (at most the context) tokens per row. The modules of each kind of rank
     (`same_work`) are built and run once; `progress` gets a line per step (rank 0 of a large model
-    takes seconds, the model's trace several)."""
+    takes seconds, the model's trace several). A disaggregated plan's prefill ranks follow, measured
+    against their own plan (`prefill_plan.json`)."""
+    from opweave.artifact import load_artifact
+
+    out = _artifact_memory(folder, "", activations, progress)
+    if load_artifact(folder, ["plan.json"]).has("prefill_rank_00.json"):
+        out += _artifact_memory(folder, "prefill_", activations, progress)
+    return out
+
+
+def _artifact_memory(folder: str, prefix: str, activations: bool, progress) -> list[RankMemory]:
     from opweave.ir.plan import plan_from_json
     from opweave.ir.program import program_from_json
     from opweave.passes.trace import build_graph
@@ -357,7 +368,12 @@ def artifact_memory(folder: str, activations: bool = True, progress=None) -> lis
     from opweave.artifact import load_artifact, load_program_source, rank_files
 
     say = progress or (lambda message: None)
-    probe = load_artifact(folder, ["plan.json", "model_config.json", "ops.json"])
+    def files(names: list[str]):  # `prefix` + NAME read and checked, as NAME
+        shared = ("model_config.json", "ops.json")
+        return load_artifact(folder, [n if n in shared else prefix + n for n in names]).view(prefix) if prefix \
+            else load_artifact(folder, names)
+
+    probe = files(["plan.json", "model_config.json", "ops.json"])
     plan = plan_from_json(probe.json("plan.json"))
     cfg = dataclasses.replace(config_from_hf(probe.json("model_config.json"), plan.model),
                               kv_cache_dtype=plan.kv_cache_dtype)
@@ -365,17 +381,18 @@ def artifact_memory(folder: str, activations: bool = True, progress=None) -> lis
     say(f"tracing {plan.model}'s decode step on meta (the planned figures' graph)")
     graph = build_graph(build_model(cfg, "meta"))
     out, measured = [], {}
-    world = program_from_json(load_artifact(folder, rank_files(0)).json("rank_00.json")).world_size
+    world = program_from_json(files(rank_files(0)).json("rank_00.json")).world_size
+    who = "prefill rank" if prefix else "rank"
     for rank in range(world):
-        art = load_artifact(folder, rank_files(rank))
+        art = files(rank_files(rank))
         program = program_from_json(art.json(f"rank_{rank:02d}.json"))
         width = min(program.prefill_chunk, program.context)
         key = same_work(program)
         if key in measured:
-            say(f"rank {rank} of {world}: as rank {measured[key][0]} (same owner, ops and rows), buffers measured")
+            say(f"{who} {rank} of {world}: as {who} {measured[key][0]} (same owner, ops and rows), buffers measured")
             allocated, pages = measure_rank(cfg, op_names, program, None, width, same_as=measured[key][1:])
         else:
-            say(f"rank {rank} of {world}: building owner o{program.owner}'s {len(program.ops)} ops on meta"
+            say(f"{who} {rank} of {world}: building owner o{program.owner}'s {len(program.ops)} ops on meta"
                 + (" and running a round" if activations else ""))
             cls = load_program_source(art, f"rank_{rank:02d}.py").Program if activations else None
             allocated, pages = measure_rank(cfg, op_names, program, cls, width, artifact=probe)
@@ -384,7 +401,8 @@ def artifact_memory(folder: str, activations: bool = True, progress=None) -> lis
                               planned=plan_rank_memory(plan, graph, program.owner, program.replica,
                                                        program.tp_rank, width),
                               allocated=allocated,
-                              kv_pages=(planned_pages(plan, graph, program.owner, program.replica), pages)))
+                              kv_pages=(planned_pages(plan, graph, program.owner, program.replica), pages),
+                              prefill=bool(prefix)))
     return out
 
 
@@ -393,7 +411,7 @@ def format_memory(ranks: list[RankMemory]) -> str:
     weights + state + activations; buffers are host memory)."""
     lines = []
     for r in ranks:
-        lines.append(f"rank {r.rank}: owner o{r.owner} {r.gpu} tp{r.tp}")
+        lines.append(f"{'prefill rank' if r.prefill else 'rank'} {r.rank}: owner o{r.owner} {r.gpu} tp{r.tp}")
         lines.append(f"  {'':12} {'planned':>12} {'allocated':>12} {'alloc/plan':>10}")
         for c in CATEGORIES + ("on_gpu", "total"):
             p, a = getattr(r.planned, c), getattr(r.allocated, c)
