@@ -201,13 +201,14 @@ def test_a_prefill_rank_that_dies_fails_the_run_naming_it(tiny_checkpoint, tmp_p
 
 def test_dump_memory_covers_the_prefill_ranks(tiny_checkpoint, tmp_path):
     """`opweave dump --what memory` measures a disaggregated plan's prefill ranks too, against
-    their own plan: the allocated weights and state are the planned ones."""
+    their own plan: the allocated weights and state are the planned ones (within 1%)."""
     from opweave.profile.allocated import artifact_memory
 
     folder = tiny_checkpoint("llama")
     out = _pd_artifact(folder, str(tmp_path / "art"), "colocated", [("h100", 2, 1)], 1)
     ranks = artifact_memory(out, activations=False)
     assert [(r.prefill, r.rank, r.tp) for r in ranks] == [(False, 0, 2), (False, 1, 2), (True, 0, 1)]
-    for r in ranks:
-        assert r.allocated.weights == r.planned.weights and r.allocated.state == r.planned.state, r
+    for r in ranks:  # as tests/test_memory.py holds every plan's ranks
+        for what in ("weights", "state"):
+            assert getattr(r.allocated, what) == pytest.approx(getattr(r.planned, what), rel=0.01, abs=1), (r, what)
         assert r.kv_pages[0] == r.kv_pages[1] > 0
