@@ -212,3 +212,19 @@ def test_dump_memory_covers_the_prefill_ranks(tiny_checkpoint, tmp_path):
         for what in ("weights", "state"):
             assert getattr(r.allocated, what) == pytest.approx(getattr(r.planned, what), rel=0.01, abs=1), (r, what)
         assert r.kv_pages[0] == r.kv_pages[1] > 0
+
+
+@pytest.mark.slow
+def test_two_decode_sets_share_two_prefill_sets(tiny_checkpoint, tmp_path):
+    """Every decode leader sends jobs to every prefill set in turn; the prefill sets stop once
+    every decode leader is done."""
+    from opweave.runtime.launch import RunConfig, run_detailed
+
+    folder = tiny_checkpoint("llama")
+    out = _pd_artifact(folder, str(tmp_path / "art"), "colocated", [("h100", 1, 1)], 1)
+    prompts = PROMPTS * 2
+    requests = tuple(Request(index=i, prompt=p, max_new_tokens=RUN_TOKENS) for i, p in enumerate(prompts))
+    outputs, stats = run_detailed(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests,
+                                            timeout_s=300, replica_sets=2, prefill_sets=2))
+    assert [tuple(r.output) for r in outputs] == list(_reference(folder)) * 2
+    assert len(stats["replica_sets"]) == 2
