@@ -130,6 +130,9 @@ CASES = {  # family: (template, decode owners, prefill TP); TP differs across th
     "gemma3": ("colocated", [("h100", 2, 1)], 1),          # sliding-window rings beside pages
     "qwen3_next": ("colocated", [("h100", 1, 1)], 2),      # Gated-DeltaNet's state from TP 2 to TP 1
     "deepseek_v3": ("colocated", [("h100", 2, 1)], 1),     # MLA's latent pages
+    "mistral": ("cad", [("l40s", 1, 1), ("h100", 2, 1)], 1),  # a sliding window on every layer, under CAD
+    "mixtral": ("afd", [("h100", 1, 1), ("l40s", 2, 1)], 2),  # experts split over 2; attention TP 1 from TP 2
+    "gpt_oss": ("colocated", [("h100", 2, 1)], 1),         # sinks, sliding and full layers
 }
 
 
