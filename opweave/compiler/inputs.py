@@ -61,4 +61,4 @@ def plan_space(graph: OpGraph, blocks: BlockedGraph, inputs: Inputs | None = Non
         inputs = dataclasses.replace(inputs, **changes)
     return PlanSpace(graph=graph, blocks=blocks, cluster=inputs.cluster, context=inputs.context,
                      tpot_slo_s=inputs.tpot_slo_s, cost_model=inputs.cost_model, prefill_chunk=inputs.prefill_chunk,
-                     workload=inputs.workload)
+                     workload=inputs.workload, attention_dp=inputs.options.attention_dp)

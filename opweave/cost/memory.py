@@ -34,6 +34,7 @@ from opweave.cost.model import shards, state_shards
 from opweave.ir.graph import Op
 from opweave.ir.kinds import OpKind
 from opweave.ir.plan import PAGE_TOKENS, PREFILL_CHUNK
+from opweave.ir.tp import EXPERT_KINDS
 from opweave.ir.workload import kv_pool_pages
 from opweave.kernels.blocks import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK
 from opweave.kernels.sampling import workspace_bytes as sampler_workspace_bytes
@@ -202,6 +203,11 @@ def _op_terms(op: Op, tp: int, context: int, width: int, layout: str) -> tuple:
     """One op's part of a `Footprint`: ((weight name, bytes per GPU) ..., state bytes per slot, its
     residual-stream bytes per token (0 for the LM head and sampler), its peak bytes at one row
     without gathered expert weights, those gathered weights at one block)."""
+    if layout == "dp" and tp > 1:  # data-parallel attention: experts as "ep", the rest at TP 1 on 1 / tp of the rows
+        if op.kind in EXPERT_KINDS:
+            return _op_terms(op, tp, context, width, "ep")
+        weights, state, stream, peak, gather, null = _op_terms(op, 1, context, width, "tp")
+        return weights, state / tp, stream / tp, peak / tp, gather, null
     key = (id(op), tp, context, width, layout)
     hit = _TERMS.get(key)
     if hit is not None and hit[0] is op:
@@ -257,10 +263,13 @@ class Footprint:
             stream, peak, fixed = max(stream, op_stream), max(peak, op_peak), max(fixed, gather)
         pages = -(-context // PAGE_TOKENS)
         if not per_weight and not peak:
-            return cls(weights=0.0, per_slot=state, per_row=0.0, fixed=0.0, null_pages=null, per_page=null,
+            return cls(weights=0.0, per_slot=state, per_row=0.0, fixed=0.0, null_pages=null,
+                       per_page=null / tp if layout == "dp" and tp > 1 else null,
                        context_pages=pages)
+        # under "dp" a page of the owner's pool is one rank's in tp (each holds its own rows' pages)
+        page = null / tp if layout == "dp" and tp > 1 else null
         return cls(weights=sum(per_weight.values()), per_slot=state, per_row=width * STREAM_COPIES * stream + peak,
-                   fixed=fixed, null_pages=null, per_page=null, context_pages=pages)
+                   fixed=fixed, null_pages=null, per_page=page, context_pages=pages)
 
     def bytes_at(self, slots: int, rows: int, pages: int | None = None) -> float:
         """Bytes with `slots` state slots, steps of `rows` rows and a KV pool of `pages` pages

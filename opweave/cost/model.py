@@ -272,7 +272,15 @@ class CostModel:
     def op_cost(self, op: Op, gpu: GPUSpec, tp: int, batch: int, context: int, hidden_bytes: int,
                 following: Op | None = None, layout: str = "tp") -> OpCost:
         """The op's cost; `following` is the op after it in the stage (a shared expert after
-        routed experts takes their all-reduce: `needs_allreduce`); routed experts held as `layout`."""
+        routed experts takes their all-reduce: `needs_allreduce`); routed experts held as `layout`.
+        Under "dp" (data-parallel attention inside the expert group, `opweave.ir.tp`) an op other
+        than the routed experts runs at TP 1 on its rank's rows (1 / tp of `batch`), and the routed
+        experts as "ep" over all of them, with the gather and reduce-scatter of the layer's tokens
+        (the all-reduce's bytes; a shared expert after them runs on its own rows, so nothing fuses)."""
+        if layout == "dp" and tp > 1:
+            if op.kind in tp_table.EXPERT_KINDS:
+                return self.op_cost(op, gpu, tp, batch, context, hidden_bytes, None, "ep")
+            return self.op_cost(op, gpu, 1, -(-batch // tp), context, hidden_bytes, following, "tp")
         weights_s, state_s, math_s = op_times(op, gpu, tp, batch, context, layout)
         memory_s = weights_s + state_s
         overhead_s = gpu.op_launch_s(self.cuda_graphs) + step_cost_s(op, gpu, batch)

@@ -75,7 +75,8 @@ class PlanOwner:
     bubble_ms: float
     gpus: tuple[tuple[int, ...], ...]  # [replica] -> global GPU indices, in replica set 0
     price_per_hour: float | None = None  # USD per GPU-hour of its GPU type (the catalog's, when compiled)
-    experts: str = "tp"             # routed experts' layout: "tp" (sliced) or "ep" (whole, E / tp per GPU)
+    experts: str = "tp"             # routed experts' layout: "tp" (sliced), "ep" (whole, E / tp per GPU) or "dp"
+                                    # (as "ep", every other op data-parallel on the GPUs: `opweave.ir.tp`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,12 +215,15 @@ def format_plan(plan: Plan, search_seconds: float | None = None) -> str:
              f"  batch {plan.batch} per replica set in {plan.microbatches} microbatch(es); "
              f"{plan.replica_sets:,} replica set(s) fit, {plan.gpus_used:,} GPUs used, {plan.num_idle_gpus:,} idle"]
     header = ("owner", "gpu", "tp", "replicas", "GPUs/set", "mem/GPU", "occupancy", "bubble")
-    rows = [(f"o{o.slot}", o.gpu, f"{o.tp} ep" if o.experts == "ep" else str(o.tp), str(o.replicas),
+    rows = [(f"o{o.slot}", o.gpu, str(o.tp) if o.experts == "tp" else f"{o.tp} {o.experts}", str(o.replicas),
              str(o.tp * o.replicas),
              f"{o.memory_per_gpu_bytes / 1e9:.1f} GB", f"{o.occupancy:.0%}", f"{o.bubble_ms:.2f} ms")
             for o in plan.owners]
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    if any(o.experts == "dp" for o in plan.owners):
+        lines.append("  (dp: attention data-parallel on the group's GPUs, routed experts spread over them; "
+                     "planned only: the runtime does not run it yet)")
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.append(f"  predicted: TPOT {p.tpot_ms:.3g} ms, {p.tokens_per_s:,.0f} tokens/s, "
                  f"${p.cost_per_mtok_usd:.4g} per Mtoken, ${p.cost_per_hour_usd:.4g}/h, "

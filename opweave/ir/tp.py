@@ -26,6 +26,13 @@ the partial outputs. Legal when t divides the expert count. Every rank of the gr
 (the rows reach every rank as they do under TP), so no all-to-all is needed; the cost is the load
 imbalance between ranks (`opweave.cost.model.ep_imbalance`).
 
+A third, "dp" (data-parallel attention inside the expert-parallel group, as DeepSeek's and
+SGLang's wide-EP deployments run): every op but the routed experts runs as at TP 1 on its own
+rows (1 / t of the group's: its weights whole, its KV cache for its rows alone), and the routed
+experts are expert-parallel over the t GPUs; each MoE layer gathers the group's tokens to every
+rank and reduce-scatters the experts' sums back (the all-reduce's bytes). Legal when t divides the
+expert count. Planned only on request (`--attention-dp`): the runtime does not run it yet.
+
 Weights stored block-quantized (`QUANT_BLOCK`: fp8 with 128 x 128 scales, mxfp4 with one scale per
 32 values) are planned as stored: a TP split that would cut a quantization block is illegal (gpt-oss's
 expert down projection, 2880 channels in blocks of 32, splits over TP 2 but not 4 or 8); expert
@@ -49,9 +56,10 @@ from opweave.ir.kinds import OpKind
 EXPERT_KINDS = (OpKind.MOE_EXPERTS, OpKind.MOE_EXPERTS_SWIGLU)
 """Routed experts: the op kinds expert parallelism applies to."""
 
-EXPERT_LAYOUTS = ("tp", "ep")
+EXPERT_LAYOUTS = ("tp", "ep", "dp")
 """How an owner's TP group holds routed experts: "tp" (a slice of every expert's intermediate
-channels on every rank) or "ep" (whole experts, E / t per rank)."""
+channels on every rank), "ep" (whole experts, E / t per rank), or "dp" (whole experts, E / t per
+rank, and every other op data-parallel: each rank its own rows at TP 1)."""
 
 QUANT_BLOCK = {"float8_e4m3fn": 128, "mxfp4": 32}
 """Elements per quantization block along a split dimension, per stored weight dtype (one scale per
@@ -271,13 +279,18 @@ class OpTP:
         return self.weights[0][1][0] if self.kind in EXPERT_KINDS and self.weights else 0
 
     def expert_parallel(self, layout: str) -> bool:
-        """Whether `layout` ("tp" | "ep") holds this op's experts whole (only routed experts)."""
-        return layout == "ep" and self.kind in EXPERT_KINDS
+        """Whether `layout` ("tp" | "ep" | "dp") holds this op's experts whole (only routed experts)."""
+        return layout in ("ep", "dp") and self.kind in EXPERT_KINDS
+
+    def data_parallel(self, layout: str) -> bool:
+        """Whether `layout` runs this op data-parallel (whole weights, its own rows): "dp", every
+        op but the routed experts."""
+        return layout == "dp" and self.kind not in EXPERT_KINDS
 
     def legal(self, tp: int, layout: str = "tp") -> bool:
         """Whether a TP group of `tp` can run this op, its routed experts held as `layout` says
         (the planner's, pinned plans' and the profiler's test)."""
-        if tp == 1 or not self.rule.sharded:
+        if tp == 1 or not self.rule.sharded or self.data_parallel(layout):
             return True
         if self.expert_parallel(layout):
             return self.experts % tp == 0
@@ -329,7 +342,7 @@ class OpTP:
         """(dim, split) of checkpoint tensor `key` of full `shape`; None: replicated (or held
         whole, `added_once`). Expert-parallel experts split every fused tensor by expert (its
         leading dimension); a per-expert checkpoint tensor is read whole by the rank holding it."""
-        if not self.rule.sharded:
+        if not self.rule.sharded or self.data_parallel(layout):
             return None
         if self.expert_parallel(layout):
             e = self.experts
@@ -418,10 +431,13 @@ def has_experts(ops: Sequence) -> bool:
     return any(op.kind in EXPERT_KINDS for op in ops)
 
 
-def layout_choices(experts: bool, tp: int) -> tuple[str, ...]:
-    """The layouts of `EXPERT_LAYOUTS` a group of `tp` chooses among: both where it runs routed
-    experts (`experts`) and `tp` > 1 (at TP 1 the two are the same), else "tp" alone."""
-    return EXPERT_LAYOUTS if tp > 1 and experts else EXPERT_LAYOUTS[:1]
+def layout_choices(experts: bool, tp: int, attention_dp: bool = False) -> tuple[str, ...]:
+    """The layouts of `EXPERT_LAYOUTS` a group of `tp` chooses among: "tp" and "ep" where it runs
+    routed experts (`experts`) and `tp` > 1 (at TP 1 they are the same), and "dp" too with
+    `attention_dp`; else "tp" alone."""
+    if tp <= 1 or not experts:
+        return EXPERT_LAYOUTS[:1]
+    return EXPERT_LAYOUTS if attention_dp else EXPERT_LAYOUTS[:2]
 
 
 def expert_layouts(ops: Sequence, tp: int) -> tuple[str, ...]:
@@ -479,7 +495,12 @@ def compute_shards(op, tp: int, layout: str = "tp") -> float:
     """How many ways the op's weight reads and work divide over a group of `tp`: the full
     weights over one rank's weights for ops with weights, tp for sharded weightless ops
     (routed experts held as `layout`: on average, an expert-parallel rank runs 1 / tp of the
-    pairs). Memoized per op object (the planner asks millions of times)."""
+    pairs; "dp": the experts as "ep", every other op's weights whole on each rank: 1). Memoized per
+    op object (the planner asks millions of times)."""
+    if layout == "dp":
+        if op.kind not in EXPERT_KINDS:
+            return 1
+        layout = "ep"
     if layout != "tp" and op.kind not in EXPERT_KINDS:
         layout = "tp"
     hit = _SHARDS.get((id(op), tp, layout))

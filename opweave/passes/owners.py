@@ -66,7 +66,7 @@ class OwnerConfig:
         return (self.gpu.name, self.tp, self.replicas, self.experts)
 
     def describe(self) -> str:
-        return f"{self.replicas}x {self.gpu.name} tp{self.tp}" + (" ep" if self.experts == "ep" else "")
+        return f"{self.replicas}x {self.gpu.name} tp{self.tp}" + ("" if self.experts == "tp" else f" {self.experts}")
 
 
 def microbatch_share(batch: int, microbatches: int, replicas: int) -> int:

@@ -41,6 +41,7 @@ class PlanSpace:
     cost_model: CostModel = CostModel()
     prefill_chunk: int = PREFILL_CHUNK  # tokens per row per prefill step: sizes the activations
     workload: Workload | None = None    # the traffic (`passes/traffic.py`); None: decode alone
+    attention_dp: bool = False          # also search data-parallel attention inside expert groups ("dp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,8 +155,8 @@ class Evaluator:
 
     def latency(self, sig: int, pool: int, tp: int, share: int, layout: str = "tp") -> float:
         """One occurrence of stage signature `sig` on one replica (routed experts held as `layout`)."""
-        if layout != "tp" and (tp <= 1 or not self._sig_experts[sig]):
-            layout = "tp"
+        if layout != "tp" and (tp <= 1 or (layout == "ep" and not self._sig_experts[sig])):
+            layout = "tp"  # ("dp" stays: a stage without experts still runs on its own rows)
         key = (sig, pool, tp, share, layout)
         value = self._latency.get(key)
         if value is None:
@@ -201,6 +202,8 @@ class Evaluator:
         lat = self.latency(sig, pool, tp, share)
         if tp > 1 and self._sig_experts[sig]:
             lat = min(lat, self.latency(sig, pool, tp, share, "ep"))
+        if tp > 1 and self.space.attention_dp:  # any stage of a slot with experts may run on its own rows
+            lat = min(lat, self.latency(sig, pool, tp, share, "dp"))
         return lat
 
     def host_s(self, stage_plan: StagePlan, k: int, index: int, pool: int, share: int) -> float:
@@ -254,7 +257,7 @@ class Evaluator:
         """The expert layouts a slot chooses among at TP `tp`: both where it runs routed experts
         (and tp > 1), else "tp" alone."""
         self.slot(stage_plan, k, slot)
-        return layout_choices(self._slot_experts[(stage_plan.template.name, k, slot)], tp)
+        return layout_choices(self._slot_experts[(stage_plan.template.name, k, slot)], tp, self.space.attention_dp)
 
 
 def slot_of(stage_index: int, stages_per_block: int, k: int) -> int:
@@ -263,12 +266,13 @@ def slot_of(stage_index: int, stages_per_block: int, k: int) -> int:
 
 def fits_group(tp: int, gpu, count: int, layout: str) -> bool:
     """Whether a TP group of `tp` GPUs of type `gpu` can exist in a pool of `count`: inside one
-    node, or for expert-parallel experts (`layout` "ep") a whole number of nodes (`search.WIDE_TP`)."""
+    node, or for expert-parallel experts (`layout` "ep" or "dp") a whole number of nodes
+    (`search.WIDE_TP`)."""
     if tp > count:
         return False
     if tp <= gpu.gpus_per_node:
         return True
-    return layout == "ep" and tp % gpu.gpus_per_node == 0
+    return layout in ("ep", "dp") and tp % gpu.gpus_per_node == 0
 
 
 def _tp_misfit(ev: Evaluator, stage_plan: StagePlan, k: int, slot: int, pool: int, tp: int,
@@ -380,7 +384,7 @@ def owner_config(ev: Evaluator, stage_plan: StagePlan, k: int, slot: int, gpu: s
     (pinned plans)."""
     pools = ev.space.cluster.pools
     pool = next((i for i, p in enumerate(pools) if p.gpu.name == gpu), None)
-    what = f"owner o{slot} ({replicas}x {gpu} tp{tp}{' ep' if layout == 'ep' else ''})"
+    what = f"owner o{slot} ({replicas}x {gpu} tp{tp}{'' if layout == 'tp' else ' ' + layout})"
     if layout not in EXPERT_LAYOUTS:
         raise OpWeaveError(f"{what}: expert layout {layout!r} is not one of {', '.join(EXPERT_LAYOUTS)}")
     if pool is None:
@@ -388,7 +392,7 @@ def owner_config(ev: Evaluator, stage_plan: StagePlan, k: int, slot: int, gpu: s
     if tp < 1 or replicas < 1:
         raise OpWeaveError(f"{what}: TP and replicas must be at least 1")
     p = pools[pool]
-    if layout == "ep" and not has_experts(ev.slot(stage_plan, k, slot)[2]):
+    if layout in ("ep", "dp") and not has_experts(ev.slot(stage_plan, k, slot)[2]):
         raise OpWeaveError(f"{what}: expert parallelism needs routed experts; this owner runs none")
     why = _tp_misfit(ev, stage_plan, k, slot, pool, tp, layout)
     if why == "configs_over_node":
