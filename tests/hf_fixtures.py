@@ -249,6 +249,86 @@ def make_tiny_checkpoint(family: str, out_dir: str, **overrides) -> str:
     return out_dir
 
 
+# ---------------------------------------------------------------- published quantized formats
+FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+MXFP4_QUANT = {"quant_method": "mxfp4", "modules_to_not_convert": [  # as openai/gpt-oss-120b publishes it
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes; code + 8 is the negative
+
+
+def fp8_block_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn values, float32 `weight_scale_inv` [ceil(R/128), ceil(C/128)], the float32
+    weight they decode to) of a [R, C] matrix: per 128 x 128 block (edge blocks partial), scale =
+    amax / 448 (e4m3's largest value)."""
+    rows, cols = w.shape
+    nr, nc = -(-rows // block), -(-cols // block)
+    scale = torch.ones(nr, nc)
+    for i in range(nr):
+        for j in range(nc):
+            amax = w[i * block:(i + 1) * block, j * block:(j + 1) * block].abs().max().item()
+            scale[i, j] = amax / 448.0 if amax > 0 else 1.0
+    full = scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    q = (w.float() / full).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * full
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uint8 `_blocks` [..., N, K/32, 16], uint8 `_scales` [..., N, K/32], the float32 matrix they
+    decode to) of rows [..., N, K] (K a multiple of 32): per 32 values an e8m0 exponent e with
+    amax / 2^e <= 6, each value rounded to the nearest e2m1 value, two per byte, low nibble first."""
+    *lead, n, k = w.shape
+    x = w.float().reshape(*lead, n, k // 32, 32)
+    amax = x.abs().amax(-1)
+    e = torch.where(amax > 0, torch.ceil(torch.log2(amax.clamp_min(1e-30) / 6.0)), torch.full_like(amax, -127.0))
+    e = e.clamp(-127, 127)
+    y = x / torch.exp2(e).unsqueeze(-1)
+    mags = torch.tensor(_FP4)
+    code = (y.abs().unsqueeze(-1) - mags).abs().argmin(-1) + 8 * (y < 0).long()  # ties: the smaller magnitude
+    decoded = (torch.tensor(_FP4 + tuple(-m for m in _FP4))[code] * torch.exp2(e).unsqueeze(-1))
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (e + 127).to(torch.uint8), decoded.reshape(*lead, n, k)
+
+
+def quantize_checkpoint(folder: str, method: str, out_dir: str, twin_dir: str) -> tuple[str, str]:
+    """Writes `folder`'s checkpoint in a published quantized format to `out_dir` and the weights that
+    decodes to, dense float32 without `quantization_config`, to `twin_dir`; returns both folders.
+
+    method "fp8" (DeepSeek-V3 / Kimi-K2): every matrix OpWeave's `WeightFormat` says is converted
+    (not embeddings, LM head, norms, router) as `X.weight` float8_e4m3fn + `X.weight_scale_inv`.
+    method "mxfp4" (GPT-OSS): the experts' `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H] as
+    `P_blocks` / `P_scales` of the transposed matrices ([E, 2I, H/32, 16], [E, H, I/32, 16])."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from opweave.models.config import weight_format
+
+    quant = {"fp8": FP8_QUANT, "mxfp4": MXFP4_QUANT}[method]
+    converts = weight_format(quant, "fixture").converts
+    tensors = {}
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")):
+        tensors.update(load_file(os.path.join(folder, name)))
+    stored, dense = {}, {}
+    for key, w in tensors.items():
+        if method == "fp8" and w.ndim == 2 and converts(key, 2):
+            stored[key], stored[key + "_scale_inv"], dense[key] = fp8_block_quantize(w)
+        elif method == "mxfp4" and key.endswith((".experts.gate_up_proj", ".experts.down_proj")) and converts(key, 3):
+            blocks, scales, decoded = mxfp4_quantize(w.transpose(-1, -2))
+            stored[key + "_blocks"], stored[key + "_scales"] = blocks, scales
+            dense[key] = decoded.transpose(-1, -2).contiguous()
+        else:
+            stored[key] = dense[key] = w
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    for path, weights, cfg in ((out_dir, stored, dict(config, quantization_config=quant)), (twin_dir, dense, config)):
+        os.makedirs(path, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+    return out_dir, twin_dir
+
+
 def _load(out_dir: str):
     from transformers import AutoModelForCausalLM
 

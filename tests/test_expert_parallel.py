@@ -25,7 +25,7 @@ from opweave.models import ops
 from opweave.models.checkpoint import CheckpointReader
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.registry import resolve
-from opweave.runtime.shard import materialize, shard_module
+from opweave.runtime.shard import RUN_LAYOUTS, materialize, shard_module
 from opweave.runtime.syncguard import NoHostSync
 from test_device import CountingReader
 
@@ -250,12 +250,12 @@ def test_meta_ranks_hold_their_expert_block_and_nothing_else_changes(models, fam
     named = [m for m in DecodeStep(build_model(cfg, "meta")).modules() if isinstance(m, ops.OpModule)]
     modules = dict(enumerate(named))
     layouts = {layout: materialize(modules, "random", tp, tp - 1, torch.device("meta"), experts=layout)
-               for layout in T.EXPERT_LAYOUTS}
+               for layout in RUN_LAYOUTS}
     seen = 0
     for index, module in modules.items():
         by_tp, by_ep = layouts["tp"][index], layouts["ep"][index]
         shapes = {layout: {n: tuple(p.shape) for n, p in layouts[layout][index].named_parameters()}
-                  for layout in T.EXPERT_LAYOUTS}
+                  for layout in RUN_LAYOUTS}
         if isinstance(module, ops.RoutedExperts):
             seen += 1
             assert (by_ep.first_expert, by_ep.num_local_experts) == ((tp - 1) * e // tp, e // tp)

@@ -7,6 +7,12 @@ when asked, so a worker that owns a few operators reads only their weights.
 Every file is checked to be a regular file before it is opened: a FIFO or a device named like a
 weight file would block `open` (or read forever), so it is refused by name instead. Every error
 names the file (and the tensor) concerned.
+
+Published block-quantized checkpoints are read dequantized (`opweave.models.quantized`): an fp8
+`X.weight` with its `X.weight_scale_inv` block scales (DeepSeek-V3, Kimi-K2), and GPT-OSS's MXFP4
+experts, whose `P_blocks` / `P_scales` the reader serves as the dense tensor `P`. `get` and
+`get_slice` return float32 (exact; the operator casts it to the model's dtype on load) unless asked
+for a `dtype`, and a slice reads only the values and scales its rows need.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import stat
 import torch
 
 from opweave.errors import OpWeaveError
+from opweave.models import quantized as Q
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -78,11 +85,20 @@ def _read_index(folder: str) -> dict[str, str]:
 
 
 class CheckpointReader:
-    def __init__(self, folder: str):
+    """Tensors of a safetensors checkpoint folder by name (see the module docstring).
+
+    Args:
+        folder: the checkpoint folder.
+        dtype: the dtype of dequantized tensors (fp8 / MXFP4 ones; default float32, exact);
+            other tensors are returned as stored.
+    """
+
+    def __init__(self, folder: str, dtype: torch.dtype = torch.float32):
         from safetensors import safe_open  # imported here: only weight loading needs it
 
         self._safe_open = safe_open
         self.folder = folder
+        self.dtype = dtype
         self.key_to_file: dict[str, str] = {}
         if os.path.lexists(os.path.join(folder, INDEX_FILE)):
             self.key_to_file = _read_index(folder)
@@ -102,6 +118,7 @@ class CheckpointReader:
         self.num_reads = 0
         # some checkpoints prefix the text model (e.g. multimodal Gemma-3: language_model.model.*)
         self._aliases = self._find_aliases()
+        self._block = self._fp8_block()
 
     def _open(self, name: str):
         """safe_open on one of the checkpoint's files; a file that is not safetensors is named."""
@@ -127,7 +144,23 @@ class CheckpointReader:
             for pattern, ours in HUB_RENAMES:
                 if pattern.search(key):
                     out[pattern.sub(ours, key)] = key
+        for key in self.key_to_file:  # MXFP4: the dense name of P_blocks / P_scales is P
+            if key.endswith(Q.MXFP4_BLOCKS) and key[:-len(Q.MXFP4_BLOCKS)] not in self.key_to_file:
+                out.setdefault(key[:-len(Q.MXFP4_BLOCKS)], key)
         return out
+
+    def _fp8_block(self) -> tuple[int, int]:
+        """The fp8 scale block of config.json's quantization_config (`weight_block_size`), else 128 x 128."""
+        path = os.path.join(self.folder, "config.json")
+        if not os.path.isfile(path):  # absent, or not a regular file (never opened: a FIFO would block)
+            return Q.FP8_BLOCK
+        try:
+            with open(path, encoding="utf-8") as f:
+                quant = json.load(f).get("quantization_config") or {}
+            block = tuple(int(b) for b in quant.get("weight_block_size") or Q.FP8_BLOCK)
+        except (OSError, ValueError, TypeError, AttributeError):  # no / odd config: the hub's block
+            return Q.FP8_BLOCK
+        return block if len(block) == 2 and min(block) > 0 else Q.FP8_BLOCK
 
     def _resolve(self, key: str) -> str | None:
         if key in self.key_to_file:
@@ -146,20 +179,54 @@ class CheckpointReader:
                                f"(the shard index {INDEX_FILE} places it there)")
         return f
 
-    def shape(self, key: str) -> tuple[int, ...]:
-        real = self._require(key)
-        with self._open_holding(real) as f:
-            return tuple(f.get_slice(real).get_shape())
+    @staticmethod
+    def _mxfp4(key: str, real: str) -> bool:
+        """Whether `key` is read as the dense tensor of MXFP4 `real` (`P` of `P_blocks`)."""
+        return real.endswith(Q.MXFP4_BLOCKS) and not key.endswith(Q.MXFP4_BLOCKS)
 
-    def get_slice(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        """Reads only rows [start, stop) of dimension `dim` (a tensor-parallel shard)."""
-        real = self._require(key)
+    def _dense_shape(self, key: str, real: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape `key` is read as: the stored one, or an MXFP4 tensor's dense shape."""
+        if not self._mxfp4(key, real):
+            return shape
+        try:
+            return Q.mxfp4_dense_shape(shape, real[:-len(Q.MXFP4_BLOCKS)])
+        except OpWeaveError as e:
+            raise OpWeaveError(f"{self.folder}: {e}") from None
+
+    def _header(self, real: str) -> tuple[tuple[int, ...], str]:
+        """Shape and safetensors dtype name ("F8_E4M3", "U8", ...) of a stored tensor."""
         with self._open_holding(real) as f:
             part = f.get_slice(real)
+            return tuple(part.get_shape()), part.get_dtype()
+
+    def _stored(self, real: str, index: tuple[slice, ...] | None) -> torch.Tensor:
+        with self._open_holding(real) as f:
+            return f.get_tensor(real) if index is None else f.get_slice(real)[index]
+
+    def _scale_key(self, scale: str, real: str, owner: str) -> str:
+        """`scale`, the scale tensor of quantized tensor `real`; a one-line error when it is missing."""
+        if scale not in self.key_to_file:
+            raise OpWeaveError(f"{self.folder}: tensor '{owner}' is stored quantized ('{real}') but the "
+                               f"checkpoint has no scale tensor '{scale}'")
+        return scale
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        real = self._require(key)
+        shape, _ = self._header(real)
+        return self._dense_shape(key, real, shape)
+
+    def get_slice(self, key: str, dim: int, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Reads only rows [start, stop) of dimension `dim` (a tensor-parallel shard); a quantized
+        tensor reads only those rows' values and scales, and is returned dequantized (`dtype`)."""
+        real = self._require(key)
+        shape, stored = self._header(real)
+        if self._mxfp4(key, real) or stored.startswith("F8"):
+            tensor = self._dequantized(key, real, shape, stored, (dim, start, stop), dtype)
+        else:
             index = tuple([slice(None)] * dim + [slice(start, stop)])
-            tensor = part[index]
+            tensor = self._floating(real, self._stored(real, index))
         self.num_reads += 1
-        return self._floating(real, tensor)
+        return tensor
 
     def _require(self, key: str) -> str:
         real = self._resolve(key)
@@ -176,13 +243,57 @@ class CheckpointReader:
                                "weights must be of a floating-point dtype")
         return tensor
 
-    def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Reads one tensor; checks its shape when `shape` is given."""
+    def _dequantized(self, key: str, real: str, shape: tuple[int, ...], stored: str,
+                     part: tuple[int, int, int] | None, dtype: torch.dtype | None) -> torch.Tensor:
+        """Quantized tensor `real` (header `shape`, `stored` dtype), whole or rows [start, stop) of
+        one dimension (`part`), dequantized to `dtype` (default: the reader's)."""
+        try:
+            return self._dequantize(key, real, shape, stored, part, dtype or self.dtype)
+        except OpWeaveError as e:  # the format's one-line errors, with the checkpoint named
+            message = str(e)
+            raise OpWeaveError(message if message.startswith(self.folder) else f"{self.folder}: {message}") from None
+
+    def _dequantize(self, key: str, real: str, shape: tuple[int, ...], stored: str,
+                    part: tuple[int, int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+        if self._mxfp4(key, real):
+            dense = real[:-len(Q.MXFP4_BLOCKS)]
+            scales = self._scale_key(dense + Q.MXFP4_SCALES, real, key)
+            if stored != "U8":
+                raise OpWeaveError(f"{self.folder}: tensor '{real}' has dtype {stored}; MXFP4 blocks are U8 (uint8)")
+            Q.check_mxfp4(dense, shape, self._header(scales)[0])
+            if part is None:
+                return Q.dequantize_mxfp4(self._stored(real, None), self._stored(scales, None), dtype=dtype, name=dense)
+            read = Q.mxfp4_read(shape, *part)
+            out = Q.dequantize_mxfp4(self._stored(real, read.values), self._stored(scales, read.scales),
+                                     dtype=dtype, name=dense)
+            return out if read.cut is None else out.narrow(*read.cut).contiguous()
+        if stored != "F8_E4M3":
+            raise OpWeaveError(f"{self.folder}: tensor '{real}' has dtype {stored}; OpWeave reads float8 weights "
+                               "as e4m3 with 128x128 block scales (quantization_config fp8) only")
+        scales = self._scale_key(real + Q.FP8_SCALE_SUFFIX, real, key)
+        Q.check_fp8(real, shape, self._header(scales)[0], self._block)
+        if part is None:
+            return Q.dequantize_fp8(self._stored(real, None), self._stored(scales, None), self._block,
+                                    dtype=dtype, name=real)
+        read = Q.fp8_read(shape, *part, block=self._block)
+        row0 = read.offset if read.dim == len(shape) - 2 else 0
+        col0 = read.offset if read.dim == len(shape) - 1 else 0
+        return Q.dequantize_fp8(self._stored(real, read.values), self._stored(scales, read.scales), self._block,
+                                row0=row0, col0=col0, dtype=dtype, name=real)
+
+    def get(self, key: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Reads one tensor; checks its shape when `shape` is given. A quantized tensor (fp8 with
+        block scales, MXFP4) is returned dequantized, in `dtype` (default: the reader's)."""
         real = self._require(key)
-        with self._open_holding(real) as f:
-            tensor = f.get_tensor(real)
-        self.num_reads += 1
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise OpWeaveError(f"{self.folder}: tensor '{key}' has shape {tuple(tensor.shape)}, "
+        stored_shape, stored = self._header(real)
+        quantized = self._mxfp4(key, real) or stored.startswith("F8")
+        full = self._dense_shape(key, real, stored_shape)
+        if shape is not None and tuple(full) != tuple(shape):
+            raise OpWeaveError(f"{self.folder}: tensor '{key}' has shape {tuple(full)}, "
                                f"the config implies {tuple(shape)}")
-        return self._floating(real, tensor)
+        if quantized:
+            tensor = self._dequantized(key, real, stored_shape, stored, None, dtype)
+        else:
+            tensor = self._floating(real, self._stored(real, None))
+        self.num_reads += 1
+        return tensor

@@ -97,8 +97,9 @@ class LinearAttnSpec:
 class WeightFormat:
     """How a published checkpoint stores its matrix weights (`quantization_config`): OpWeave plans
     the model as published, so the weight bytes the cost model reads and memory holds are these;
-    activations and the KV cache keep the model's dtype. Running such weights is not supported
-    (`refuse_quantized`): dequantize the checkpoint first.
+    activations and the KV cache keep the model's dtype. A CPU rank reads such weights dequantized,
+    shard by shard (`opweave.models.quantized`); a GPU rank refuses them (block-scaled GEMMs on the
+    stored format are not built).
 
     fp8: e4m3 values with a float32 scale per 128 x 128 block (DeepSeek-V3, Kimi-K2);
     mxfp4: 4-bit values with a one-byte scale per 32 (GPT-OSS's experts).
@@ -139,14 +140,6 @@ def weight_format(quant: Any, where: str) -> WeightFormat | None:
         return WeightFormat(method="mxfp4", dtype="mxfp4", not_converted=tuple(keep))
     raise OpWeaveError(f"{where}: unsupported quantization_config quant_method {method!r} (supported: fp8 with "
                        "128x128 blocks, mxfp4); remove quantization_config to plan the dequantized model")
-
-
-def refuse_quantized(cfg: "ModelConfig", what: str) -> None:
-    """Loading weights of a quantized config: a one-line OpWeaveError (plans only, `WeightFormat`)."""
-    if cfg.weight_format is not None:
-        raise OpWeaveError(f"{what}: the checkpoint's weights are {cfg.weight_format.method} (quantization_config); "
-                           "OpWeave plans them but runs bfloat16/float16/float32 weights only: dequantize the "
-                           "checkpoint first and remove quantization_config from its config.json")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

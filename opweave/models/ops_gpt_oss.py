@@ -12,8 +12,10 @@ gate/up columns in blocks of whole (gate, up) pairs, and the biases of the parti
 (o_proj, the experts' down projection) are held whole and added by the group's first rank only.
 Under expert parallelism a rank holds a block of whole experts, each with its own biases.
 
-MXFP4-quantised checkpoints (`*_blocks` / `*_scales` expert tensors) are refused with a one-line
-error: dequantise them to bf16 first.
+MXFP4-quantised checkpoints (`*_blocks` / `*_scales` expert tensors, as published) load
+dequantised: `CheckpointReader` serves `gate_up_proj_blocks` / `_scales` as the dense
+`gate_up_proj` [E, H, 2I] (`opweave.models.quantized.dequantize_mxfp4`), a TP or EP shard reading
+only its rows and scale groups; the module holds the model's dtype.
 """
 
 from __future__ import annotations
@@ -119,9 +121,9 @@ class GptOssExperts(RoutedExperts):
 
     def load_weights(self, reader) -> None:
         key = self.weight_keys["gate_up"]
-        if not reader.has(key) and reader.has(key + "_blocks"):
-            raise OpWeaveError(f"{self.cfg.name}: '{key}' is stored MXFP4-quantised ({key}_blocks/_scales); "
-                               f"OpWeave loads bf16/fp32 GPT-OSS weights only: dequantise the checkpoint first")
+        if not reader.has(key) and reader.has(key + "_blocks"):  # `CheckpointReader` serves `key` itself
+            raise OpWeaveError(f"{self.cfg.name}: '{key}' is stored MXFP4-quantised ({key}_blocks/_scales) and "
+                               f"this weight reader does not dequantise it (opweave.models.checkpoint does)")
         super().load_weights(reader)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

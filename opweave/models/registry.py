@@ -17,7 +17,7 @@ import os
 import torch
 
 from opweave.errors import OpWeaveError
-from opweave.models.config import ModelConfig, refuse_quantized
+from opweave.models.config import ModelConfig
 from opweave.models.hf_config import config_from_hf
 from opweave.models.model import CausalLM, build_model
 
@@ -62,8 +62,7 @@ class ModelSource:
 
         if self.kind != "checkpoint":
             raise OpWeaveError(f"{self.name}: no weights to load (give a checkpoint folder)")
-        refuse_quantized(self.cfg, self.path)
-        model = self.build("cpu", dtype)
+        model = self.build("cpu", dtype)  # a published fp8 / MXFP4 checkpoint reads dequantized
         model.load_weights(CheckpointReader(self.path))
         return model
 

@@ -68,10 +68,14 @@ def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return dataclasses.replace(cfg, **changes)
 
 
+RUN_LAYOUTS = EXPERT_LAYOUTS[:2]
+"""The layouts a rank runs: "tp" and "ep" ("dp", data-parallel attention, is planned only)."""
+
+
 def check_layout(layout: str) -> None:
-    """Raises a one-line OpWeaveError unless `layout` is one of `EXPERT_LAYOUTS`."""
-    if layout not in EXPERT_LAYOUTS:
-        raise OpWeaveError(f"routed-experts layout {layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
+    """Raises a one-line OpWeaveError unless a rank runs `layout` (`RUN_LAYOUTS`)."""
+    if layout not in RUN_LAYOUTS:
+        raise OpWeaveError(f"routed-experts layout {layout!r}: a rank runs one of {', '.join(RUN_LAYOUTS)}")
 
 
 class ShardReader:
@@ -220,10 +224,8 @@ def _reader(weights: str, cfg, modules: dict[int, OpModule]):
                     shapes[f"{m.prefix}{e}.down_proj.weight"] = (h, e_i)
         return RandomWeights(cfg, shapes)
     from opweave.models.checkpoint import CheckpointReader
-    from opweave.models.config import refuse_quantized
 
-    refuse_quantized(cfg, weights)
-    return CheckpointReader(weights)
+    return CheckpointReader(weights)  # a published fp8 / MXFP4 checkpoint reads dequantized (`models.quantized`)
 
 
 def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: int,
@@ -242,7 +244,14 @@ def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: in
     device = torch.device(device)
     if load is None:
         load = device.type != "meta"
-    reader = _reader(weights, next(iter(modules.values())).cfg, modules) if load else None
+    cfg = next(iter(modules.values())).cfg
+    if load and device.type == "cuda" and cfg.weight_format is not None and not callable(weights) \
+            and weights != "random":
+        raise OpWeaveError(f"{weights}: the checkpoint's weights are {cfg.weight_format.method} "
+                           "(quantization_config); on a GPU they would be held dequantized, above the planned "
+                           "memory (block-scaled GEMMs on the stored format are not built yet): run on --device "
+                           "cpu, or dequantize the checkpoint and remove quantization_config")
+    reader = _reader(weights, cfg, modules) if load else None
     out = {}
     for index, module in modules.items():
         if tp > 1 and needs_shard(module):
