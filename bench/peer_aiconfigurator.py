@@ -71,6 +71,7 @@ class Setting:
     tpot_ms: float
     ttft_ms: float
     kv_cache_dtype: str = "auto"   # OpWeave's --kv-cache-dtype (AIConfigurator picks its own)
+    attention_dp: bool = False     # OpWeave's --attention-dp (data-parallel attention in expert groups, planned only)
 
     @property
     def cluster(self) -> str:
@@ -80,7 +81,8 @@ class Setting:
     def title(self) -> str:
         return (f"{self.model}, {self.gpus}x {self.gpu.upper()} ({self.aic_system} / {self.cluster}), "
                 f"ISL/OSL {self.isl}/{self.osl}, TPOT <= {self.tpot_ms:g} ms, TTFT <= {self.ttft_ms:g} ms"
-                + ("" if self.kv_cache_dtype == "auto" else f", OpWeave --kv-cache-dtype {self.kv_cache_dtype}"))
+                + ("" if self.kv_cache_dtype == "auto" else f", OpWeave --kv-cache-dtype {self.kv_cache_dtype}")
+                + (", OpWeave --attention-dp (planned only)" if self.attention_dp else ""))
 
 
 SETTINGS = {s.name: s for s in (
@@ -90,6 +92,11 @@ SETTINGS = {s.name: s for s in (
     Setting("deepseek-v3", "deepseek-v3", "h200", "h200_sxm", 16, 1024, 1024, 50, 5000),
     # AIConfigurator serves DeepSeek-V3's FP8 checkpoint with an FP8 KV cache: OpWeave with one too
     Setting("deepseek-v3-fp8kv", "deepseek-v3", "h200", "h200_sxm", 16, 1024, 1024, 50, 5000, "fp8"),
+    # data-parallel attention inside the expert group, as AIConfigurator's MoE plans (OpWeave plans it; its
+    # runtime does not run it yet)
+    Setting("qwen3-moe-dp", "qwen3-30b-a3b", "h200", "h200_sxm", 16, 1024, 1024, 30, 5000, attention_dp=True),
+    Setting("deepseek-v3-fp8kv-dp", "deepseek-v3", "h200", "h200_sxm", 16, 1024, 1024, 50, 5000, "fp8",
+            attention_dp=True),
 )}
 
 
@@ -179,7 +186,7 @@ def opweave_compile(s: Setting, prefill: str, cache: str) -> dict:
     cmd = [sys.executable, "-m", "opweave", "compile", s.model, "--cluster", s.cluster,
            "--tpot-slo", f"{s.tpot_ms:g}ms", "--isl", str(s.isl), "--osl", str(s.osl),
            "--ttft-slo", f"{s.ttft_ms:g}ms", "--prefill", prefill, "--kv-cache-dtype", s.kv_cache_dtype,
-           "-o", out, "--quiet"]
+           "-o", out, "--quiet"] + (["--attention-dp"] if s.attention_dp else [])
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - start
@@ -197,7 +204,7 @@ def plan_gpus(plan: dict) -> int:
 
 def describe_opweave(plan: dict) -> str:
     roles = ("attention ", "FFN ") if plan["template_family"] == "afd" and len(plan["owners"]) == 2 else ("", "")
-    owners = " + ".join(f"{role}{o['replicas']}x tp{o['tp']}{' ep' if o['experts'] == 'ep' else ''}"
+    owners = " + ".join(f"{role}{o['replicas']}x tp{o['tp']}{'' if o['experts'] == 'tp' else ' ' + o['experts']}"
                         for role, o in zip(roles, plan["owners"]))
     sets = plan["prefill"].get("sets", plan["replica_sets"])
     head = f"{plan['template']} {owners}, batch {plan['batch']}/set, {plan['microbatches']} mb, {sets} set(s)"
@@ -231,10 +238,14 @@ def opweave_rows(s: Setting, cache: str) -> tuple[list[dict], dict]:
 # --------------------------------------------------------------------------- cross-pricing
 
 
-def _layout(c: dict, moe: bool) -> tuple[str | None, str | None]:
-    """OpWeave's expert layout for AIConfigurator's agg configuration `c`, or (None, why not)."""
+def _layout(c: dict, moe: bool, attention_dp: bool = False) -> tuple[str | None, str | None]:
+    """OpWeave's expert layout for AIConfigurator's agg configuration `c`, or (None, why not):
+    with `attention_dp`, attention data-parallel 1 x G beside EP G is OpWeave's "dp" owner of G."""
     if c["pp"] != 1 or (c.get("cp") or 1) != 1:
         return None, f"pipeline/context parallel ({c['parallel']}): OpWeave's colocated owners have no PP"
+    if c["attention_dp"] != 1 and attention_dp and moe and c["tp"] == 1 and c["moe_ep"] == c["attention_dp"] \
+            and c["moe_tp"] in (None, 1):
+        return "dp", None
     if c["attention_dp"] != 1:
         return None, (f"attention data-parallel {c['attention_dp']} inside an expert group ({c['parallel']}): "
                       "not expressible in OpWeave (its attention runs TP across the expert group)")
@@ -249,14 +260,15 @@ def opweave_prices_aic(s: Setting, best: dict, fe, moe: bool) -> dict:
     """AIConfigurator's best agg configuration as an OpWeave pinned colocated plan (one replica of
     its TP group at its batch), decode alone and under the workload at its ctx_tokens budget."""
     c = best["config"]
-    layout, why = _layout(c, moe)
+    layout, why = _layout(c, moe, s.attention_dp)
     if layout is None:
         return {"error": why}
+    group = c["attention_dp"] if layout == "dp" else c["tp"]  # GPUs of the owner
     cluster = parse_cluster(s.cluster, load_catalog())
     workload = Workload(isl=s.isl, osl=s.osl, ttft_slo_s=s.ttft_ms / 1e3)
     fe = dataclasses.replace(fe, inputs=dataclasses.replace(fe.inputs, workload=workload))  # workload-sized KV pool
-    owners = [(s.gpu, c["tp"], 1, layout)]
-    args = dict(batch=c["batch_size"], microbatches=1, context=s.isl + s.osl, tpot_slo_s=s.tpot_ms / 1e3)
+    owners = [(s.gpu, group, 1, layout)]
+    args = dict(batch=c["batch_size"] * (group if layout == "dp" else 1), microbatches=1, context=s.isl + s.osl, tpot_slo_s=s.tpot_ms / 1e3)
     waived = None
     try:
         done = pinned_plan(fe, cluster, "colocated", owners, **args)
@@ -275,8 +287,8 @@ def opweave_prices_aic(s: Setting, best: dict, fe, moe: bool) -> dict:
     allowed = traffic.budgets(cand)
     budget = max([b for b in allowed if b <= c["ctx_tokens"]] or [min(allowed)])
     t = traffic.aggregated(cand, budget)
-    return {"decode_tpot_ms": plan.predicted.tpot_ms, "decode_tps_gpu": plan.predicted.tokens_per_s_per_set / c["tp"],
-            "tps_gpu": t.tokens_per_s / c["tp"], "ttft_ms": t.ttft_s * 1e3, "tpot_ms": t.tpot_s * 1e3,
+    return {"decode_tpot_ms": plan.predicted.tpot_ms, "decode_tps_gpu": plan.predicted.tokens_per_s_per_set / group,
+            "tps_gpu": t.tokens_per_s / group, "ttft_ms": t.ttft_s * 1e3, "tpot_ms": t.tpot_s * 1e3,
             "budget": budget, "waived": waived}
 
 
@@ -286,6 +298,8 @@ def aic_prices_opweave(aic_bin: str, s: Setting, plan: dict, cache: str, refresh
     if len(plan["owners"]) != 1 or plan["template"] != "colocated" or plan["microbatches"] != 1:
         return {"error": "not one colocated owner in one microbatch: no AIConfigurator equivalent"}
     o = plan["owners"][0]
+    if o["experts"] == "dp":
+        return {"error": "data-parallel attention owner: not passed to AIConfigurator's estimate here"}
     point = {"tp": o["tp"], "batch": plan["batch"] // o["replicas"], "ctx_tokens": plan["prefill"]["token_budget"]}
     if moe:
         point.update(ep=o["tp"], moe_tp=1) if o["experts"] == "ep" else point.update(ep=1, moe_tp=o["tp"])

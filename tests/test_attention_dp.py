@@ -128,3 +128,40 @@ def test_deepseek_v3_at_the_issues_setting_gains_from_dp(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "runs attention data-parallel" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert math.isfinite(got[False][0])
+
+
+def test_dp_prompt_tokens_spread_over_the_groups_gpus():
+    """Under "dp" every GPU schedules its own rows: a round's prompt tokens are spread over the
+    group for the ops it runs alone, and every token reaches the experts."""
+    from opweave.cost.prefill import round_extra_s
+
+    graph, _ = tiny()
+    h100 = load_catalog()["h100"]
+    tp, rows, tokens = 4, 64, 512
+    got = round_extra_s(graph.ops, h100, tp, rows, 512, tokens, 1024, 512, "dp")
+    want = sum(round_extra_s([op], h100, tp, rows, 512, tokens, 1024, 512, "ep") if op.kind in EXPERT_KINDS
+               else round_extra_s([op], h100, 1, rows // tp, 512, tokens // tp, 1024, 512, "tp")
+               for op in graph.ops)
+    assert got == pytest.approx(want) and got > 0
+
+
+@pytest.mark.slow
+def test_deepseek_v3_under_traffic_gains_from_dp(tmp_path, capsys):
+    """The issue's setting under its workload (ISL/OSL 1024/1024, TTFT <= 5 s, an fp8 KV cache as
+    AIConfigurator's plan has): at least twice the tokens/s per GPU with `--attention-dp`, each
+    GPU of the group prefilling its own rows' prompts beside its decoding rows."""
+    import json
+
+    from opweave.cli import main
+
+    got = {}
+    for flag in ([], ["--attention-dp"]):
+        assert main(["compile", "deepseek-v3", "--cluster", "h200x16", "--tpot-slo", "50ms", "--isl", "1024",
+                     "--osl", "1024", "--ttft-slo", "5s", "--kv-cache-dtype", "fp8", "-o", str(tmp_path / str(bool(flag))),
+                     "--quiet", "--format", "json"] + flag) == 0
+        plan = json.loads(capsys.readouterr().out)
+        gpus = plan["replica_sets"] * sum(o["tp"] * o["replicas"] for o in plan["owners"]) + sum(
+            o["tp"] * o["replicas"] for o in plan["prefill"].get("owners", []))
+        assert plan["tpot_ms"] <= 50 and plan["ttft_ms"] <= 5000
+        got[bool(flag)] = plan["tokens_per_s"] / gpus
+    assert got[True] >= 2 * got[False], got

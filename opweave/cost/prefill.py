@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from opweave.ir.tp import EXPERT_KINDS
 from opweave.cost.model import (CostModel, expert_parallel_factors, op_stream_bytes, op_times, overlapped_s, shards,
                                 state_shards, transfer_s)
 from opweave.hardware.catalog import GPUSpec
@@ -142,10 +143,18 @@ def round_extra_s(ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, rows: i
     the prompt tokens' at the prompt's mean context, at the prefill efficiency) overlap as one op's
     do; the gain is that minus decode's, plus the TP collectives at `rows + tokens` rows and an
     eager launch in place of a graph replay (a round with prompt tokens has no decode graph). The
-    LM head and the sampler see a prompt's last token only: `tokens / isl` of them."""
+    LM head and the sampler see a prompt's last token only: `tokens / isl` of them. Under "dp" the
+    prompt tokens are spread over the group's GPUs, each its own rows' (`opweave.ir.tp`)."""
     if tokens <= 0:
         return 0.0
     cost_model = cost_model or CostModel()
+    if layout == "dp" and tp > 1:  # data-parallel attention: each GPU schedules its own rows, so the group's
+        # prompt tokens are spread over its GPUs; the experts see every row and token of the group as "ep"
+        return sum(round_extra_s([op], gpu, tp, rows, context, tokens, isl, hidden_bytes, "ep", cost_model)
+                   if op.kind in EXPERT_KINDS else
+                   round_extra_s([op], gpu, 1, -(-rows // tp), context, -(-tokens // tp), isl, hidden_bytes, "tp",
+                                 cost_model)
+                   for op in ops)
     extra = 0.0
     for i, op in enumerate(ops):
         last_only = op.kind in LAST_TOKEN_KINDS

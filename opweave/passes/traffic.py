@@ -180,6 +180,12 @@ def erlang_c_wait(servers: int, offered: float, service_s: float) -> tuple[float
     return waits / rate / 2, (math.log(waits / TAIL) / rate / 2 if waits > TAIL else 0.0)
 
 
+def schedulers_per_replica(owner) -> int:
+    """Schedulers one replica of the embedding's owner runs: one, or one per GPU when its attention
+    is data-parallel inside the expert group ("dp": each GPU prefills and decodes its own rows)."""
+    return owner.tp if owner.experts == "dp" else 1
+
+
 class TrafficModel:
     """Prices the plans of one plan space under its workload (memoized per space)."""
 
@@ -221,21 +227,23 @@ class TrafficModel:
     @staticmethod
     def _tokens(cand: Candidate, owner, budget: int) -> int:
         """Prompt tokens one replica of `owner` computes in a round where every scheduler (one per
-        replica of stage 0's owner) spends `budget`."""
+        replica of stage 0's owner, one per GPU of it under "dp") spends `budget`."""
         first = cand.owners[cand.problem.stages[0].owner]
-        return math.ceil(budget * first.replicas / owner.replicas)
+        return math.ceil(budget * first.replicas * schedulers_per_replica(first) / owner.replicas)
 
     def budgets(self, cand: Candidate) -> tuple[int, ...]:
         """The token budgets the candidate's planned activations hold (each owner's replica holds
         its rows x the plan's prefill chunk; the runtime checks the same bound)."""
         first = cand.owners[cand.problem.stages[0].owner]
-        bound = min(o.share * o.replicas // first.replicas for o in cand.owners) * self.space.prefill_chunk
+        per = first.replicas * schedulers_per_replica(first)
+        bound = min(o.share * o.replicas // per for o in cand.owners) * self.space.prefill_chunk
         bound = max(1, bound)
         return tuple(b for b in TOKEN_BUDGETS if b <= bound) or (bound,)
 
     def aggregated(self, cand: Candidate, budget: int) -> Traffic:
         w, sim = self.workload, cand.sim
-        schedulers = cand.owners[cand.problem.stages[0].owner].replicas
+        first = cand.owners[cand.problem.stages[0].owner]
+        schedulers = first.replicas * schedulers_per_replica(first)
         rows = cand.batch / cand.microbatches / schedulers
         rounds = math.ceil(w.isl / budget)
         lam = min(rows / (w.osl - 1 + rounds), budget / w.isl)   # requests per round, microbatch and scheduler
