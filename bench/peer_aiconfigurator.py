@@ -71,7 +71,7 @@ class Setting:
     tpot_ms: float
     ttft_ms: float
     kv_cache_dtype: str = "auto"   # OpWeave's --kv-cache-dtype (AIConfigurator picks its own)
-    attention_dp: bool = False     # OpWeave's --attention-dp (data-parallel attention in expert groups, planned only)
+    attention_dp: bool = False     # OpWeave's --attention-dp (data-parallel attention in expert groups)
 
     @property
     def cluster(self) -> str:
@@ -82,7 +82,7 @@ class Setting:
         return (f"{self.model}, {self.gpus}x {self.gpu.upper()} ({self.aic_system} / {self.cluster}), "
                 f"ISL/OSL {self.isl}/{self.osl}, TPOT <= {self.tpot_ms:g} ms, TTFT <= {self.ttft_ms:g} ms"
                 + ("" if self.kv_cache_dtype == "auto" else f", OpWeave --kv-cache-dtype {self.kv_cache_dtype}")
-                + (", OpWeave --attention-dp (planned only)" if self.attention_dp else ""))
+                + (", OpWeave --attention-dp" if self.attention_dp else ""))
 
 
 SETTINGS = {s.name: s for s in (
@@ -92,8 +92,7 @@ SETTINGS = {s.name: s for s in (
     Setting("deepseek-v3", "deepseek-v3", "h200", "h200_sxm", 16, 1024, 1024, 50, 5000),
     # AIConfigurator serves DeepSeek-V3's FP8 checkpoint with an FP8 KV cache: OpWeave with one too
     Setting("deepseek-v3-fp8kv", "deepseek-v3", "h200", "h200_sxm", 16, 1024, 1024, 50, 5000, "fp8"),
-    # data-parallel attention inside the expert group, as AIConfigurator's MoE plans (OpWeave plans it; its
-    # runtime does not run it yet)
+    # data-parallel attention inside the expert group, as AIConfigurator's MoE plans (compile --attention-dp)
     Setting("qwen3-moe-dp", "qwen3-30b-a3b", "h200", "h200_sxm", 16, 1024, 1024, 30, 5000, attention_dp=True),
     Setting("deepseek-v3-fp8kv-dp", "deepseek-v3", "h200", "h200_sxm", 16, 1024, 1024, 50, 5000, "fp8",
             attention_dp=True),

@@ -1,8 +1,9 @@
 """Data-parallel attention inside an expert-parallel group (owner layout "dp", `compile
 --attention-dp`): each GPU of the group runs every op but the routed experts at TP 1 on its own
 rows, the routed experts are spread over the GPUs. Its cost and memory terms, the pruned search
-equal to exhaustive enumeration with it, the issue's DeepSeek-V3 setting, and the runtime's
-one-line refusal (it does not run such plans yet)."""
+equal to exhaustive enumeration with it, the issue's DeepSeek-V3 setting, and such plans on CPU
+ranks: each rank a TP 1 replica with its own rows, its routed experts the group's share, the
+group's tokens gathered at each MoE layer; token-identical to transformers, memory as planned."""
 
 import functools
 import math
@@ -123,10 +124,7 @@ def test_deepseek_v3_at_the_issues_setting_gains_from_dp(tmp_path, capsys):
         got[bool(flag)] = (plan["tokens_per_s"] / gpus, plan)
     assert got[True][0] >= 2 * got[False][0], (got[True][0], got[False][0])
     assert any(o["experts"] == "dp" for o in got[True][1]["owners"])
-    assert "planned only" in (tmp_path / "dp" / "plan.txt").read_text()
-    assert main(["run", str(tmp_path / "dp"), "--weights", "random", "--prompt-ids", "1,2,3"]) == 2
-    err = capsys.readouterr().err
-    assert "runs attention data-parallel" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "(dp: attention data-parallel" in (tmp_path / "dp" / "plan.txt").read_text()
     assert math.isfinite(got[False][0])
 
 
@@ -165,3 +163,60 @@ def test_deepseek_v3_under_traffic_gains_from_dp(tmp_path, capsys):
         assert plan["tpot_ms"] <= 50 and plan["ttft_ms"] <= 5000
         got[bool(flag)] = plan["tokens_per_s"] / gpus
     assert got[True] >= 2 * got[False], got
+
+
+# ---------------------------------------------------------------- on CPU ranks
+PROMPTS = [[(7 * i + 3) % 100 for i in range(20)], [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11], [42],
+           [60, 61, 62, 63, 64, 65]]
+RUN_TOKENS = 6
+
+
+def _dp_artifact(folder: str, out: str, group: int) -> str:
+    from opweave.compiler.compile import write_artifact
+    from opweave.compiler.frontend import run_front_end
+    from opweave.compiler.pinned import pinned_plan
+    from opweave.hardware.cluster import parse_cluster
+
+    compiled = pinned_plan(run_front_end(folder), parse_cluster("h100x8+l40sx8", load_catalog()), "colocated",
+                           [("h100", group, 1, "dp")], batch=2 * group, microbatches=2, context=64)
+    write_artifact(out, compiled)
+    return out
+
+
+@pytest.mark.parametrize("family,group", [("qwen3_moe", 4), ("deepseek_v3", 2), ("mixtral", 4), ("gpt_oss", 2)])
+@pytest.mark.slow
+def test_a_dp_plan_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch, family, group):
+    """Each of the group's ranks schedules its own rows (its own KV pages) and holds E / G experts;
+    decode rounds run under NoHostSync (the gathers' sizes come from the agreed layout)."""
+    from hf_fixtures import hf_generate
+    from opweave.runtime.launch import RunConfig, run_detailed
+    from opweave.runtime.scheduler import Request
+
+    folder = tiny_checkpoint(family)
+    out = _dp_artifact(folder, str(tmp_path / "art"), group)
+    monkeypatch.setenv("OPWEAVE_CHECK_SYNC", "1")
+    requests = tuple(Request(index=i, prompt=p, max_new_tokens=RUN_TOKENS) for i, p in enumerate(PROMPTS))
+    outputs, stats = run_detailed(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests,
+                                            timeout_s=300))
+    assert all(r.error is None for r in outputs)
+    assert [tuple(r.output) for r in outputs] == [tuple(hf_generate(folder, p, RUN_TOKENS)[1]) for p in PROMPTS]
+    assert len(stats["checked_rounds"]) == group and min(stats["checked_rounds"]) >= 1
+
+
+def test_dp_ranks_allocate_their_planned_weights_and_state(tiny_checkpoint, tmp_path):
+    """A dp rank holds every op but the routed experts whole, E / G experts and its own rows'
+    state: what the plan counts (`opweave dump --what memory`)."""
+    from opweave.ir.program import program_from_json
+    from opweave.profile.allocated import artifact_memory
+
+    out = _dp_artifact(tiny_checkpoint("qwen3_moe"), str(tmp_path / "art"), 4)
+    ranks = artifact_memory(out, activations=False)
+    assert len(ranks) == 4 and {r.tp for r in ranks} == {1}
+    for r in ranks:
+        for what in ("weights", "state"):
+            assert getattr(r.allocated, what) == pytest.approx(getattr(r.planned, what), rel=0.01, abs=1), (r, what)
+        assert r.kv_pages[0] == r.kv_pages[1] > 0
+    with open(tmp_path / "art" / "rank_02.json") as f:
+        program = program_from_json(__import__("json").load(f))
+    assert program.experts == "dp" and program.ep_group == (0, 1, 2, 3) and program.ep_groups == ((0, 1, 2, 3),)
+    assert program.scheduler and program.rows == program.ep_rows[2] and len(program.scheduler_leaders) == 4

@@ -87,8 +87,7 @@ def args_compile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-dp", action="store_true",
                    help="also search data-parallel attention inside expert-parallel groups (an owner whose GPUs "
                         "each run attention for their own rows, the routed experts spread over them: DeepSeek's "
-                        "and SGLang's wide-EP layout); plans with it are planned only: the runtime does not run "
-                        "them yet")
+                        "and SGLang's wide-EP layout; off by default until it has run on GPUs: CPU ranks run it)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="largest resident batch per replica set the search tries (default 4096, "
                         "opweave.passes.search.DEFAULT_MAX_BATCH; the grid also stops where the cluster's memory does)")

@@ -222,8 +222,8 @@ def format_plan(plan: Plan, search_seconds: float | None = None) -> str:
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
     if any(o.experts == "dp" for o in plan.owners):
-        lines.append("  (dp: attention data-parallel on the group's GPUs, routed experts spread over them; "
-                     "planned only: the runtime does not run it yet)")
+        lines.append("  (dp: attention data-parallel on the group's GPUs, each its own rows; routed experts spread "
+                     "over them, the group's tokens gathered at each MoE layer)")
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.append(f"  predicted: TPOT {p.tpot_ms:.3g} ms, {p.tokens_per_s:,.0f} tokens/s, "
                  f"${p.cost_per_mtok_usd:.4g} per Mtoken, ${p.cost_per_hour_usd:.4g}/h, "

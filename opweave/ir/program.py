@@ -104,6 +104,10 @@ class RankProgram:
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per round and microbatch at most (chunked prefill)
     kv_cache_dtype: str = "auto"    # attention's keys and values: the model's dtype, or "fp8" (e4m3)
     experts: str = "tp"             # routed experts' layout in this TP group (`opweave.ir.tp.EXPERT_LAYOUTS`)
+    ep_group: tuple[int, ...] = ()  # "dp": the ranks whose routed experts this rank's tokens visit (its owner's
+                                    # expert group: each a TP 1 replica with its own rows), in order
+    ep_groups: tuple[tuple[int, ...], ...] = ()  # every such group of the world (created by all ranks, in order)
+    ep_rows: tuple[tuple[int, int], ...] = ()    # each member's rows of a microbatch, in `ep_group` order
 
     @property
     def leader(self) -> int:
@@ -154,6 +158,8 @@ def program_from_json(d: dict[str, Any]) -> RankProgram:
                    for s in d["stages"])
     return RankProgram(**{**d, "tp_group": tuple(d["tp_group"]), "tp_groups": _tuples(d["tp_groups"]),
                           "rows": tuple(d["rows"]), "scheduler_leaders": tuple(d["scheduler_leaders"]),
+                          "ep_group": tuple(d.get("ep_group", ())), "ep_groups": _tuples(d.get("ep_groups", [])),
+                          "ep_rows": _tuples(d.get("ep_rows", [])),
                           "token_sources": tuple(Peer(**p) for p in d["token_sources"]),
                           "stages": stages})
 

@@ -74,9 +74,39 @@ def _transfer(graph: OpGraph, cut: int, values: tuple[str, ...], peers: tuple[Pe
                     layouts=tuple(value_layout(graph, v) for v in values), peers=peers)
 
 
+def as_replicas(plan: Plan) -> Plan:
+    """`plan` with each owner whose attention is data-parallel inside its expert group ("dp", tp
+    G, r replicas) as r x G replicas of TP 1, each with its own rows: what its ranks run, but for
+    the routed experts (`expert_groups`)."""
+    if not any(o.experts == "dp" for o in plan.owners):
+        return plan
+    owners = tuple(dataclasses.replace(o, tp=1, replicas=o.replicas * o.tp,
+                                       gpus=tuple((g,) for replica in o.gpus for g in replica))
+                   if o.experts == "dp" else o for o in plan.owners)
+    return dataclasses.replace(plan, owners=owners)
+
+
+def expert_groups(plan: Plan) -> dict[tuple[int, int], tuple[int, ...]]:
+    """(owner, replica of `as_replicas(plan)`) -> the ranks of its expert group, for "dp" owners
+    (`plan` as compiled: G consecutive replicas make one group)."""
+    flat = as_replicas(plan)
+    leaders = _leaders(flat)
+    out = {}
+    for o in plan.owners:
+        if o.experts != "dp":
+            continue
+        for j in range(o.replicas * o.tp):
+            g = j // o.tp
+            out[(o.slot, j)] = tuple(leaders[(o.slot, g * o.tp + k)] for k in range(o.tp))
+    return out
+
+
 def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: str,
           num_head_layers: int = 0) -> tuple[RankProgram, ...]:
     """One program per rank of replica set 0."""
+    ep = expert_groups(plan)
+    ep_groups = tuple(sorted(set(ep.values())))
+    plan = as_replicas(plan)
     layout = rank_layout(plan)
     leaders = _leaders(plan)
     mb = plan.batch // plan.microbatches
@@ -136,5 +166,8 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
             scheduler_leaders=tuple(leaders[(first_owner, jj)] for jj in range(plan.owners[first_owner].replicas)),
             token_sources=_overlaps(plan, leaders, last_owner, rows, mb, len(plan.stages) - 1) if scheduler else (),
             stages=tuple(stages), model=plan.model, plan_hash=plan_hash, context=plan.context,
-            prefill_chunk=plan.prefill_chunk, experts=owner.experts, kv_cache_dtype=plan.kv_cache_dtype))
+            prefill_chunk=plan.prefill_chunk, experts=owner.experts, kv_cache_dtype=plan.kv_cache_dtype,
+            ep_group=ep.get((o, j), ()), ep_groups=ep_groups,
+            ep_rows=tuple(replica_rows(mb, owner.replicas)[(j // len(ep[(o, j)])) * len(ep[(o, j)]) + k]
+                          for k in range(len(ep[(o, j)]))) if (o, j) in ep else ()))
     return tuple(programs)

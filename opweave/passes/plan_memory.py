@@ -22,7 +22,7 @@ from opweave.ir.graph import Op, OpGraph
 from opweave.ir.plan import PAGE_TOKENS, PREFILL_CHUNK
 from opweave.ir.workload import Workload, kv_pool_pages
 from opweave.passes.carry import held_peak
-from opweave.passes.lower import replica_rows
+from opweave.passes.lower import as_replicas, replica_rows
 from opweave.runtime.message import message_bytes
 
 SEND_ROUNDS = 2
@@ -87,7 +87,9 @@ def owner_ops(plan, graph: OpGraph, owner: int) -> list[Op]:
 def kv_pool(plan, graph: OpGraph, owner: int, replica: int) -> int:
     """The KV pages of the pool of a rank of (owner, replica): its slots at the full context, or
     sized for the plan's workload (`ir.workload.kv_pool_pages`) when every owner holding state
-    serves exactly one scheduling replica's rows (the runtime's rule, `worker.planned_kv_pages`)."""
+    serves exactly one scheduling replica's rows (the runtime's rule, `worker.planned_kv_pages`).
+    A "dp" owner's replicas are its lowered TP 1 replicas (`lower.as_replicas`)."""
+    plan = as_replicas(plan)
     lo, hi = replica_rows(plan.batch // plan.microbatches, plan.owners[owner].replicas)[replica]
     first = plan.owners[plan.stages[0].owner].replicas
     split = any(plan.owners[st.owner].replicas != first and any(op.state for op in graph.ops[st.first_op:st.last_op + 1])
@@ -96,10 +98,30 @@ def kv_pool(plan, graph: OpGraph, owner: int, replica: int) -> int:
     return kv_pool_pages(plan.microbatches * (hi - lo), plan.context, workload, PAGE_TOKENS)
 
 
+def _dp_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: int, width: int) -> MemoryBreakdown:
+    """A rank of a "dp" owner of G GPUs: every op but the routed experts whole, at its own rows;
+    E / G experts, which see the rows of its expert group."""
+    from opweave.ir.tp import EXPERT_KINDS
+
+    g, flat = plan.owners[owner].tp, as_replicas(plan)
+    lo, hi = replica_rows(flat.batch // flat.microbatches, flat.owners[owner].replicas)[replica]
+    ops = owner_ops(flat, graph, owner)
+    dense, experts = [op for op in ops if op.kind not in EXPERT_KINDS], [op for op in ops if op.kind in EXPERT_KINDS]
+    return MemoryBreakdown(
+        weights=weight_bytes(dense, 1) + weight_bytes(experts, g, "ep"),
+        state=state_bytes(ops, 1, flat.microbatches * (hi - lo), flat.context, kv_pool(flat, graph, owner, replica)),
+        activations=max(activation_bytes(dense, 1, hi - lo, width, flat.context),
+                        activation_bytes(experts, g, g * (hi - lo), width, flat.context, "ep")),
+        buffers=buffer_bytes(flat, owner, replica, width, tp_rank))
+
+
 def plan_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: int,
                      width: int = PREFILL_CHUNK) -> MemoryBreakdown:
-    """The planned breakdown of the GPU at (owner, replica, TP rank) of a plan."""
+    """The planned breakdown of the GPU at (owner, replica, TP rank) of a plan (a "dp" owner's
+    replicas and ranks as lowered: `lower.as_replicas`)."""
     o = plan.owners[owner]
+    if o.experts == "dp" and o.tp > 1:
+        return _dp_rank_memory(plan, graph, owner, replica, tp_rank, width)
     lo, hi = replica_rows(plan.batch // plan.microbatches, o.replicas)[replica]
     ops = owner_ops(plan, graph, owner)
     owners = [st.owner for st in plan.stages]

@@ -515,12 +515,6 @@ def planned_prefill(cfg: RunConfig, artifact: VerifiedArtifact) -> RunConfig:
     aggregated plan's token budget is the default `--prefill-budget`; a disaggregated plan is
     served by prefill ranks of its own (`disaggregated`)."""
     plan = artifact.json("plan.json") if "plan.json" in artifact.files else None
-    owners = plan.get("owners") if isinstance(plan, dict) else None
-    dp = [o.get("slot") for o in owners or () if isinstance(o, dict) and o.get("experts") == "dp"]
-    if dp:
-        raise OpWeaveError(f"{os.path.join(artifact.folder, 'plan.json')}: owner o{dp[0]} runs attention data-parallel "
-                           "inside its expert-parallel group (compile --attention-dp), which this runtime cannot run "
-                           "yet; compile without --attention-dp to run it")
     prefill = plan.get("prefill") if isinstance(plan, dict) else None
     if not isinstance(prefill, dict):
         return cfg

@@ -34,7 +34,7 @@ import torch
 
 from opweave.errors import OpWeaveError
 from opweave.ir.kinds import OpKind
-from opweave.ir.tp import EXPERT_LAYOUTS, OpTP, share
+from opweave.ir.tp import EXPERT_KINDS, EXPERT_LAYOUTS, OpTP, share
 from opweave.models.config import ModelConfig
 from opweave.models.ops import OpModule
 from opweave.runtime.heartbeat import Phase, report
@@ -68,8 +68,14 @@ def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return dataclasses.replace(cfg, **changes)
 
 
-RUN_LAYOUTS = EXPERT_LAYOUTS[:2]
-"""The layouts a rank runs: "tp" and "ep" ("dp", data-parallel attention, is planned only)."""
+RUN_LAYOUTS = EXPERT_LAYOUTS
+"""The layouts a rank runs ("dp": a TP 1 rank whose routed experts are its expert group's share)."""
+
+
+def program_ep(program) -> tuple[int, int]:
+    """(expert group size, this rank's place in it) of a rank program: "dp" ranks' `ep_group`,
+    (1, 0) for every other rank."""
+    return (len(program.ep_group), program.ep_group.index(program.rank)) if program.ep_group else (1, 0)
 
 
 def check_layout(layout: str) -> None:
@@ -230,14 +236,16 @@ def _reader(weights: str, cfg, modules: dict[int, OpModule]):
 
 def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: int,
                 device: torch.device, load: bool | None = None, names: list[str] | None = None,
-                who: str = "", experts: str = "tp") -> dict[int, OpModule]:
+                who: str = "", experts: str = "tp", ep: tuple[int, int] = (1, 0)) -> dict[int, OpModule]:
     """The rank's operators on `device` with their (sharded) weights loaded: the TP table
     (`opweave.ir.tp`) says which are sharded and how, `experts` ("tp" | "ep", the rank program's
     `experts`) how routed experts are held. A tied LM head on the rank that also holds
     the embedding views its block of the embedding's weight (held once, as the planner counts).
     On the meta device nothing is read unless `load` says so (by default, `load` is whether the
     device is a real one): the modules show what the rank would allocate. Every tensor of the
-    result is checked to be on `device` (`check_placement`: `names` names the ops, `who` the rank)."""
+    result is checked to be on `device` (`check_placement`: `names` names the ops, `who` the rank).
+    `ep`: under "dp" (a TP 1 rank of an expert group), the group's size and this rank's place in
+    it: its routed experts are that block of the experts, every other op whole."""
     check_layout(experts)
     if not modules:
         return {}
@@ -254,7 +262,9 @@ def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: in
     reader = _reader(weights, cfg, modules) if load else None
     out = {}
     for index, module in modules.items():
-        if tp > 1 and needs_shard(module):
+        if experts == "dp" and ep[0] > 1 and module.kind in EXPERT_KINDS:
+            module = shard_module(module, ep[0], ep[1], reader, device, "ep")
+        elif tp > 1 and needs_shard(module):
             module = shard_module(module, tp, tp_rank, reader, device, experts)
         else:
             module = module.to_empty(device=device)

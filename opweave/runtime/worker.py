@@ -31,7 +31,7 @@ from opweave import config
 from opweave.ir.kinds import OpKind
 from opweave.ir.plan import plan_from_json
 from opweave.ir.program import RankProgram, program_from_json
-from opweave.ir.tp import share
+from opweave.ir.tp import EXPERT_KINDS, share
 from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import OpModule, torch_dtype
@@ -48,7 +48,7 @@ from opweave.artifact import VerifiedArtifact, load_artifact, load_program_sourc
 from opweave.kernels.logprobs import bare, record_width
 from opweave.kernels.sampling import WORD, bad_word
 from opweave.runtime.scheduler import Request, Scheduler
-from opweave.runtime.shard import check_placement, materialize
+from opweave.runtime.shard import check_placement, materialize, program_ep
 from opweave.runtime.state import RankState, StateView
 from opweave.runtime.syncguard import NoHostSync
 from opweave.runtime.timeline import Timeline
@@ -99,8 +99,17 @@ class Runtime:
         op_names = artifact.json("ops.json")
         self.modules: dict[int, OpModule] = materialize(
             {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device,
-            names=op_names, who=f"rank {program.rank}", experts=program.experts)
+            names=op_names, who=f"rank {program.rank}", experts=program.experts,
+            ep=program_ep(program))
         self.ops = _packed(with_kernels(self.modules, self.device), self.modules, lambda: self.layouts[self._mb])
+        if program.ep_group:  # "dp": the routed experts see the expert group's tokens (`runtime/dpexperts.py`)
+            from opweave.runtime.dpexperts import GroupExperts
+
+            for i, module in self.modules.items():
+                if module.kind in EXPERT_KINDS:
+                    self.ops[i] = GroupExperts(self.ops[i], groups[program.ep_group], program.ep_rows,
+                                               program.ep_group.index(program.rank),
+                                               lambda: self.transport.counts[self._mb], comm)
         self._progress_setup(program.rank)
         self.kernels = device_kernels(self.device)  # the backend of the fused ops the runtime calls itself
         self.rows = program.rows[1] - program.rows[0]
@@ -567,7 +576,7 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
     if isinstance(artifact, str):
         artifact = load_artifact(artifact, rank_files(rank))
     program = program_from_json(artifact.json(f"rank_{rank:02d}.json"))
-    groups = {g: dist.new_group(list(g)) for g in program.tp_groups}  # every rank creates every group
+    groups = {g: dist.new_group(list(g)) for g in program.tp_groups + program.ep_groups}  # every rank: every group
     rt = Runtime(artifact, program, weights, device, groups, _my_requests(program, requests), trace=trace,
                  serve=serve, replica_set=replica_set, prefill_budget=prefill_budget, prefix_cache=prefix_cache,
                  kv_pages=kv_pages, max_logprobs=max_logprobs, pd=pd)
