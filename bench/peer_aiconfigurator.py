@@ -71,7 +71,8 @@ class Setting:
     tpot_ms: float
     ttft_ms: float
     kv_cache_dtype: str = "auto"   # OpWeave's --kv-cache-dtype (AIConfigurator picks its own)
-    attention_dp: bool = False     # OpWeave's --attention-dp (data-parallel attention in expert groups)
+    attention_dp: bool = False     # OpWeave with data-parallel attention in expert groups (its default); False:
+                                   # --no-attention-dp, the plan space without it
 
     @property
     def cluster(self) -> str:
@@ -82,7 +83,7 @@ class Setting:
         return (f"{self.model}, {self.gpus}x {self.gpu.upper()} ({self.aic_system} / {self.cluster}), "
                 f"ISL/OSL {self.isl}/{self.osl}, TPOT <= {self.tpot_ms:g} ms, TTFT <= {self.ttft_ms:g} ms"
                 + ("" if self.kv_cache_dtype == "auto" else f", OpWeave --kv-cache-dtype {self.kv_cache_dtype}")
-                + (", OpWeave --attention-dp" if self.attention_dp else ""))
+                + ("" if self.attention_dp or self.model.startswith("llama") else ", OpWeave --no-attention-dp"))
 
 
 SETTINGS = {s.name: s for s in (
@@ -92,7 +93,7 @@ SETTINGS = {s.name: s for s in (
     Setting("deepseek-v3", "deepseek-v3", "h200", "h200_sxm", 16, 1024, 1024, 50, 5000),
     # AIConfigurator serves DeepSeek-V3's FP8 checkpoint with an FP8 KV cache: OpWeave with one too
     Setting("deepseek-v3-fp8kv", "deepseek-v3", "h200", "h200_sxm", 16, 1024, 1024, 50, 5000, "fp8"),
-    # data-parallel attention inside the expert group, as AIConfigurator's MoE plans (compile --attention-dp)
+    # data-parallel attention inside the expert group, as AIConfigurator's MoE plans (OpWeave's default)
     Setting("qwen3-moe-dp", "qwen3-30b-a3b", "h200", "h200_sxm", 16, 1024, 1024, 30, 5000, attention_dp=True),
     Setting("deepseek-v3-fp8kv-dp", "deepseek-v3", "h200", "h200_sxm", 16, 1024, 1024, 50, 5000, "fp8",
             attention_dp=True),
@@ -185,7 +186,7 @@ def opweave_compile(s: Setting, prefill: str, cache: str) -> dict:
     cmd = [sys.executable, "-m", "opweave", "compile", s.model, "--cluster", s.cluster,
            "--tpot-slo", f"{s.tpot_ms:g}ms", "--isl", str(s.isl), "--osl", str(s.osl),
            "--ttft-slo", f"{s.ttft_ms:g}ms", "--prefill", prefill, "--kv-cache-dtype", s.kv_cache_dtype,
-           "-o", out, "--quiet"] + (["--attention-dp"] if s.attention_dp else [])
+           "-o", out, "--quiet"] + ([] if s.attention_dp else ["--no-attention-dp"])
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - start

@@ -1,5 +1,5 @@
-"""Data-parallel attention inside an expert-parallel group (owner layout "dp", `compile
---attention-dp`): each GPU of the group runs every op but the routed experts at TP 1 on its own
+"""Data-parallel attention inside an expert-parallel group (owner layout "dp", searched by
+default, `--no-attention-dp` leaves it out): each GPU of the group runs every op but the routed experts at TP 1 on its own
 rows, the routed experts are spread over the GPUs. Its cost and memory terms, the pruned search
 equal to exhaustive enumeration with it, the issue's DeepSeek-V3 setting, and such plans on CPU
 ranks: each rank a TP 1 replica with its own rows, its routed experts the group's share, the
@@ -37,7 +37,7 @@ def tiny():
     return graph, find_blocks(graph)
 
 
-def test_dp_is_searched_only_on_request_and_only_with_experts():
+def test_dp_is_searched_only_with_experts():
     assert layout_choices(True, 4) == ("tp", "ep")
     assert layout_choices(True, 4, attention_dp=True) == ("tp", "ep", "dp")
     assert layout_choices(False, 4, attention_dp=True) == ("tp",)
@@ -114,14 +114,14 @@ def test_deepseek_v3_at_the_issues_setting_gains_from_dp(tmp_path, capsys):
     from opweave.cli import main
 
     got = {}
-    for flag in ([], ["--attention-dp"]):
-        out = tmp_path / ("dp" if flag else "no")
+    for flag in (["--no-attention-dp"], []):
+        out = tmp_path / ("no" if flag else "dp")
         assert main(["compile", "deepseek-v3", "--cluster", "h200x16", "--tpot-slo", "50ms", "--context", "1536",
                      "-o", str(out), "--quiet", "--format", "json"] + flag) == 0
         plan = json.loads(capsys.readouterr().out)
         assert plan["tpot_ms"] <= 50
         gpus = plan["replica_sets"] * sum(o["tp"] * o["replicas"] for o in plan["owners"])
-        got[bool(flag)] = (plan["tokens_per_s"] / gpus, plan)
+        got[not flag] = (plan["tokens_per_s"] / gpus, plan)
     assert got[True][0] >= 2 * got[False][0], (got[True][0], got[False][0])
     assert any(o["experts"] == "dp" for o in got[True][1]["owners"])
     assert "(dp: attention data-parallel" in (tmp_path / "dp" / "plan.txt").read_text()
@@ -146,14 +146,14 @@ def test_dp_prompt_tokens_spread_over_the_groups_gpus():
 @pytest.mark.slow
 def test_deepseek_v3_under_traffic_gains_from_dp(tmp_path, capsys):
     """The issue's setting under its workload (ISL/OSL 1024/1024, TTFT <= 5 s, an fp8 KV cache as
-    AIConfigurator's plan has): at least twice the tokens/s per GPU with `--attention-dp`, each
+    AIConfigurator's plan has): at least twice the tokens/s per GPU of `--no-attention-dp`, each
     GPU of the group prefilling its own rows' prompts beside its decoding rows."""
     import json
 
     from opweave.cli import main
 
     got = {}
-    for flag in ([], ["--attention-dp"]):
+    for flag in (["--no-attention-dp"], []):
         assert main(["compile", "deepseek-v3", "--cluster", "h200x16", "--tpot-slo", "50ms", "--isl", "1024",
                      "--osl", "1024", "--ttft-slo", "5s", "--kv-cache-dtype", "fp8", "-o", str(tmp_path / str(bool(flag))),
                      "--quiet", "--format", "json"] + flag) == 0
@@ -161,7 +161,7 @@ def test_deepseek_v3_under_traffic_gains_from_dp(tmp_path, capsys):
         gpus = plan["replica_sets"] * sum(o["tp"] * o["replicas"] for o in plan["owners"]) + sum(
             o["tp"] * o["replicas"] for o in plan["prefill"].get("owners", []))
         assert plan["tpot_ms"] <= 50 and plan["ttft_ms"] <= 5000
-        got[bool(flag)] = plan["tokens_per_s"] / gpus
+        got[not flag] = plan["tokens_per_s"] / gpus
     assert got[True] >= 2 * got[False], got
 
 

@@ -155,9 +155,10 @@ def test_planner_holds_experts_whole_where_slicing_cannot_split_them():
     expert-parallel, and the error for a pinned sliced owner says why."""
     fe = run_front_end("gpt-oss-20b")
     cluster = parse_cluster("h100x8", load_catalog())
-    space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=8192, tpot_slo_s=0.05)
+    space = PlanSpace(graph=fe.graph, blocks=fe.blocks, cluster=cluster, context=8192, tpot_slo_s=0.05,
+                      attention_dp=False)  # the TP group's two layouts alone ("dp" holds them whole too)
     found = search(space, SearchOptions(templates="colocated", batches=(64,), microbatches=(1,), tp_degrees=(4,),
-                                        replicas=(1,)))
+                                        replicas=(1,), attention_dp=False))
     assert found.best is not None and [(o.tp, o.experts) for o in found.best.owners] == [(4, "ep")]
     assert "ep" in found.best.owners[0].describe()
 

@@ -84,10 +84,10 @@ def args_compile(p: argparse.ArgumentParser) -> None:
                         "type, and what bounds it")
     p.add_argument("--no-pareto", action="store_true", help="switch off per-owner Pareto pruning (ablation)")
     p.add_argument("--no-bnb", action="store_true", help="switch off branch-and-bound (ablation)")
-    p.add_argument("--attention-dp", action="store_true",
-                   help="also search data-parallel attention inside expert-parallel groups (an owner whose GPUs "
-                        "each run attention for their own rows, the routed experts spread over them: DeepSeek's "
-                        "and SGLang's wide-EP layout; off by default until it has run on GPUs: CPU ranks run it)")
+    p.add_argument("--no-attention-dp", action="store_true",
+                   help="leave out data-parallel attention inside expert-parallel groups (an owner whose GPUs each "
+                        "run attention for their own rows, the routed experts spread over them: DeepSeek's and "
+                        "SGLang's wide-EP layout, `experts: dp` in plan.json), which the search considers by default")
     p.add_argument("--max-batch", type=int, default=None,
                    help="largest resident batch per replica set the search tries (default 4096, "
                         "opweave.passes.search.DEFAULT_MAX_BATCH; the grid also stops where the cluster's memory does)")
@@ -143,7 +143,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.max_batch is not None and args.max_batch < 1:
         raise OpWeaveError(f"--max-batch must be at least 1, got {args.max_batch}")
     options = SearchOptions(templates=args.templates, pareto=not args.no_pareto, bnb=not args.no_bnb,
-                            objective=args.objective, attention_dp=args.attention_dp,
+                            objective=args.objective, attention_dp=not args.no_attention_dp,
                             **({} if args.max_batch is None else {"max_batch": args.max_batch}))
 
     from opweave.cost.model import CostModel

@@ -95,7 +95,7 @@ class SearchOptions:
     objective: str = "cost"                         # cost: least $/Mtoken; throughput: most tokens/s on the cluster
     pareto: bool = True
     bnb: bool = True
-    attention_dp: bool = False  # also search data-parallel attention inside expert groups (owner layout "dp")
+    attention_dp: bool = True  # also search data-parallel attention inside expert groups (owner layout "dp")
 
 
 @dataclasses.dataclass

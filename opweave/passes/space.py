@@ -41,7 +41,7 @@ class PlanSpace:
     cost_model: CostModel = CostModel()
     prefill_chunk: int = PREFILL_CHUNK  # tokens per row per prefill step: sizes the activations
     workload: Workload | None = None    # the traffic (`passes/traffic.py`); None: decode alone
-    attention_dp: bool = False          # also search data-parallel attention inside expert groups ("dp")
+    attention_dp: bool = True           # also search data-parallel attention inside expert groups ("dp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
