@@ -31,7 +31,7 @@ SGLang's wide-EP deployments run): every op but the routed experts runs as at TP
 rows (1 / t of the group's: its weights whole, its KV cache for its rows alone), and the routed
 experts are expert-parallel over the t GPUs; each MoE layer gathers the group's tokens to every
 rank and reduce-scatters the experts' sums back (the all-reduce's bytes). Legal when t divides the
-expert count. Searched on request (`--attention-dp`). The runtime lowers such an owner to TP 1
+expert count. Searched by default (`--no-attention-dp` leaves it out). The runtime lowers such an owner to TP 1
 replicas whose routed experts meet over the group (`opweave.runtime.dpexperts`).
 
 Weights stored block-quantized (`QUANT_BLOCK`: fp8 with 128 x 128 scales, mxfp4 with one scale per
