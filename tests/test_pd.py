@@ -185,6 +185,14 @@ def test_a_server_of_a_disaggregated_plan(tiny_checkpoint, tmp_path, monkeypatch
         assert got.tokens("seeded") == sampled_reference(folder, PROMPTS[2], RUN_TOKENS, 1.0, 1.0, 7)
         assert got.reason("long") == "cancelled"
         assert {k for k, _ in engine.stats()["round_s"]} == {0, 1, 2}  # the decode set and both prefill sets
+        # a stop with requests decoding and others being prefilled: every rank ends on its own (none killed)
+        for i in range(4):
+            engine.submit(PROMPTS[i], Sampling(max_tokens=50), got.callback(("late", i)))
+        with got.ended:
+            assert got.ended.wait_for(lambda: got.tokens(("late", 0)), 60)
+        engine.stop(timeout_s=120)
+        assert "killed" not in (engine.error or "") and "died" not in (engine.error or ""), engine.error
+        assert {got.reason(("late", i)) for i in range(4)} <= {"cancelled", "length"}
     finally:
         engine.stop()
 

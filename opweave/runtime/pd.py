@@ -14,8 +14,9 @@ queues the launcher makes:
     once the token is learned; serving, it reports that first token to the server itself;
   - the decode scheduler plans the import step; before that round every decode rank holding the
     row receives its share (`Importer`), and the row decodes from its first output;
-  - `opweave run`: a decode leader with no request left sends `Drained` to every prefill leader,
-    which stops once all have (a server says `Stop` to every leader).
+  - a decode leader that will send no more jobs (`opweave run`: no request left; serving: the
+    server said `Stop`) sends `Drained` to every prefill leader, which stops once all have and
+    every job it took is answered, so no decode row waits for an answer that never comes.
 """
 
 from __future__ import annotations
@@ -314,7 +315,9 @@ class Leader:
             key = self.jobs.pop(message.id)
             rt.scheduler.prefilled(message.id, message.token, key if message.sent else None,
                                    message.finish_reason, message.error)
-        if rt.channel is None and not rt.scheduler.active and not self.told:  # `opweave run`: no more jobs
+        # no more jobs from this leader: `opweave run` with nothing left, or a server stopping (its
+        # requests are cancelled; a waiting row is freed once its job is answered)
+        if not self.told and (rt.stopping if rt.channel is not None else not rt.scheduler.active):
             self.told = True
             for inbox in self.pd.queues.prefill:
                 inbox.put(Drained())

@@ -221,7 +221,7 @@ class Runtime:
         until it is told to stop)."""
         if self.scheduler is None:
             return False
-        if self.pd is not None and self.pd.role.kind == "prefill" and self.channel is None:  # `opweave run`
+        if self.pd is not None and self.pd.role.kind == "prefill":  # until every decode leader sends no more jobs
             return self.scheduler.active or not self.pd_leader.all_drained
         return self.scheduler.active or (self.channel is not None and not self.stopping)
 
