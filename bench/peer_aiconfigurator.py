@@ -396,10 +396,13 @@ NOTES = """## Where the two model different things
   worker (wide expert parallelism with attention DP, e.g. `tp1 dp16 ep16` for DeepSeek-V3) and xPyD
   worker counts for disaggregation. OpWeave searches stage templates that cut the model by operator
   (colocated; AFD: attention and FFN/experts on different owners; CAD), owners of TP groups with
-  experts sliced or whole-expert EP inside the group, replica sets and microbatches. It has no
-  attention data-parallelism and no layer pipeline in a colocated plan, so AIConfigurator's
-  attention-DP (and PP) configurations are not expressible in it (said so per setting); OpWeave's
-  AFD plans and microbatched plans are not expressible in AIConfigurator's `cli estimate`.
+  experts sliced, whole-expert EP inside the group, or attention data-parallel inside the expert
+  group ("dp": each GPU its own rows, the experts EP over the group, the layer's tokens gathered and
+  their sums all-reduced, where AIConfigurator's wide EP dispatches with all-to-all), replica sets
+  and microbatches. It has no layer pipeline in a colocated plan and no TP x EP split of experts,
+  so those AIConfigurator configurations are not expressible in it, nor attention-DP with the
+  `--no-attention-dp` settings (said so per setting); OpWeave's AFD plans, microbatched plans and
+  dp owners are not passed to AIConfigurator's `cli estimate` here.
 - **Cost model.** AIConfigurator interpolates a measured kernel database (TensorRT-LLM on the named
   system: GEMM, attention, MoE, communication tables) and picks the quantization its database
   holds: FP8 block GEMMs and an FP8 KV cache for DeepSeek-V3's FP8 checkpoint, BF16 for the others.
