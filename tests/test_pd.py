@@ -239,3 +239,17 @@ def test_two_decode_sets_share_two_prefill_sets(tiny_checkpoint, tmp_path):
                                             timeout_s=300, replica_sets=2, prefill_sets=2))
     assert [tuple(r.output) for r in outputs] == list(_reference(folder)) * 2
     assert len(stats["replica_sets"]) == 2
+
+
+def test_an_import_step_preempted_prefills_its_request_locally():
+    """A row short of pages at its import step drops the request back to the queue: it comes back
+    as a local prefill, not as a second job (its state was already sent once)."""
+    jobs = []
+    s = Scheduler([Request(index=0, prompt=list(range(1, 33)), max_new_tokens=3)], 1, 1, 64, (0,), pages=4,
+                  prefill_on=lambda req, mb, row: jobs.append(req.index))
+    s.plan_round()
+    s.pool.free.clear()  # the pool is taken meanwhile: the import cannot have its pages
+    s.pool.cached.clear()
+    s.prefilled(0, 77, key=9)
+    values = s.plan_round()[0]
+    assert not P.imported(values[0]) and s.queue and s.queue[0].local and jobs == [0]

@@ -377,3 +377,15 @@ def test_a_gpu_rank_refuses_a_quantized_checkpoint_in_one_line(published, family
     with pytest.raises(OpWeaveError, match="on a GPU they would be held dequantized") as err:
         materialize({0: modules[1]}, quantized, 1, 0, torch.device("cuda"))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_run_on_cuda_refuses_a_quantized_checkpoint_before_any_rank(published, family):
+    from opweave.runtime.checks import check_weight_format
+
+    source, quantized, _ = published(family)
+    check_weight_format(quantized, "cpu")   # read dequantized there
+    check_weight_format(source, "cuda")     # a dense checkpoint runs anywhere
+    with pytest.raises(OpWeaveError, match="a GPU rank would hold them dequantized") as err:
+        check_weight_format(quantized, "cuda")
+    assert "\n" not in str(err.value)

@@ -71,6 +71,21 @@ def check_inputs(cfg, artifact: VerifiedArtifact | None = None) -> None:
         check_kv_pages(cfg.kv_pages, artifact if artifact is not None else cfg.artifact)
     if cfg.weights != "random":
         check_checkpoint(cfg.weights, model)
+        check_weight_format(cfg.weights, cfg.device)
+
+
+def check_weight_format(folder: str, device: str) -> None:
+    """A published fp8 / MXFP4 checkpoint (`quantization_config`) runs on CPU ranks (read
+    dequantized); on CUDA it is refused before any rank starts (the rank would hold it dequantized,
+    above the planned memory; `runtime/shard.materialize` refuses it there too)."""
+    if device != "cuda":
+        return
+    path = os.path.join(folder, "config.json")
+    fmt = config_from_hf(_read_json(path, "checkpoint config"), "checkpoint", where=f"--weights {path}").weight_format
+    if fmt is not None:
+        raise OpWeaveError(f"--weights {folder}: the checkpoint's weights are {fmt.method} (quantization_config); "
+                           "a GPU rank would hold them dequantized, above the planned memory (block-scaled GEMMs on "
+                           "the stored format are not built yet): run on --device cpu, or dequantize the checkpoint")
 
 
 def check_prefill_budget(budget: int, artifact: str | VerifiedArtifact) -> None:

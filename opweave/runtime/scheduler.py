@@ -399,6 +399,7 @@ class Scheduler:
         row.request, row.pending, row.release, row.keys, row.fed = None, [], False, [], []
         self.preemptions += 1
         if step.event == P.START or step.event >= P.SHARED:  # admitted this round: back to the queue's head
+            req.local = req.local or bool(step.imported)  # its prefilled state is not taken: prefill it here
             self.queue.appendleft(req)
             return RowStep(event=P.RELEASE if self.pool.tables[slot] else P.NONE)
         self._preempted[req.index] = req
