@@ -154,7 +154,7 @@ class Runtime:
         if serve is not None and self.scheduler is not None:
             self.channel = serve.channel(replica_set, program.scheduler_leaders.index(program.rank))
             self.scheduler.on_event = self._send_event  # each token learned and each end, as it happens
-        if pd is not None and pd.role.kind == "prefill" and self.scheduler is not None:
+        if self.prefill_rank and self.scheduler is not None:
             self.scheduler.on_event = self.pd_leader.prefill_event  # a job's first token: to its decode leader
         self.stopping = False
         first = [self._ahead() for _ in range(2)]
@@ -178,6 +178,11 @@ class Runtime:
         self.pd_leader = PD.Leader(self, pd) if self.scheduler is not None else None
 
     @property
+    def prefill_rank(self) -> bool:
+        """A rank of a prefill set of a disaggregated run (`opweave.runtime.pd`)."""
+        return self.pd is not None and self.pd.role.kind == "prefill"
+
+    @property
     def is_leader(self) -> bool:
         return self.program.tp_rank == 0
 
@@ -191,8 +196,7 @@ class Runtime:
     def _serve_io(self) -> None:
         """Between rounds: take the server's messages (an idle leader waits a little for one)."""
         self.scheduler.done.clear()  # reported as they ended: a server keeps no history
-        prefill = self.pd is not None and self.pd.role.kind == "prefill"  # waits on its jobs instead
-        idle = not self.scheduler.active and not self.stopping and not prefill
+        idle = not self.scheduler.active and not self.stopping and not self.prefill_rank  # (that one: on its jobs)
         for message in self.channel.receive(IDLE_WAIT_S if idle else 0.0):
             if isinstance(message, Add):
                 self._admit(message)
@@ -221,7 +225,7 @@ class Runtime:
         until it is told to stop)."""
         if self.scheduler is None:
             return False
-        if self.pd is not None and self.pd.role.kind == "prefill":  # until every decode leader sends no more jobs
+        if self.prefill_rank:  # until every decode leader sends no more jobs
             return self.scheduler.active or not self.pd_leader.all_drained
         return self.scheduler.active or (self.channel is not None and not self.stopping)
 
@@ -622,7 +626,7 @@ class _Rounds:
 
     def __init__(self, rt: Runtime, runner: RoundRunner, rank: int, reports: RoundReports | None):
         self.rt, self.runner, self.rank, self.reports = rt, runner, rank, reports
-        self.faults = config.fault_injection(rank, prefill=rt.pd is not None and rt.pd.role.kind == "prefill")
+        self.faults = config.fault_injection(rank, prefill=rt.prefill_rank)
         self.check = config.check_sync()
         self.checked = 0  # decode rounds run under the check
         self.wall: list[float] = []
