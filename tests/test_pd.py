@@ -253,3 +253,18 @@ def test_an_import_step_preempted_prefills_its_request_locally():
     s.prefilled(0, 77, key=9)
     values = s.plan_round()[0]
     assert not P.imported(values[0]) and s.queue and s.queue[0].local and jobs == [0]
+
+
+@pytest.mark.slow
+def test_a_prompt_started_on_the_prefill_sets_cached_prefix_sends_its_whole_state(tiny_checkpoint, tmp_path):
+    """Later copies of a prompt find its pages in the prefill set's prefix cache and compute only
+    the rest; the state sent is still every position of the prompt (the page pool's length)."""
+    from opweave.runtime.launch import RunConfig, run_detailed
+
+    folder = tiny_checkpoint("llama")
+    out = _pd_artifact(folder, str(tmp_path / "art"), "colocated", [("h100", 1, 1)], 1)
+    prompt = [(5 * i + 7) % 200 for i in range(40)]  # two whole pages and 8 positions
+    requests = tuple(Request(index=i, prompt=prompt, max_new_tokens=RUN_TOKENS) for i in range(7))
+    outputs, _ = run_detailed(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests, timeout_s=300))
+    want = tuple(hf_generate(folder, prompt, RUN_TOKENS)[1])
+    assert [tuple(r.output) for r in outputs] == [want] * 7

@@ -118,7 +118,8 @@ class Exporter:
         self.exported: set[int] = set()     # keys sent (the leader answers with them)
 
     def observe(self, values) -> None:
-        """A round's control-word values (before it runs): each slot's positions."""
+        """A round's control-word values (before it runs): each slot's positions (for a rank
+        without a page pool, whose prompts never start on a cached prefix)."""
         lo, rows = self.program.rows[0], self.program.rows[1] - self.program.rows[0]
         for mb, row_values in enumerate(values):
             for r in range(rows):
@@ -144,13 +145,15 @@ class Exporter:
                 key = keys[lo + r] - 1
                 _, dset, dmb, drow, tag = KV.parse_key(key)
                 slot = mb * rows + r
+                # the page pool knows a prompt started on a cached prefix (its pages held, not computed)
+                length = self.state.pool.lengths[slot] if self.state.pool is not None else self.lengths[slot]
                 for d in self.decode_programs:
                     if not d.rows[0] <= drow < d.rows[1] or not _receiver_ops(d, self.modules):
                         continue
                     segments = self._segments(d)
                     if not segments:
                         continue
-                    data = KV.pack(self.modules, segments, self.state, slot, self.lengths[slot])
+                    data = KV.pack(self.modules, segments, self.state, slot, length)
                     work = self.group.send([data], self.role.decode_rank(dset, d.rank), tag)
                     self.sent.append((work, data))
                 self.exported.add(key)
