@@ -78,6 +78,13 @@ def positive_list(text: str, flag: str, parse=int) -> tuple:
     return values
 
 
+def nonnegative_list(text: str, flag: str) -> tuple[int, ...]:
+    """`0,1,2` -> (0, 1, 2): as `positive_list`, zero allowed."""
+    if not all(x.strip().isdigit() for x in text.split(",")):
+        raise OpWeaveError(f"{flag} must list whole numbers of 0 or more, got {text[:60]!r}")
+    return tuple(dict.fromkeys(int(x) for x in text.split(",")))
+
+
 def names(text: str) -> list[str]:
     """`h100, l40s` -> ["h100", "l40s"]: a comma-separated list of names, blanks dropped."""
     return [n.strip() for n in text.split(",") if n.strip()]

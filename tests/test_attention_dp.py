@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from opweave.cost.memory import Footprint
-from opweave.cost.model import CostModel
+from opweave.cost.model import CostModel, alltoall_s, dispatch_costs, dispatch_mode, hit_probability
 from opweave.hardware.catalog import load_catalog
 from opweave.hardware.cluster import Cluster, Pool
 from opweave.ir.tp import EXPERT_KINDS, layout_choices, legal_tp
@@ -53,13 +53,40 @@ def test_dp_costs_each_op_on_its_rows_and_the_experts_over_the_group():
     for i, op in enumerate(ops):
         following = ops[i + 1] if i + 1 < len(ops) else None
         got = cm.op_cost(op, h100, tp, batch, 512, hidden, following, "dp").total_s
-        if op.kind in EXPERT_KINDS:
-            want = cm.op_cost(op, h100, tp, batch, 512, hidden, None, "ep").total_s
+        if op.kind in EXPERT_KINDS:  # as "ep", with the cheaper dispatch in place of the all-reduce
+            ep = cm.op_cost(op, h100, tp, batch, 512, hidden, None, "ep")
+            want = ep.compute_s + min(dispatch_costs(op, h100, tp, batch, hidden).values())
         else:  # at TP 1, a quarter of the rows, no collective
             want = cm.op_cost(op, h100, 1, batch // tp, 512, hidden, following, "tp").total_s
         assert got == pytest.approx(want), op.name
     # every op is legal: the experts divide by 4 and 16, the rest are whole on each GPU
     assert legal_tp(ops, 4, "dp") and legal_tp(ops, 16, "dp") and not legal_tp(ops, 3, "dp")
+
+
+def test_hit_probability_matches_sampled_routings():
+    import random
+    rng = random.Random(0)
+    for experts, held, k in ((16, 4, 2), (256, 16, 8), (128, 64, 8), (8, 8, 2)):
+        hits = sum(any(e < held for e in rng.sample(range(experts), k)) for _ in range(20000)) / 20000
+        assert hit_probability(experts, held, k) == pytest.approx(hits, abs=0.015)
+
+
+def test_dispatch_modes_gather_at_small_groups_and_batches_all_to_all_beyond():
+    """The all-to-all sends a token once to each GPU (and node) holding one of its experts, the
+    gather moves every token to every GPU: the all-to-all wins where few of the group's GPUs hold
+    a token's experts and the bytes outweigh its second launch."""
+    graph, _ = tiny()  # 16 experts, top 2
+    h200 = load_catalog()["h200"]
+    op = next(o for o in graph.ops if o.kind in EXPERT_KINDS)
+    hidden = 256 * 2
+    assert dispatch_mode(op, h200, 2, 8, hidden) == "gather"
+    assert dispatch_mode(op, h200, 16, 16 * 512, hidden) == "alltoall"
+    for g in (2, 4, 8, 16):  # never more bytes than the gather: at a huge batch it is never slower
+        costs = dispatch_costs(op, h200, g, 1 << 20, hidden)
+        assert costs["alltoall"] <= costs["gather"] * 1.001, (g, costs)
+    # over two nodes a token crosses the NICs once per node it needs, not once per GPU there
+    two_nodes = alltoall_s(hidden, 512, 16, 2, 16, h200)
+    assert two_nodes < 2 * alltoall_s(hidden, 512, 16, 2, 8, h200) + 1e-3
 
 
 def test_dp_memory_holds_whole_attention_weights_and_a_share_of_the_rows():
@@ -137,7 +164,14 @@ def test_dp_prompt_tokens_spread_over_the_groups_gpus():
     h100 = load_catalog()["h100"]
     tp, rows, tokens = 4, 64, 512
     got = round_extra_s(graph.ops, h100, tp, rows, 512, tokens, 1024, 512, "dp")
-    want = sum(round_extra_s([op], h100, tp, rows, 512, tokens, 1024, 512, "ep") if op.kind in EXPERT_KINDS
+    cm = CostModel()
+
+    def dispatch_gain(op, layout):  # the round's extra tokens through the group's dispatch (or all-reduce)
+        return cm.collectives_s(op, h100, tp, rows + tokens, 512, None, layout) - cm.collectives_s(
+            op, h100, tp, rows, 512, None, layout)
+
+    want = sum(round_extra_s([op], h100, tp, rows, 512, tokens, 1024, 512, "ep") - dispatch_gain(op, "ep")
+               + dispatch_gain(op, "dp") if op.kind in EXPERT_KINDS
                else round_extra_s([op], h100, 1, rows // tp, 512, tokens // tp, 1024, 512, "tp")
                for op in graph.ops)
     assert got == pytest.approx(want) and got > 0
@@ -171,29 +205,32 @@ PROMPTS = [[(7 * i + 3) % 100 for i in range(20)], [5, 6, 7], [9, 8, 7, 6, 5, 4,
 RUN_TOKENS = 6
 
 
-def _dp_artifact(folder: str, out: str, group: int) -> str:
+def _dp_artifact(folder: str, out: str, group: int, dispatch: str | None = None) -> str:
     from opweave.compiler.compile import write_artifact
     from opweave.compiler.frontend import run_front_end
     from opweave.compiler.pinned import pinned_plan
     from opweave.hardware.cluster import parse_cluster
 
     compiled = pinned_plan(run_front_end(folder), parse_cluster("h100x8+l40sx8", load_catalog()), "colocated",
-                           [("h100", group, 1, "dp")], batch=2 * group, microbatches=2, context=64)
+                           [("h100", group, 1, "dp")], batch=2 * group, microbatches=2, context=64,
+                           dispatch=dispatch)
     write_artifact(out, compiled)
     return out
 
 
-@pytest.mark.parametrize("family,group", [("qwen3_moe", 4), ("deepseek_v3", 2), ("mixtral", 4), ("gpt_oss", 2)])
+@pytest.mark.parametrize("family,group,dispatch", [("qwen3_moe", 4, "gather"), ("deepseek_v3", 2, "alltoall"),
+                                                   ("mixtral", 4, "alltoall"), ("gpt_oss", 2, "gather")])
 @pytest.mark.slow
-def test_a_dp_plan_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch, family, group):
+def test_a_dp_plan_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch, family, group, dispatch):
     """Each of the group's ranks schedules its own rows (its own KV pages) and holds E / G experts;
-    decode rounds run under NoHostSync (the gathers' sizes come from the agreed layout)."""
+    decode rounds run under NoHostSync (the gathers' and all-to-alls' sizes come from the agreed
+    layout), with either dispatch mode."""
     from hf_fixtures import hf_generate
     from opweave.runtime.launch import RunConfig, run_detailed
     from opweave.runtime.scheduler import Request
 
     folder = tiny_checkpoint(family)
-    out = _dp_artifact(folder, str(tmp_path / "art"), group)
+    out = _dp_artifact(folder, str(tmp_path / "art"), group, dispatch)
     monkeypatch.setenv("OPWEAVE_CHECK_SYNC", "1")
     requests = tuple(Request(index=i, prompt=p, max_new_tokens=RUN_TOKENS) for i, p in enumerate(PROMPTS))
     outputs, stats = run_detailed(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests,
@@ -201,6 +238,8 @@ def test_a_dp_plan_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeyp
     assert all(r.error is None for r in outputs)
     assert [tuple(r.output) for r in outputs] == [tuple(hf_generate(folder, p, RUN_TOKENS)[1]) for p in PROMPTS]
     assert len(stats["checked_rounds"]) == group and min(stats["checked_rounds"]) >= 1
+    with open(f"{out}/rank_01.json") as f:
+        assert __import__("json").load(f)["ep_dispatch"] == dispatch
 
 
 def test_dp_ranks_allocate_their_planned_weights_and_state(tiny_checkpoint, tmp_path):
@@ -220,3 +259,69 @@ def test_dp_ranks_allocate_their_planned_weights_and_state(tiny_checkpoint, tmp_
         program = program_from_json(__import__("json").load(f))
     assert program.experts == "dp" and program.ep_group == (0, 1, 2, 3) and program.ep_groups == ((0, 1, 2, 3),)
     assert program.scheduler and program.rows == program.ep_rows[2] and len(program.scheduler_leaders) == 4
+
+
+class _ScaledExperts:
+    """Experts [first, first + count) of 8, expert e scaling a token by e + 1 (the module's foreign
+    ids: any id outside the block contributes nothing)."""
+
+    def __init__(self, first: int, count: int):
+        self.first_expert, self.num_local_experts = first, count
+
+    def __call__(self, x, weights, ids):
+        import torch
+        held = (ids >= self.first_expert) & (ids < self.first_expert + self.num_local_experts)
+        scale = torch.where(held, weights * (ids + 1), torch.zeros_like(weights)).sum(-1, keepdim=True)
+        return x * scale
+
+
+def _dispatch_member(rank: int, world: int, port: int, queue) -> None:
+    import os
+    import torch
+    import torch.distributed as dist
+    from opweave.runtime.dpexperts import DispatchExperts
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    class NoAllToAll:  # a backend without all-to-all: the point-to-point emulation runs
+        def __getattr__(self, name):
+            if name == "all_to_all":
+                raise AttributeError(name)
+            return getattr(dist, name)
+
+    sizes = [3, 1, 2, 1]
+    members = tuple((sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(world))
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, n, 4, generator=g) for n in sizes]
+    ids = [torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(n)])[None] for n in sizes]
+    ws = [torch.rand(1, n, 2, generator=g) for n in sizes]
+    results = []
+    for comm in (dist, NoAllToAll()):
+        op = DispatchExperts(_ScaledExperts(rank * 2, 2), None, members, rank, lambda: [1] * 7,
+                             tuple(range(world)), comm)
+        results.append(op(xs[rank], ws[rank], ids[rank]))
+    expected = _ScaledExperts(0, 8)(xs[rank], ws[rank], ids[rank])
+    queue.put((rank, [bool(torch.allclose(r, expected, atol=1e-6)) for r in results]))
+    dist.destroy_process_group()
+
+
+def test_dispatch_and_combine_over_all_to_all_and_point_to_point():
+    """Each member sends its tokens with only the receiver's pairs, runs its own experts on what it
+    receives, and sums the partial outputs sent back: the whole model's sum, over gloo's
+    all-to-all and over its emulation by point-to-point sends."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_dispatch_member, args=(r, 4, port, queue)) for r in range(4)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {r: [True, True] for r in range(4)}

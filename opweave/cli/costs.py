@@ -276,10 +276,39 @@ def args_profile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--busy-cores", type=int, default=0, metavar="N",
                    help="CPU: keep N other cores running the decode step while ops are timed, as the ranks of "
                         "a plan that fills the machine will (default %(default)s)")
+    p.add_argument("--routing", metavar="PROMPTS.jsonl",
+                   help="instead of timing ops: run these prompts (run's JSONL lines) through the checkpoint "
+                        "--model on CPU and write each MoE layer's routed pairs per expert, for compile "
+                        "--expert-load (default: none, ops are timed)")
+    p.add_argument("--tokenizer", metavar="FOLDER",
+                   help="with --routing: the tokenizer of text prompts (default: the checkpoint's)")
     quiet_arg(p)
 
 
+def _profile_routing(args: argparse.Namespace) -> int:
+    import json
+
+    from opweave.outputs import check_output_file
+    from opweave.profile.routing import measure_expert_load
+    from opweave.runtime.run_io import read_prompts, run_tokenizer
+    from opweave.serve.tokenizer import Tokenizer
+
+    check_output_file(args.output, "-o", inputs=(args.model, args.routing))
+    tokenizer = run_tokenizer(args.tokenizer, args.model, Tokenizer.from_folder)
+    requests = read_prompts(args.routing, 1, tokenizer)
+    load = measure_expert_load(args.model, [r.prompt for r in requests], progress_printer(args.quiet))
+    from opweave.outputs import atomic_file
+
+    with atomic_file(args.output, flag="-o") as f:
+        f.write(json.dumps(load.to_json(), indent=1) + "\n")
+    print(f"wrote {args.output}: routed pairs of {len(load.counts)} MoE layers over {load.tokens} tokens "
+          f"of {len(requests)} prompts")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
+    if args.routing:
+        return _profile_routing(args)
     from opweave.profile.measure import profile
     from opweave.units import parse_tokens, positive_list
 

@@ -88,6 +88,12 @@ def args_compile(p: argparse.ArgumentParser) -> None:
                    help="leave out data-parallel attention inside expert-parallel groups (an owner whose GPUs each "
                         "run attention for their own rows, the routed experts spread over them: DeepSeek's and "
                         "SGLang's wide-EP layout, `experts: dp` in plan.json), which the search considers by default")
+    p.add_argument("--expert-load", metavar="LOAD.json",
+                   help="measured routing, each MoE layer's pairs per expert (opweave profile --routing): the "
+                        "planner charges the busiest expert-parallel GPU's share (default: uniform routing)")
+    p.add_argument("--redundant-experts", default="0", metavar="R[,R...]",
+                   help="extra expert slots per GPU of expert-parallel groups to search, holding copies of the "
+                        "most loaded experts (e.g. 0,1,2; default %(default)s). Plans with copies are not run yet")
     p.add_argument("--max-batch", type=int, default=None,
                    help="largest resident batch per replica set the search tries (default 4096, "
                         "opweave.passes.search.DEFAULT_MAX_BATCH; the grid also stops where the cluster's memory does)")
@@ -112,7 +118,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     # before the search: a bad -o is reported at once, and a folder holding an input is never replaced
     check_artifact_dir(args.output, force=args.force,
-                       inputs=(args.model, args.profile, args.catalog, args.sign_key))
+                       inputs=(args.model, args.profile, args.catalog, args.sign_key, args.expert_load))
     sign_key = None
     if args.sign_key:
         from opweave.artifact import read_key
@@ -142,13 +148,23 @@ def cmd_compile(args: argparse.Namespace) -> int:
     cluster = detect_local(catalog) if args.cluster == "local" else parse_cluster(args.cluster, catalog)
     if args.max_batch is not None and args.max_batch < 1:
         raise OpWeaveError(f"--max-batch must be at least 1, got {args.max_batch}")
+    from opweave.units import nonnegative_list
+
+    redundant = tuple(sorted(set(nonnegative_list(args.redundant_experts, "--redundant-experts"))))
     options = SearchOptions(templates=args.templates, pareto=not args.no_pareto, bnb=not args.no_bnb,
                             objective=args.objective, attention_dp=not args.no_attention_dp,
+                            redundant_experts=redundant,
                             **({} if args.max_batch is None else {"max_batch": args.max_batch}))
 
     from opweave.cost.model import CostModel
 
-    compiled = compile_model(args.model, cluster, slo, context, options, cost_model=CostModel(profile=table),
+    load = None
+    if args.expert_load:
+        from opweave.ir.experts import ExpertLoad
+
+        load = ExpertLoad.load(args.expert_load)
+    compiled = compile_model(args.model, cluster, slo, context, options,
+                             cost_model=CostModel(profile=table, expert_load=load),
                              progress=progress, allow_long_context=args.allow_long_context,
                              warn=warn,
                              prefill_chunk=prefill_chunk, front_end=front_end, workload=workload,

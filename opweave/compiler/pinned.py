@@ -22,7 +22,8 @@ from opweave.compiler import pipeline
 from opweave.compiler.frontend import FrontEnd
 from opweave.compiler.inputs import plan_space
 from opweave.compiler.pipeline import Compiled
-from opweave.cost.model import CostModel
+from opweave.compiler.steps import plan_text
+from opweave.cost.model import DISPATCH_MODES, CostModel
 from opweave.errors import OpWeaveError
 from opweave.hardware.cluster import Cluster
 from opweave.ir.plan import PREFILL_CHUNK
@@ -34,9 +35,11 @@ from opweave.passes.templates import build_stages, template_by_name
 
 def pinned_plan(fe: FrontEnd, cluster: Cluster, template: str, owners: list[tuple], batch: int,
                 microbatches: int, context: int, tpot_slo_s: float = math.inf,
-                cost_model: CostModel = CostModel(), prefill_chunk: int = PREFILL_CHUNK) -> Compiled:
+                cost_model: CostModel = CostModel(), prefill_chunk: int = PREFILL_CHUNK,
+                dispatch: str | None = None) -> Compiled:
     """The compile of front end `fe` with the given template, owners and batching (module
-    docstring), through step plan. `prefill_chunk` sizes the activations, as in `compile_model`."""
+    docstring), through step plan. `prefill_chunk` sizes the activations, as in `compile_model`;
+    `dispatch` sets every "dp" owner's dispatch mode (default: the cheaper, as the search's)."""
     inputs = dataclasses.replace(fe.inputs, cluster=cluster, context=context, tpot_slo_s=tpot_slo_s,
                                  cost_model=cost_model, prefill_chunk=prefill_chunk)
     ev = Evaluator(plan_space(fe.graph, fe.blocks, inputs))
@@ -62,4 +65,11 @@ def pinned_plan(fe: FrontEnd, cluster: Cluster, template: str, owners: list[tupl
                      problem=problem, sim=simulate(problem))
     pinned = dataclasses.replace(fe, inputs=inputs, result=SearchResult(best=cand, closest=cand, counters=Counters()))
     pinned = pipeline.after_step(pinned, "search")          # the pinned candidate stands in for the search
-    return pipeline.run(pinned, first="place", last="plan")
+    compiled = pipeline.run(pinned, first="place", last="plan")
+    if dispatch is None:
+        return compiled
+    if dispatch not in DISPATCH_MODES:
+        raise OpWeaveError(f"dispatch {dispatch!r}: one of {', '.join(DISPATCH_MODES)}")
+    plan = dataclasses.replace(compiled.plan, owners=tuple(
+        dataclasses.replace(o, dispatch=dispatch) if o.dispatch else o for o in compiled.plan.owners))
+    return dataclasses.replace(compiled, plan=plan, plan_text=plan_text(plan))

@@ -113,7 +113,7 @@ STEPS: tuple[Step, ...] = (
          lambda c: format_graph(c.graph), lambda c: verify(c.graph), "tracing the decode step (torch.fx)"),
     Step("blocks", find_blocks, ("graph",), ("blocks",),
          lambda c: format_blocks(c.blocks), lambda c: verify_blocks(c.blocks), "finding the partition blocks"),
-    Step("search", steps.search_plans, ("inputs", "source", "graph", "blocks"), ("result",),
+    Step("search", steps.search_plans, ("inputs", "source", "graph", "blocks"), ("result", "inputs"),
          lambda c: format_search(c.result), _verify_search, "searching templates, owners and batches"),
     Step("place", steps.place_best, ("inputs", "result"), ("placement",),
          lambda c: format_placement(c.placement), lambda c: verify_placement(c.placement, c.inputs.cluster),

@@ -13,11 +13,13 @@ from typing import Callable
 
 from opweave.artifact import sha256_text
 from opweave.compiler.inputs import Inputs, plan_space
+from opweave.cost.model import dispatch_mode
 from opweave.cost.prefill import PrefillStage, plan_prefill_s
 from opweave.errors import OpWeaveError
 from opweave.ir.graph import OpGraph
 from opweave.ir.plan import PLAN_FORMAT, Plan, PlanOwner, PlanStage, Predicted, gpu_runs, plan_to_json
 from opweave.ir.program import RankProgram
+from opweave.ir.tp import EXPERT_KINDS
 from opweave.models.registry import ModelSource
 from opweave.passes import placement as placement_pass
 from opweave.passes.blocks import BlockedGraph
@@ -61,14 +63,24 @@ def check_context(source: ModelSource, graph: OpGraph, context: int, allow_long_
         warn(message)
 
 
-def search_plans(inputs: Inputs, source: ModelSource, graph: OpGraph, blocks: BlockedGraph) -> SearchResult:
-    """Step search: templates x owners x batching over the plan space (`passes/search.py`).
-    A context past the trained positions, or a space with no plan, is a one-line error."""
+def search_plans(inputs: Inputs, source: ModelSource, graph: OpGraph,
+                 blocks: BlockedGraph) -> tuple[SearchResult, Inputs]:
+    """Step search: templates x owners x batching over the plan space (`passes/search.py`), once
+    per count of redundant experts per GPU (`SearchOptions.redundant_experts`: the cost model's
+    balance and memory follow it), keeping the cheapest; the inputs come back with the chosen
+    count in their cost model. A context past the trained positions, or a space with no plan, is
+    a one-line error."""
     check_context(source, graph, inputs.context, inputs.allow_long_context, inputs.warn)
-    result = search(plan_space(graph, blocks, inputs), inputs.options, inputs.progress)
+    best = None
+    for r in inputs.options.redundant_experts:
+        tried = dataclasses.replace(inputs, cost_model=dataclasses.replace(inputs.cost_model, redundant_experts=r))
+        result = search(plan_space(graph, blocks, tried), inputs.options, inputs.progress)
+        if best is None or (result.best is not None and (best[0].best is None or result.best.cost < best[0].best.cost)):
+            best = (result, tried)
+    result, inputs = best
     if result.best is None:
         raise OpWeaveError(f"no plan: {result.reason}")
-    return result
+    return result, inputs
 
 
 def place_best(inputs: Inputs, result: SearchResult) -> Placement:
@@ -100,7 +112,7 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
     owners = tuple(PlanOwner(slot=o.slot, gpu=o.gpu.name, tp=o.tp, replicas=o.replicas,
                              memory_per_gpu_bytes=o.memory_per_gpu, occupancy=sim.owners[i].occupancy,
                              bubble_ms=sim.owners[i].bubble_s * 1e3, gpus=set0[i], price_per_hour=o.gpu.price_per_hour,
-                             experts=o.experts)
+                             experts=o.experts, dispatch=_dispatch(inputs, graph, cand, i))
                    for i, o in enumerate(cand.owners))
     traffic = cand.traffic
     per_set = sim.tokens_per_s if traffic is None else traffic.tokens_per_s
@@ -126,8 +138,30 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
                 predicted=predicted, counters=dataclasses.asdict(result.counters), return_s=problem.return_s,
                 return_bytes=problem.return_bytes, return_inter_node=problem.return_inter_node,
                 prefill_chunk=inputs.prefill_chunk, kv_cache_dtype=inputs.kv_cache_dtype, isl=inputs.isl, osl=inputs.osl, ttft_idle_ms=idle_ms,
+                redundant_experts=_redundant(cand, inputs),
                 workload=None if inputs.workload is None else inputs.workload.to_json(),
                 **_traffic_fields(inputs, traffic))
+
+
+def _redundant(cand, inputs: Inputs) -> int:
+    """The redundant experts per GPU the plan's expert-parallel owners hold (0 without any)."""
+    wide = any(o.experts in ("ep", "dp") and o.tp > 1 for o in cand.owners)
+    return inputs.cost_model.redundant_experts if wide else 0
+
+
+def _dispatch(inputs: Inputs, graph: OpGraph, cand, slot: int) -> str:
+    """A "dp" owner's dispatch mode at its planned rows (`cost.model.dispatch_mode`, what the
+    search charged); "" for other owners."""
+    o = cand.owners[slot]
+    if o.experts != "dp" or o.tp <= 1:
+        return ""
+    k = len(cand.owners)
+    ops = [op for s in cand.stage_plan.stages if slot_of(s.index, cand.stage_plan.stages_per_block, k) == slot
+           for op in graph.ops[s.first:s.last + 1] if op.kind in EXPERT_KINDS]
+    if not ops:
+        return ""
+    hidden = graph.cuts[0].bytes_per_token if graph.cuts else 0
+    return dispatch_mode(ops[0], o.gpu, o.tp, o.share, hidden)
 
 
 def _traffic_fields(inputs: Inputs, traffic) -> dict:

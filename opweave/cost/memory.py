@@ -112,6 +112,14 @@ PAGED_KINDS = (OpKind.ATTN_FULL, OpKind.ATTN_MLA)
 """Ops whose state the runtime keeps in KV pages (full attention's keys and values, MLA's latent rows)."""
 
 
+def redundant_bytes(ops, tp: int, redundant: int) -> float:
+    """The weights of `redundant` more experts per GPU of each routed-experts op of `ops` held
+    expert-parallel over `tp` GPUs (`opweave.ir.experts`)."""
+    if redundant <= 0 or tp <= 1:
+        return 0.0
+    return sum(redundant * w.nbytes / w.shape[0] for op in ops if op.kind in EXPERT_KINDS for w in op.weights)
+
+
 def op_state_per_slot(op: Op, tp: int, context: int) -> float:
     """One slot's state of `op` on one GPU: a paged layer's whole pages for `context`
     (`opweave.runtime.pages`), any other state as the op holds it."""
@@ -199,21 +207,25 @@ _TERMS: dict[tuple, tuple] = {}
 cannot be reused."""
 
 
-def _op_terms(op: Op, tp: int, context: int, width: int, layout: str) -> tuple:
+def _op_terms(op: Op, tp: int, context: int, width: int, layout: str, redundant: int = 0) -> tuple:
     """One op's part of a `Footprint`: ((weight name, bytes per GPU) ..., state bytes per slot, its
     residual-stream bytes per token (0 for the LM head and sampler), its peak bytes at one row
-    without gathered expert weights, those gathered weights at one block)."""
+    without gathered expert weights, those gathered weights at one block). Expert-parallel routed
+    experts hold `redundant` more experts per GPU (`opweave.ir.experts`)."""
     if layout == "dp" and tp > 1:  # data-parallel attention: experts as "ep", the rest at TP 1 on 1 / tp of the rows
         if op.kind in EXPERT_KINDS:
-            return _op_terms(op, tp, context, width, "ep")
+            return _op_terms(op, tp, context, width, "ep", redundant)
         weights, state, stream, peak, gather, null = _op_terms(op, 1, context, width, "tp")
         return weights, state / tp, stream / tp, peak / tp, gather, null
-    key = (id(op), tp, context, width, layout)
+    key = (id(op), tp, context, width, layout, redundant)
     hit = _TERMS.get(key)
     if hit is not None and hit[0] is op:
         return hit[1]
     n = shards(op, tp)
     weights = tuple((w.name, w.nbytes / shards(op, tp, layout)) for w in op.weights)
+    if redundant and layout == "ep" and tp > 1 and op.kind in EXPERT_KINDS and op.weights:
+        per = op.weights[0].shape[0] // tp   # E / tp experts, and `redundant` copies of others
+        weights = tuple((name, nbytes * (per + redundant) / per) for name, nbytes in weights)
     stream = 0.0 if op.kind in (OpKind.LM_HEAD, OpKind.SAMPLE) else op.act_bytes_per_token / n
     peak = width * op.act_bytes_per_token / n + op_scratch_bytes(op, tp, 1, width, context, layout, gather=False)
     terms = (weights, op_state_per_slot(op, tp, context), stream, peak,
@@ -247,14 +259,16 @@ class Footprint:
     context_pages: int = 0   # pages of one slot at the full context
 
     @classmethod
-    def of(cls, ops, tp: int, context: int, width: int = PREFILL_CHUNK, layout: str = "tp") -> Footprint:
+    def of(cls, ops, tp: int, context: int, width: int = PREFILL_CHUNK, layout: str = "tp",
+           redundant: int = 0) -> Footprint:
         """`weight_bytes`, `state_bytes_per_slot`, `activation_bytes` at one row without the gathered
         expert weights, and those as `fixed`: combined from each op's terms (`_op_terms`, memoized:
         the planner asks for many op lists that share ops)."""
         per_weight: dict[str, float] = {}
         state = stream = peak = fixed = null = 0.0
         for op in ops:
-            weights, op_state, op_stream, op_peak, gather, op_null = _op_terms(op, tp, context, width, layout)
+            weights, op_state, op_stream, op_peak, gather, op_null = _op_terms(op, tp, context, width, layout,
+                                                                              redundant)
             for name, nbytes in weights:
                 if nbytes > per_weight.get(name, -1.0):
                     per_weight[name] = nbytes

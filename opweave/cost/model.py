@@ -42,6 +42,8 @@ import statistics
 from typing import Protocol
 
 from opweave.hardware.catalog import GPUSpec
+from opweave.ir.experts import ExpertLoad, busiest_share
+from opweave.ir.experts import placement as expert_placement
 from opweave.ir.graph import Op
 from opweave.ir import tp as tp_table
 from opweave.ir.kinds import OpKind
@@ -163,12 +165,15 @@ def ep_imbalance(batch: int, experts: int, top_k: int, ranks: int) -> tuple[floa
             max(1.0, pairs_max / pairs_mean) if pairs_mean > 0 else 1.0)
 
 
-def expert_parallel_factors(op: Op, tp: int, batch: int, layout: str) -> tuple[float, float]:
-    """`ep_imbalance` of `op` held as `layout` on `tp` GPUs; (1, 1) unless expert-parallel experts."""
+def expert_parallel_factors(op: Op, tp: int, batch: int, layout: str,
+                            balance: tuple[float, float] = (1.0, 1.0)) -> tuple[float, float]:
+    """`ep_imbalance` of `op` held as `layout` on `tp` GPUs, times `balance` (the placement's:
+    `CostModel.balance`); (1, 1) unless expert-parallel experts."""
     if layout != "ep" or tp <= 1 or op.kind not in tp_table.EXPERT_KINDS or not op.weights:
         return 1.0, 1.0
     experts = op.weights[0].shape[0]
-    return ep_imbalance(batch, experts, max(1, round(op.active_weight_fraction * experts)), tp)
+    reads, pairs = ep_imbalance(batch, experts, max(1, round(op.active_weight_fraction * experts)), tp)
+    return reads * balance[0], pairs * balance[1]
 
 
 def weight_bytes_read(op: Op, batch: int, ranks: int = 1) -> float:
@@ -188,11 +193,12 @@ def state_shards(op: Op, tp: int) -> int:
     return tp_table.state_shards(op, tp)
 
 
-def op_stream_bytes(op: Op, tp: int, batch: int, layout: str = "tp") -> float:
+def op_stream_bytes(op: Op, tp: int, batch: int, layout: str = "tp",
+                    balance: tuple[float, float] = (1.0, 1.0)) -> float:
     """Weight and activation bytes one GPU of the group moves for this op in one step (the
     busiest GPU's, for expert-parallel experts: `ep_imbalance`)."""
     n = shards(op, tp, layout)
-    reads, pairs = expert_parallel_factors(op, tp, batch, layout)
+    reads, pairs = expert_parallel_factors(op, tp, batch, layout, balance)
     ranks = tp if layout == "ep" and op.kind in tp_table.EXPERT_KINDS else 1  # the kernel's block on a shard
     return reads * weight_bytes_read(op, batch, ranks) / n + pairs * batch * op.act_bytes_per_token / n
 
@@ -207,8 +213,10 @@ def op_bytes(op: Op, tp: int, batch: int, context: int, layout: str = "tp") -> f
     return op_stream_bytes(op, tp, batch, layout) + op_state_bytes(op, tp, batch, context)
 
 
-def op_flops(op: Op, tp: int, batch: int, context: int, layout: str = "tp") -> float:
-    return expert_parallel_factors(op, tp, batch, layout)[1] * batch * op.flops_at(context) / shards(op, tp, layout)
+def op_flops(op: Op, tp: int, batch: int, context: int, layout: str = "tp",
+             balance: tuple[float, float] = (1.0, 1.0)) -> float:
+    return (expert_parallel_factors(op, tp, batch, layout, balance)[1] * batch * op.flops_at(context)
+            / shards(op, tp, layout))
 
 
 def allreduce_s(nbytes: float, tp: int, gpu: GPUSpec) -> float:
@@ -242,10 +250,86 @@ def allgather_s(nbytes_per_rank: float, tp: int, gpu: GPUSpec) -> float:
     return total
 
 
+DISPATCH_MODES = ("gather", "alltoall")
+"""How a "dp" owner's routed tokens meet their experts (`dispatch_s`): every GPU gathers the group's
+tokens and the group reduce-scatters the sums, or each token goes only to the GPUs holding its
+experts and their sums come back (all-to-all dispatch and combine)."""
+
+
+def hit_probability(experts: int, held: float, top_k: int) -> float:
+    """Probability that a token routed to `top_k` distinct experts of `experts`, uniformly, picks at
+    least one of the `held` experts of one GPU (or node): 1 - C(E - held, k) / C(E, k)."""
+    if held >= experts or top_k <= 0:
+        return 1.0 if top_k > 0 else 0.0
+    miss, others = 1.0, experts - held
+    for i in range(top_k):
+        if others - i <= 0:
+            return 1.0
+        miss *= (others - i) / (experts - i)
+    return 1.0 - miss
+
+
+def alltoall_s(nbytes_per_token: float, tokens: float, experts: int, top_k: int, ranks: int, gpu: GPUSpec) -> float:
+    """All-to-all dispatch of `tokens` tokens per GPU of an expert-parallel group of `ranks` GPUs
+    (E / ranks experts each) to the GPUs of their `top_k` experts, and the combine that brings each
+    GPU's partial sum back: twice the one-way time. A token crosses to each GPU (and node) holding
+    any of its experts once (its sum over them comes back once), as DeepEP's kernels send it.
+
+    One way, inside a node of m GPUs: the token's copies to the other m - 1 GPUs it hits; over
+    several nodes, first one copy per other node it hits over the GPU's NIC (to the GPU of the same
+    place there), which forwards it to the GPUs of its node that hold its experts over NVLink: each
+    GPU's NVLink carries the copies of its own tokens and the forwarded ones of every other node."""
+    if ranks <= 1 or tokens <= 0:
+        return 0.0
+    m = min(ranks, gpu.gpus_per_node)
+    nodes = ranks // m
+    per_gpu = tokens * nbytes_per_token
+    q_rank = hit_probability(experts, experts / ranks, top_k)
+    one_way = gpu.collective_latency
+    if m > 1:
+        one_way += gpu.intra_link_latency + per_gpu * q_rank * (m - 1) * nodes / intra_bandwidth(gpu)
+    if nodes > 1:
+        q_node = hit_probability(experts, experts / nodes, top_k)
+        one_way += gpu.inter_link_latency + per_gpu * q_node * (nodes - 1) / inter_bandwidth(gpu)
+    return 2 * one_way
+
+
+def dispatch_costs(op: Op, gpu: GPUSpec, ranks: int, batch: int, hidden_bytes: int) -> dict[str, float]:
+    """Each dispatch mode's seconds (`DISPATCH_MODES`) for the routed experts `op` of a "dp" owner
+    of `ranks` GPUs holding `batch` rows between them: the gather's all-reduce of the group's
+    tokens (all-gather and reduce-scatter move its bytes), or `alltoall_s` of each GPU's rows."""
+    experts = op.weights[0].shape[0] if op.weights else 1
+    top_k = max(1, round(op.active_weight_fraction * experts))
+    return {"gather": allreduce_s(batch * hidden_bytes, ranks, gpu),
+            "alltoall": alltoall_s(hidden_bytes, -(-batch // ranks), experts, top_k, ranks, gpu)}
+
+
+def dispatch_mode(op: Op, gpu: GPUSpec, ranks: int, batch: int, hidden_bytes: int) -> str:
+    """The cheaper dispatch mode (the gather on a tie): the one the planner charges and the
+    runtime runs (`PlanOwner.dispatch`)."""
+    costs = dispatch_costs(op, gpu, ranks, batch, hidden_bytes)
+    return min(DISPATCH_MODES, key=lambda mode: costs[mode])
+
+
+def dispatch_s(op: Op, gpu: GPUSpec, ranks: int, batch: int, hidden_bytes: int) -> float:
+    """Seconds of the cheaper dispatch mode (`dispatch_mode`)."""
+    return min(dispatch_costs(op, gpu, ranks, batch, hidden_bytes).values()) if ranks > 1 else 0.0
+
+
 def spans_nodes(tp: int, gpu: GPUSpec) -> bool:
     """Whether a TP group of `tp` GPUs of `gpu` takes several whole nodes (expert-parallel groups
     may: `opweave.passes.search.WIDE_TP`)."""
     return tp > gpu.gpus_per_node
+
+
+@functools.lru_cache(maxsize=4096)
+def _balance(load: ExpertLoad | None, layer: int | None, experts: int, ranks: int, redundant: int) -> tuple[float, float]:
+    if experts % ranks or redundant > experts - experts // ranks:
+        return 1.0, 1.0   # not a legal group (the TP table refuses it)
+    shares = load.shares(layer, experts) if load is not None else (1.0 / experts,) * experts
+    where = expert_placement(shares, ranks, redundant)
+    per = experts // ranks
+    return (per + redundant) / per, busiest_share(shares, where)
 
 
 SAMPLE_CANDIDATE_BYTES = 16
@@ -268,6 +352,19 @@ class CostModel:
 
     profile: OpProfile | None = None
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (the runtime on CUDA); False: eager launches
+    expert_load: ExpertLoad | None = None  # measured routing (`opweave profile --routing`); None: uniform
+    redundant_experts: int = 0  # extra expert slots per GPU of an expert-parallel group (`opweave.ir.experts`)
+
+    def balance(self, op: Op, tp: int, layout: str) -> tuple[float, float]:
+        """(weight reads, pairs) of the busiest GPU of an expert-parallel group of `tp` over what
+        uniform routing on E / tp experts each gives: the placement's (`opweave.ir.experts`) for
+        the measured load of the op's layer and `redundant_experts` copies per GPU. A GPU with r
+        copies reads r more experts' weights; (1, 1) for uniform load without copies."""
+        if layout != "ep" or tp <= 1 or op.kind not in tp_table.EXPERT_KINDS or not op.weights:
+            return 1.0, 1.0
+        if self.expert_load is None and not self.redundant_experts:
+            return 1.0, 1.0
+        return _balance(self.expert_load, op.layer, op.weights[0].shape[0], tp, self.redundant_experts)
 
     def op_cost(self, op: Op, gpu: GPUSpec, tp: int, batch: int, context: int, hidden_bytes: int,
                 following: Op | None = None, layout: str = "tp") -> OpCost:
@@ -276,12 +373,14 @@ class CostModel:
         Under "dp" (data-parallel attention inside the expert group, `opweave.ir.tp`) an op other
         than the routed experts runs at TP 1 on its rank's rows (1 / tp of `batch`), and the routed
         experts as "ep" over all of them, with the gather and reduce-scatter of the layer's tokens
-        (the all-reduce's bytes; a shared expert after them runs on its own rows, so nothing fuses)."""
+        (or the all-to-all dispatch and combine where cheaper, `dispatch_s`; a shared expert after
+        them runs on its own rows, so nothing fuses)."""
         if layout == "dp" and tp > 1:
             if op.kind in tp_table.EXPERT_KINDS:
-                return self.op_cost(op, gpu, tp, batch, context, hidden_bytes, None, "ep")
+                cost = self.op_cost(op, gpu, tp, batch, context, hidden_bytes, None, "ep")
+                return dataclasses.replace(cost, comm_s=self.collectives_s(op, gpu, tp, batch, hidden_bytes, None, "dp"))
             return self.op_cost(op, gpu, 1, -(-batch // tp), context, hidden_bytes, following, "tp")
-        weights_s, state_s, math_s = op_times(op, gpu, tp, batch, context, layout)
+        weights_s, state_s, math_s = op_times(op, gpu, tp, batch, context, layout, self.balance(op, tp, layout))
         memory_s = weights_s + state_s
         overhead_s = gpu.op_launch_s(self.cuda_graphs) + step_cost_s(op, gpu, batch)
         compute_s = overlapped_s(memory_s, math_s, gpu) + overhead_s
@@ -300,10 +399,13 @@ class CostModel:
                       weights_s=weights_s, state_s=state_s, overhead_s=overhead_s)
 
     def collectives_s(self, op: Op, gpu: GPUSpec, tp: int, batch: int, hidden_bytes: int,
-                      following: Op | None = None) -> float:
+                      following: Op | None = None, layout: str = "tp") -> float:
         """The op's TP collectives (TP table): an all-reduce of a partial sum, the sampler's
         all-gather of (max logit, index) per token. Measured (the profile's all-reduce fit) where
-        the profile covers `gpu`, else ring figures on the catalog's links."""
+        the profile covers `gpu`, else ring figures on the catalog's links. A "dp" owner's routed
+        experts take the cheaper dispatch (`dispatch_s`) of its group's `batch` rows instead."""
+        if layout == "dp":  # every other op runs at TP 1 on the GPU's own rows
+            return dispatch_s(op, gpu, tp, batch, hidden_bytes) if op.kind in tp_table.EXPERT_KINDS else 0.0
         gathers = tp_table.rule(op.kind).gathers
         reduce_bytes = allreduce_bytes(op, batch, hidden_bytes, following)
         measured = getattr(self.profile, "collective_s", None) if self.profile is not None else None
@@ -357,12 +459,12 @@ class CostModel:
 
 
 def op_times(op: Op, gpu: GPUSpec, tp: int, batch: int, context: int,
-             layout: str = "tp") -> tuple[float, float, float]:
+             layout: str = "tp", balance: tuple[float, float] = (1.0, 1.0)) -> tuple[float, float, float]:
     """(weight and activation streaming time, state reading time, math time) of one op, seconds
     (routed experts held as `layout`: the busiest GPU's)."""
-    return (op_stream_bytes(op, tp, batch, layout) / gpu.effective_bandwidth,
+    return (op_stream_bytes(op, tp, batch, layout, balance) / gpu.effective_bandwidth,
             op_state_bytes(op, tp, batch, context) / gpu.effective_kv_bandwidth,
-            op_flops(op, tp, batch, context, layout) / gpu.effective_flops)
+            op_flops(op, tp, batch, context, layout, balance) / gpu.effective_flops)
 
 
 def overlapped_s(memory_s: float, math_s: float, gpu: GPUSpec) -> float:

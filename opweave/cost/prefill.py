@@ -127,7 +127,7 @@ def prefill_s(ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, isl: int, p
         weights, state, math, latency = weights + w, state + s, math + m, latency + t
         overheads += gpu.op_launch_s(False)
         comm += cost_model.collectives_s(op, gpu, tp, _tokens(op, isl, prompts), hidden_bytes,
-                                         ops[i + 1] if i + 1 < len(ops) else None)
+                                         ops[i + 1] if i + 1 < len(ops) else None, layout)
     return PrefillCost(isl=isl, prompts=prompts, total_s=latency + comm, math_s=math, weights_s=weights,
                        state_s=state, overheads_s=overheads, communication_s=comm)
 
@@ -150,7 +150,7 @@ def round_extra_s(ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, rows: i
     cost_model = cost_model or CostModel()
     if layout == "dp" and tp > 1:  # data-parallel attention: each GPU schedules its own rows, so the group's
         # prompt tokens are spread over its GPUs; the experts see every row and token of the group as "ep"
-        return sum(round_extra_s([op], gpu, tp, rows, context, tokens, isl, hidden_bytes, "ep", cost_model)
+        return sum(_dp_experts_extra_s(op, gpu, tp, rows, context, tokens, isl, hidden_bytes, cost_model)
                    if op.kind in EXPERT_KINDS else
                    round_extra_s([op], gpu, 1, -(-rows // tp), context, -(-tokens // tp), isl, hidden_bytes, "tp",
                                  cost_model)
@@ -175,4 +175,15 @@ def round_extra_s(ops: tuple[Op, ...] | list[Op], gpu: GPUSpec, tp: int, rows: i
         following = ops[i + 1] if i + 1 < len(ops) else None
         extra += (cost_model.collectives_s(op, gpu, tp, rows + q, hidden_bytes, following)
                   - cost_model.collectives_s(op, gpu, tp, rows, hidden_bytes, following))
+    return extra
+
+
+def _dp_experts_extra_s(op: Op, gpu: GPUSpec, tp: int, rows: int, context: int, tokens: int, isl: int,
+                        hidden_bytes: int, cost_model: CostModel) -> float:
+    """`round_extra_s` of a "dp" owner's routed experts: as "ep" over the group's rows and prompt
+    tokens, with the group's dispatch (`CostModel.collectives_s`, "dp") in place of the all-reduce."""
+    extra = round_extra_s([op], gpu, tp, rows, context, tokens, isl, hidden_bytes, "ep", cost_model)
+    for layout, sign in (("ep", -1.0), ("dp", 1.0)):
+        extra += sign * (cost_model.collectives_s(op, gpu, tp, rows + tokens, hidden_bytes, None, layout)
+                         - cost_model.collectives_s(op, gpu, tp, rows, hidden_bytes, None, layout))
     return extra

@@ -77,6 +77,8 @@ class PlanOwner:
     price_per_hour: float | None = None  # USD per GPU-hour of its GPU type (the catalog's, when compiled)
     experts: str = "tp"             # routed experts' layout: "tp" (sliced), "ep" (whole, E / tp per GPU) or "dp"
                                     # (as "ep", every other op data-parallel on the GPUs: `opweave.ir.tp`)
+    dispatch: str = ""              # "dp": how routed tokens meet their experts, "gather" or "alltoall"
+                                    # (`opweave.cost.model.dispatch_mode`); "" for other layouts
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,6 +126,7 @@ class Plan:
     ttft_idle_ms: float | None = None  # one prompt through the stages alone, on an idle plan (`cost.prefill`)
     prefill: dict | None = None      # {"mode": "aggregated", "token_budget": C} | {"mode": "disaggregated", "owners": [...]}
     workload: dict | None = None     # `ir.workload.Workload.to_json`: what the plan was made for
+    redundant_experts: int = 0       # extra expert slots per GPU of its expert-parallel owners (`ir.experts`)
 
     @property
     def gpus_per_set(self) -> int:
@@ -221,9 +224,12 @@ def format_plan(plan: Plan, search_seconds: float | None = None) -> str:
             for o in plan.owners]
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-    if any(o.experts == "dp" for o in plan.owners):
+    modes = sorted({o.dispatch or "gather" for o in plan.owners if o.experts == "dp"})
+    if modes:
+        how = {"gather": "the group's tokens gathered at each MoE layer and the sums reduce-scattered",
+               "alltoall": "each token sent to the GPUs of its experts and their sums sent back (all-to-all)"}
         lines.append("  (dp: attention data-parallel on the group's GPUs, each its own rows; routed experts spread "
-                     "over them, the group's tokens gathered at each MoE layer)")
+                     "over them, " + "; or ".join(how[m] for m in modes) + ")")
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.append(f"  predicted: TPOT {p.tpot_ms:.3g} ms, {p.tokens_per_s:,.0f} tokens/s, "
                  f"${p.cost_per_mtok_usd:.4g} per Mtoken, ${p.cost_per_hour_usd:.4g}/h, "

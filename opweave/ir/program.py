@@ -108,6 +108,7 @@ class RankProgram:
                                     # expert group: each a TP 1 replica with its own rows), in order
     ep_groups: tuple[tuple[int, ...], ...] = ()  # every such group of the world (created by all ranks, in order)
     ep_rows: tuple[tuple[int, int], ...] = ()    # each member's rows of a microbatch, in `ep_group` order
+    ep_dispatch: str = ""           # "dp": "gather" or "alltoall" (the plan's `PlanOwner.dispatch`)
 
     @property
     def leader(self) -> int:
@@ -170,6 +171,8 @@ def format_program(program: RankProgram) -> str:
     lines = [f"rank {p.rank}/{p.world_size}: owner o{p.owner} replica {p.replica} tp {p.tp_rank}/{p.tp} "
              f"(group {list(p.tp_group)}), rows {p.rows[0]}..{p.rows[1] - 1} of each of {p.num_microbatches} "
              f"microbatch(es) of {p.microbatch_size}" + (", scheduler" if p.scheduler else "")]
+    if p.ep_group:
+        lines.append(f"  routed experts: {p.ep_dispatch or 'gather'} over expert group {list(p.ep_group)}")
     for s in p.stages:
         ports = [f"{name} port r{r}" for name, r in (("recv", s.recv_port), ("send", s.send_port)) if r is not None]
         lines.append(f"  stage {s.stage} (layers {list(s.layers)}" + "".join(f", {x}" for x in ports) + "):")

@@ -106,6 +106,7 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
     """One program per rank of replica set 0."""
     ep = expert_groups(plan)
     ep_groups = tuple(sorted(set(ep.values())))
+    dispatch = {o.slot: (o.dispatch or "gather") for o in plan.owners if o.experts == "dp"}
     plan = as_replicas(plan)
     layout = rank_layout(plan)
     leaders = _leaders(plan)
@@ -167,7 +168,7 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
             token_sources=_overlaps(plan, leaders, last_owner, rows, mb, len(plan.stages) - 1) if scheduler else (),
             stages=tuple(stages), model=plan.model, plan_hash=plan_hash, context=plan.context,
             prefill_chunk=plan.prefill_chunk, experts=owner.experts, kv_cache_dtype=plan.kv_cache_dtype,
-            ep_group=ep.get((o, j), ()), ep_groups=ep_groups,
+            ep_group=ep.get((o, j), ()), ep_groups=ep_groups, ep_dispatch=dispatch.get(o, ""),
             ep_rows=tuple(replica_rows(mb, owner.replicas)[(j // len(ep[(o, j)])) * len(ep[(o, j)]) + k]
                           for k in range(len(ep[(o, j)]))) if (o, j) in ep else ()))
     return tuple(programs)

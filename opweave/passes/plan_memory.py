@@ -17,7 +17,7 @@ count as sends, the embedding owner's token-id receives as receives.
 
 from __future__ import annotations
 
-from opweave.cost.memory import MemoryBreakdown, activation_bytes, state_bytes, weight_bytes
+from opweave.cost.memory import MemoryBreakdown, activation_bytes, redundant_bytes, state_bytes, weight_bytes
 from opweave.ir.graph import Op, OpGraph
 from opweave.ir.plan import PAGE_TOKENS, PREFILL_CHUNK
 from opweave.ir.workload import Workload, kv_pool_pages
@@ -108,7 +108,8 @@ def _dp_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: int
     ops = owner_ops(flat, graph, owner)
     dense, experts = [op for op in ops if op.kind not in EXPERT_KINDS], [op for op in ops if op.kind in EXPERT_KINDS]
     return MemoryBreakdown(
-        weights=weight_bytes(dense, 1) + weight_bytes(experts, g, "ep"),
+        weights=weight_bytes(dense, 1) + weight_bytes(experts, g, "ep") + redundant_bytes(experts, g,
+                                                                                        plan.redundant_experts),
         state=state_bytes(ops, 1, flat.microbatches * (hi - lo), flat.context, kv_pool(flat, graph, owner, replica)),
         activations=max(activation_bytes(dense, 1, hi - lo, width, flat.context),
                         activation_bytes(experts, g, g * (hi - lo), width, flat.context, "ep")),
@@ -128,7 +129,8 @@ def plan_rank_memory(plan, graph: OpGraph, owner: int, replica: int, tp_rank: in
     held = held_peak(graph, [(st.first_op, st.last_op) for st in plan.stages], owners).get(owner, 0) \
         if len(set(owners)) > 1 else 0
     return MemoryBreakdown(
-        weights=weight_bytes(ops, o.tp, o.experts),
+        weights=weight_bytes(ops, o.tp, o.experts)
+        + (redundant_bytes(ops, o.tp, plan.redundant_experts) if o.experts == "ep" else 0.0),
         state=state_bytes(ops, o.tp, plan.microbatches * (hi - lo), plan.context, kv_pool(plan, graph, owner, replica)),
         activations=activation_bytes(ops, o.tp, hi - lo, width, plan.context, o.experts)
         + plan.microbatches * (hi - lo) * width * held,

@@ -96,6 +96,7 @@ class SearchOptions:
     pareto: bool = True
     bnb: bool = True
     attention_dp: bool = True  # also search data-parallel attention inside expert groups (owner layout "dp")
+    redundant_experts: tuple[int, ...] = (0,)  # extra expert slots per GPU of expert-parallel groups to try
 
 
 @dataclasses.dataclass

@@ -250,7 +250,8 @@ class Evaluator:
             if not legal_tp(ops, tp, layout):
                 self._footprint[full] = None
             else:
-                self._footprint[full] = Footprint.of(ops, tp, self.space.context, self.space.prefill_chunk, layout)
+                self._footprint[full] = Footprint.of(ops, tp, self.space.context, self.space.prefill_chunk, layout,
+                                                     self.space.cost_model.redundant_experts)
         return self._footprint[full]
 
     def layouts(self, stage_plan: StagePlan, k: int, slot: int, tp: int) -> tuple[str, ...]:

@@ -103,13 +103,16 @@ class Runtime:
             ep=program_ep(program))
         self.ops = _packed(with_kernels(self.modules, self.device), self.modules, lambda: self.layouts[self._mb])
         if program.ep_group:  # "dp": the routed experts see the expert group's tokens (`runtime/dpexperts.py`)
-            from opweave.runtime.dpexperts import GroupExperts
+            from opweave.runtime.dpexperts import DispatchExperts, GroupExperts
 
+            counts, index = (lambda: self.transport.counts[self._mb]), program.ep_group.index(program.rank)
             for i, module in self.modules.items():
-                if module.kind in EXPERT_KINDS:
-                    self.ops[i] = GroupExperts(self.ops[i], groups[program.ep_group], program.ep_rows,
-                                               program.ep_group.index(program.rank),
-                                               lambda: self.transport.counts[self._mb], comm)
+                if module.kind in EXPERT_KINDS and program.ep_dispatch == "alltoall":
+                    self.ops[i] = DispatchExperts(self.ops[i], groups[program.ep_group], program.ep_rows, index,
+                                                  counts, program.ep_group, comm)
+                elif module.kind in EXPERT_KINDS:
+                    self.ops[i] = GroupExperts(self.ops[i], groups[program.ep_group], program.ep_rows, index,
+                                               counts, comm)
         self._progress_setup(program.rank)
         self.kernels = device_kernels(self.device)  # the backend of the fused ops the runtime calls itself
         self.rows = program.rows[1] - program.rows[0]
