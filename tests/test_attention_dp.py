@@ -275,6 +275,21 @@ class _ScaledExperts:
         return x * scale
 
 
+class _SlotExperts:
+    """As `_ScaledExperts`, holding the experts `slots` names and taking slot ids (the sentinel,
+    len(slots), contributes nothing)."""
+
+    def __init__(self, slots):
+        self.slots = slots
+
+    def __call__(self, x, weights, ids):
+        import torch
+        table = torch.tensor(list(self.slots) + [-1])
+        expert = table[ids]
+        scale = torch.where(expert >= 0, weights * (expert + 1), torch.zeros_like(weights)).sum(-1, keepdim=True)
+        return x * scale
+
+
 def _dispatch_member(rank: int, world: int, port: int, queue) -> None:
     import os
     import torch
@@ -296,11 +311,19 @@ def _dispatch_member(rank: int, world: int, port: int, queue) -> None:
     xs = [torch.randn(1, n, 4, generator=g) for n in sizes]
     ids = [torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(n)])[None] for n in sizes]
     ws = [torch.rand(1, n, 2, generator=g) for n in sizes]
+    from opweave.ir.experts import placement
+    from opweave.runtime.dpexperts import ExpertCopies
+
+    slots = placement([0.3, 0.2] + [0.5 / 6] * 6, world, 1)   # one copy per GPU of the hottest experts
     results = []
     for comm in (dist, NoAllToAll()):
-        op = DispatchExperts(_ScaledExperts(rank * 2, 2), None, members, rank, lambda: [1] * 7,
-                             tuple(range(world)), comm)
-        results.append(op(xs[rank], ws[rank], ids[rank]))
+        for nodes in (1, 2):   # two nodes of two: the two-hop exchange
+            op = DispatchExperts(_ScaledExperts(rank * 2, 2), None, members, rank, lambda: [1] * 7,
+                                 tuple(range(world)), comm, nodes=nodes)
+            results.append(op(xs[rank], ws[rank], ids[rank]))
+            op = DispatchExperts(_SlotExperts(slots[rank]), None, members, rank, lambda: [1] * 7,
+                                 tuple(range(world)), comm, ExpertCopies(slots, 8, rank), nodes=nodes)
+            results.append(op(xs[rank], ws[rank], ids[rank]))
     expected = _ScaledExperts(0, 8)(xs[rank], ws[rank], ids[rank])
     queue.put((rank, [bool(torch.allclose(r, expected, atol=1e-6)) for r in results]))
     dist.destroy_process_group()
@@ -309,7 +332,8 @@ def _dispatch_member(rank: int, world: int, port: int, queue) -> None:
 def test_dispatch_and_combine_over_all_to_all_and_point_to_point():
     """Each member sends its tokens with only the receiver's pairs, runs its own experts on what it
     receives, and sums the partial outputs sent back: the whole model's sum, over gloo's
-    all-to-all and over its emulation by point-to-point sends."""
+    all-to-all and over its emulation by point-to-point sends, in one hop or two (two nodes of
+    two: once to each other node, then forwarded inside it), with and without copies of experts."""
     import multiprocessing as mp
     import socket
 
@@ -324,4 +348,4 @@ def test_dispatch_and_combine_over_all_to_all_and_point_to_point():
     got = dict(queue.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=60)
-    assert got == {r: [True, True] for r in range(4)}
+    assert got == {r: [True] * 8 for r in range(4)}

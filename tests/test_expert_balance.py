@@ -135,3 +135,69 @@ def test_profile_routing_then_compile_with_copies(tiny_checkpoint, tmp_path, cap
     assert main(["compile", folder, "--cluster", "h100x8", "--tpot-slo", "50ms", "--context", "256",
                  "--redundant-experts", "x", "-o", str(tmp_path / "b"), "--quiet"]) == 2
     assert "--redundant-experts must list" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- copies on CPU ranks
+PROMPTS = [[(7 * i + 3) % 100 for i in range(20)], [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11], [42]]
+RUN_TOKENS = 5
+
+
+def _copies_artifact(folder: str, out: str, owner: tuple, dispatch: str | None, per_node: int = 8) -> str:
+    """A pinned plan whose expert group keeps one copy per GPU of the hottest experts of a skewed
+    load (experts 0 and 1 take most pairs), so copies run pairs on several GPUs; nodes of
+    `per_node` H100s."""
+    import dataclasses
+    from opweave.compiler.compile import write_artifact
+    from opweave.compiler.frontend import run_front_end
+    from opweave.compiler.pinned import pinned_plan
+    from opweave.hardware.cluster import parse_cluster
+
+    fe = run_front_end(folder)
+    experts = json.load(open(f"{folder}/config.json")).get("num_experts") or 8
+    counts = tuple(100 if e < 2 else 5 for e in range(experts))
+    load = ExpertLoad(model="tiny", counts={op.layer: counts for op in fe.graph.ops if op.kind in EXPERT_KINDS})
+    catalog = load_catalog()
+    catalog["h100"] = dataclasses.replace(catalog["h100"], gpus_per_node=per_node)
+    compiled = pinned_plan(fe, parse_cluster("h100x8", catalog), "colocated", [owner],
+                           batch=2 * owner[1], microbatches=2, context=64,
+                           cost_model=CostModel(expert_load=load, redundant_experts=1), dispatch=dispatch)
+    write_artifact(out, compiled)
+    return out
+
+
+@pytest.mark.parametrize("family,owner,dispatch,per_node", [
+    ("qwen3_moe", ("h100", 4, 1, "dp"), "alltoall", 2), ("deepseek_v3", ("h100", 2, 1, "dp"), "gather", 8),
+    ("mixtral", ("h100", 2, 1, "ep"), None, 8)])
+@pytest.mark.slow
+def test_a_plan_with_copies_generates_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch, family, owner,
+                                                      dispatch, per_node):
+    """Each GPU holds E / G experts plus one copy of a hot one; a pair of a copied expert runs on
+    the copy at its token's place in the group: the outputs are transformers' (NoHostSync), and
+    each rank allocates the weights the plan counts, copies included. Qwen3-MoE's group of 4 spans
+    two nodes of 2: its all-to-all takes two hops (to the other node, then inside it)."""
+    from hf_fixtures import hf_generate
+    from opweave.ir.program import program_from_json
+    from opweave.profile.allocated import artifact_memory
+    from opweave.runtime.launch import RunConfig, run_detailed
+    from opweave.runtime.scheduler import Request
+
+    folder = tiny_checkpoint(family)
+    out = _copies_artifact(folder, str(tmp_path / "art"), owner, dispatch, per_node)
+    plan = json.load(open(f"{out}/plan.json"))
+    assert plan["redundant_experts"] == 1
+    assert plan["owners"][0]["group_nodes"] == (owner[1] // per_node if owner[3] == "dp" and owner[1] > per_node
+                                                else 1)
+    slots = plan["owners"][0]["expert_slots"]
+    assert slots and all(len({e for gpu in s for e in gpu}) < sum(len(gpu) for gpu in s) for _, s in slots)
+    with open(f"{out}/rank_01.json") as f:
+        program = program_from_json(json.load(f))
+    assert program.ep_slots and all(len(s[1]) == len(s[0]) for _, s in program.ep_slots)
+    monkeypatch.setenv("OPWEAVE_CHECK_SYNC", "1")
+    requests = tuple(Request(index=i, prompt=p, max_new_tokens=RUN_TOKENS) for i, p in enumerate(PROMPTS))
+    outputs, stats = run_detailed(RunConfig(artifact=out, weights=folder, device="cpu", requests=requests,
+                                            timeout_s=300))
+    assert all(r.error is None for r in outputs)
+    assert [tuple(r.output) for r in outputs] == [tuple(hf_generate(folder, p, RUN_TOKENS)[1]) for p in PROMPTS]
+    assert min(stats["checked_rounds"]) >= 1
+    for r in artifact_memory(out, activations=False):
+        assert r.allocated.weights == pytest.approx(r.planned.weights, rel=0.01, abs=1), r

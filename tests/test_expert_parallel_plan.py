@@ -206,7 +206,9 @@ def test_deepseek_v3_fits_h100s_with_experts_spread_over_two_nodes():
     assert narrow.best is None
     found = search(space, SearchOptions(templates="afd", batches=(256,), microbatches=(2,)))
     (attn, attn_replicas, _), ffn = [(o.tp, o.replicas, o.experts) for o in found.best.owners]
-    assert attn == 1 and 1 < attn_replicas <= 8 and ffn == (16, 1, "ep")  # data-parallel attention on one node
+    # data-parallel attention on one node; the experts over 16 GPUs, their tokens all-reduced ("ep") or, now
+    # cheaper over two nodes, dispatched to them all-to-all ("dp": each GPU's share of the rows)
+    assert attn == 1 and 1 < attn_replicas <= 8 and ffn[:2] == (16, 1) and ffn[2] in ("ep", "dp")
     assert found.best.problem.stages[0].inter_node or found.best.problem.stages[1].inter_node
 
 

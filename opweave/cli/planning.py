@@ -93,7 +93,7 @@ def args_compile(p: argparse.ArgumentParser) -> None:
                         "planner charges the busiest expert-parallel GPU's share (default: uniform routing)")
     p.add_argument("--redundant-experts", default="0", metavar="R[,R...]",
                    help="extra expert slots per GPU of expert-parallel groups to search, holding copies of the "
-                        "most loaded experts (e.g. 0,1,2; default %(default)s). Plans with copies are not run yet")
+                        "most loaded experts (e.g. 0,1,2; default %(default)s)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="largest resident batch per replica set the search tries (default 4096, "
                         "opweave.passes.search.DEFAULT_MAX_BATCH; the grid also stops where the cluster's memory does)")

@@ -18,6 +18,7 @@ from opweave.cost.prefill import PrefillStage, plan_prefill_s
 from opweave.errors import OpWeaveError
 from opweave.ir.graph import OpGraph
 from opweave.ir.plan import PLAN_FORMAT, Plan, PlanOwner, PlanStage, Predicted, gpu_runs, plan_to_json
+from opweave.ir.experts import placement as expert_placement
 from opweave.ir.program import RankProgram
 from opweave.ir.tp import EXPERT_KINDS
 from opweave.models.registry import ModelSource
@@ -112,7 +113,9 @@ def make_plan(inputs: Inputs, graph: OpGraph, result: SearchResult, placement: P
     owners = tuple(PlanOwner(slot=o.slot, gpu=o.gpu.name, tp=o.tp, replicas=o.replicas,
                              memory_per_gpu_bytes=o.memory_per_gpu, occupancy=sim.owners[i].occupancy,
                              bubble_ms=sim.owners[i].bubble_s * 1e3, gpus=set0[i], price_per_hour=o.gpu.price_per_hour,
-                             experts=o.experts, dispatch=_dispatch(inputs, graph, cand, i))
+                             experts=o.experts, dispatch=_dispatch(inputs, graph, cand, i),
+                             expert_slots=_expert_slots(inputs, graph, cand, i),
+                             group_nodes=max(1, o.tp // o.gpu.gpus_per_node) if o.experts == "dp" else 1)
                    for i, o in enumerate(cand.owners))
     traffic = cand.traffic
     per_set = sim.tokens_per_s if traffic is None else traffic.tokens_per_s
@@ -149,15 +152,34 @@ def _redundant(cand, inputs: Inputs) -> int:
     return inputs.cost_model.redundant_experts if wide else 0
 
 
+def _owner_experts(graph: OpGraph, cand, slot: int) -> list:
+    """The routed-experts ops of the candidate's owner `slot`, in graph order."""
+    k = len(cand.owners)
+    return [op for s in cand.stage_plan.stages if slot_of(s.index, cand.stage_plan.stages_per_block, k) == slot
+            for op in graph.ops[s.first:s.last + 1] if op.kind in EXPERT_KINDS]
+
+
+def _expert_slots(inputs: Inputs, graph: OpGraph, cand, slot: int) -> tuple:
+    """Per MoE layer of an expert-parallel owner holding copies, each GPU's experts
+    (`ir.experts.placement` of the layer's load, as the cost model charged); () otherwise."""
+    o, cm = cand.owners[slot], inputs.cost_model
+    if o.experts not in ("ep", "dp") or o.tp <= 1 or not cm.redundant_experts:
+        return ()
+    out = []
+    for op in _owner_experts(graph, cand, slot):
+        experts = op.weights[0].shape[0]
+        shares = cm.expert_load.shares(op.layer, experts) if cm.expert_load is not None else (1 / experts,) * experts
+        out.append((op.layer, expert_placement(shares, o.tp, cm.redundant_experts)))
+    return tuple(out)
+
+
 def _dispatch(inputs: Inputs, graph: OpGraph, cand, slot: int) -> str:
     """A "dp" owner's dispatch mode at its planned rows (`cost.model.dispatch_mode`, what the
     search charged); "" for other owners."""
     o = cand.owners[slot]
     if o.experts != "dp" or o.tp <= 1:
         return ""
-    k = len(cand.owners)
-    ops = [op for s in cand.stage_plan.stages if slot_of(s.index, cand.stage_plan.stages_per_block, k) == slot
-           for op in graph.ops[s.first:s.last + 1] if op.kind in EXPERT_KINDS]
+    ops = _owner_experts(graph, cand, slot)
     if not ops:
         return ""
     hidden = graph.cuts[0].bytes_per_token if graph.cuts else 0

@@ -79,6 +79,9 @@ class PlanOwner:
                                     # (as "ep", every other op data-parallel on the GPUs: `opweave.ir.tp`)
     dispatch: str = ""              # "dp": how routed tokens meet their experts, "gather" or "alltoall"
                                     # (`opweave.cost.model.dispatch_mode`); "" for other layouts
+    group_nodes: int = 1            # "dp": the nodes its expert group spans (its GPUs split evenly over them)
+    expert_slots: tuple = ()        # with redundant experts: per MoE layer (layer, each GPU's experts in
+                                    # slot order), `opweave.ir.experts.placement`; () without copies
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -194,7 +197,8 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         template_sites=_tuples(data["template_sites"]), num_stages=data["num_stages"],
         stages_per_block=data["stages_per_block"],
         stages=tuple(PlanStage(**s) for s in data["stages"]),
-        owners=tuple(PlanOwner(**{**o, "gpus": _tuples(o["gpus"])}) for o in data["owners"]),
+        owners=tuple(PlanOwner(**{**o, "gpus": _tuples(o["gpus"]), "expert_slots": _tuples(o.get("expert_slots", []))})
+                     for o in data["owners"]),
         batch=data["batch"], microbatches=data["microbatches"], replica_sets=data["replica_sets"],
         idle_gpus=_tuples(data["idle_gpus"]), predicted=Predicted(**data["predicted"]), counters=dict(data["counters"]),
         return_s=data.get("return_s"), return_bytes=data.get("return_bytes"),
@@ -202,7 +206,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         kv_cache_dtype=data.get("kv_cache_dtype", "auto"),
         isl=data.get("isl"), osl=data.get("osl"), ttft_ms=data.get("ttft_ms"), ttft_p99_ms=data.get("ttft_p99_ms"),
         tpot_p99_ms=data.get("tpot_p99_ms"), ttft_idle_ms=data.get("ttft_idle_ms"), prefill=data.get("prefill"),
-        workload=data.get("workload"),
+        workload=data.get("workload"), redundant_experts=data.get("redundant_experts", 0),
     )
 
 

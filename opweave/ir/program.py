@@ -109,6 +109,9 @@ class RankProgram:
     ep_groups: tuple[tuple[int, ...], ...] = ()  # every such group of the world (created by all ranks, in order)
     ep_rows: tuple[tuple[int, int], ...] = ()    # each member's rows of a microbatch, in `ep_group` order
     ep_dispatch: str = ""           # "dp": "gather" or "alltoall" (the plan's `PlanOwner.dispatch`)
+    ep_nodes: int = 1               # "dp": the nodes its expert group spans (`PlanOwner.group_nodes`)
+    ep_slots: tuple = ()            # with redundant experts: per MoE layer (layer, each member's experts), members
+                                    # in `ep_group` order ("dp") or `tp_group` order ("ep"): `PlanOwner.expert_slots`
 
     @property
     def leader(self) -> int:
@@ -160,7 +163,7 @@ def program_from_json(d: dict[str, Any]) -> RankProgram:
     return RankProgram(**{**d, "tp_group": tuple(d["tp_group"]), "tp_groups": _tuples(d["tp_groups"]),
                           "rows": tuple(d["rows"]), "scheduler_leaders": tuple(d["scheduler_leaders"]),
                           "ep_group": tuple(d.get("ep_group", ())), "ep_groups": _tuples(d.get("ep_groups", [])),
-                          "ep_rows": _tuples(d.get("ep_rows", [])),
+                          "ep_rows": _tuples(d.get("ep_rows", [])), "ep_slots": _tuples(d.get("ep_slots", [])),
                           "token_sources": tuple(Peer(**p) for p in d["token_sources"]),
                           "stages": stages})
 
@@ -172,7 +175,12 @@ def format_program(program: RankProgram) -> str:
              f"(group {list(p.tp_group)}), rows {p.rows[0]}..{p.rows[1] - 1} of each of {p.num_microbatches} "
              f"microbatch(es) of {p.microbatch_size}" + (", scheduler" if p.scheduler else "")]
     if p.ep_group:
-        lines.append(f"  routed experts: {p.ep_dispatch or 'gather'} over expert group {list(p.ep_group)}")
+        lines.append(f"  routed experts: {p.ep_dispatch or 'gather'} over expert group {list(p.ep_group)}"
+                     + (f" on {p.ep_nodes} nodes" if p.ep_nodes > 1 else ""))
+    if p.ep_slots:
+        me = p.ep_group.index(p.rank) if p.ep_group else p.tp_rank
+        lines.append(f"  expert slots (with copies), per layer: "
+                     + ", ".join(f"{layer}: {list(slots[me])}" for layer, slots in p.ep_slots))
     for s in p.stages:
         ports = [f"{name} port r{r}" for name, r in (("recv", s.recv_port), ("send", s.send_port)) if r is not None]
         lines.append(f"  stage {s.stage} (layers {list(s.layers)}" + "".join(f", {x}" for x in ports) + "):")

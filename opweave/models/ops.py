@@ -503,23 +503,41 @@ class RoutedExperts(OpModule):
     weights' leading dimension is num_local_experts): all of them (first 0, count E) unless built
     as an expert-parallel shard (`experts=(first, count)`, `opweave.runtime.shard.rebuild`). Its
     inputs carry global expert ids; `local_ids` maps them to its own, every pair routed elsewhere
-    to the sentinel num_local_experts, which the kernels drop (`reference.local_expert_ids`)."""
+    to the sentinel num_local_experts, which the kernels drop (`reference.local_expert_ids`).
 
-    def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None):
+    Built with `slots` (global expert ids, one per slot: a GPU of an expert group holding copies,
+    `opweave.ir.experts.placement`), it holds those experts in that order and its inputs carry
+    slot ids already (its caller, `opweave.runtime.dpexperts`, picks which copy runs a pair)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None,
+                 slots: tuple[int, ...] | None = None):
         super().__init__(cfg, layer)
+        if slots is not None:
+            if not slots or min(slots) < 0 or max(slots) >= cfg.moe.num_experts or len(set(slots)) != len(slots):
+                raise ValueError(f"expert slots {slots}: distinct ids of the model's {cfg.moe.num_experts}")
+            self.slots, self.first_expert, self.num_local_experts = tuple(slots), 0, len(slots)
+            return
         first, count = (0, cfg.moe.num_experts) if experts is None else experts
         if first < 0 or count < 1 or first + count > cfg.moe.num_experts:
             raise ValueError(f"experts [{first}, {first + count}) outside the model's {cfg.moe.num_experts}")
         self.first_expert, self.num_local_experts = first, count
+        self.slots = None
+
+    @property
+    def expert_ids(self) -> tuple[int, ...]:
+        """The global id of the expert each slot holds."""
+        return self.slots if self.slots is not None else tuple(range(self.first_expert,
+                                                                     self.first_expert + self.num_local_experts))
 
     @property
     def is_expert_shard(self) -> bool:
         """Whether the module holds only some of the model's experts."""
-        return self.num_local_experts != self.cfg.moe.num_experts
+        return self.num_local_experts != self.cfg.moe.num_experts or self.slots is not None
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global expert ids [..., k] -> this module's (the sentinel for experts it does not hold)."""
-        if not self.is_expert_shard:
+        """Global expert ids [..., k] -> this module's (the sentinel for experts it does not hold);
+        slot ids as given when built with `slots`."""
+        if not self.is_expert_shard or self.slots is not None:
             return ids
         return K.local_expert_ids(ids, self.first_expert, self.num_local_experts)
 
@@ -534,8 +552,9 @@ class MoEExperts(RoutedExperts):
 
     kind = OpKind.MOE_EXPERTS
 
-    def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None):
-        super().__init__(cfg, layer, experts)
+    def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None,
+                 slots: tuple[int, ...] | None = None):
+        super().__init__(cfg, layer, experts, slots)
         m, p = cfg.moe, layer_prefix(layer) + "mlp.experts."
         self.prefix = p
         e = self.num_local_experts
@@ -547,8 +566,7 @@ class MoEExperts(RoutedExperts):
             return super().load_weights(reader)
         m, p = self.cfg.moe, self.prefix
         i, h = m.intermediate_size, self.cfg.hidden_size
-        for local in range(self.num_local_experts):  # each expert straight into its rows (gate rows first)
-            e = self.first_expert + local
+        for local, e in enumerate(self.expert_ids):  # each expert straight into its rows (gate rows first)
             load_into(self.gate_up[local, :i], reader.get(f"{p}{e}.gate_proj.weight", (i, h)))
             load_into(self.gate_up[local, i:], reader.get(f"{p}{e}.up_proj.weight", (i, h)))
             load_into(self.down[local], reader.get(f"{p}{e}.down_proj.weight", (h, i)))

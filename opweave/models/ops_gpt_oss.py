@@ -109,8 +109,9 @@ class GptOssExperts(RoutedExperts):
 
     kind = OpKind.MOE_EXPERTS_SWIGLU
 
-    def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None):
-        super().__init__(cfg, layer, experts)
+    def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None,
+                 slots: tuple[int, ...] | None = None):
+        super().__init__(cfg, layer, experts, slots)
         m, p = cfg.moe, layer_prefix(layer) + "mlp.experts."
         e, h, i = self.num_local_experts, cfg.hidden_size, m.intermediate_size
         self.prefix = p

@@ -107,6 +107,7 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
     ep = expert_groups(plan)
     ep_groups = tuple(sorted(set(ep.values())))
     dispatch = {o.slot: (o.dispatch or "gather") for o in plan.owners if o.experts == "dp"}
+    nodes = {o.slot: o.group_nodes for o in plan.owners if o.experts == "dp"}
     plan = as_replicas(plan)
     layout = rank_layout(plan)
     leaders = _leaders(plan)
@@ -169,6 +170,7 @@ def lower(plan: Plan, graph: OpGraph, period: int, num_blocks: int, plan_hash: s
             stages=tuple(stages), model=plan.model, plan_hash=plan_hash, context=plan.context,
             prefill_chunk=plan.prefill_chunk, experts=owner.experts, kv_cache_dtype=plan.kv_cache_dtype,
             ep_group=ep.get((o, j), ()), ep_groups=ep_groups, ep_dispatch=dispatch.get(o, ""),
+            ep_slots=owner.expert_slots, ep_nodes=nodes.get(o, 1),
             ep_rows=tuple(replica_rows(mb, owner.replicas)[(j // len(ep[(o, j)])) * len(ep[(o, j)]) + k]
                           for k in range(len(ep[(o, j)]))) if (o, j) in ep else ()))
     return tuple(programs)

@@ -77,11 +77,12 @@ class MetaWeights:
 def build_modules(cfg, op_names: list[str], program: RankProgram) -> dict:
     """The rank's operator modules on meta, built the way the worker builds them."""
     from opweave.models.model import DecodeStep, build_model
-    from opweave.runtime.shard import materialize, program_ep
+    from opweave.runtime.shard import materialize, program_ep, program_slots
 
     modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
     return materialize({i: modules[op_names[i]] for i in program.ops}, MetaWeights, program.tp,
-                       program.tp_rank, META, experts=program.experts, ep=program_ep(program))
+                       program.tp_rank, META, experts=program.experts, ep=program_ep(program),
+                       slots=program_slots(program))
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -64,7 +64,6 @@ def check_inputs(cfg, artifact: VerifiedArtifact | None = None) -> None:
         OpWeaveError: the first problem, naming the file (and line or field) concerned.
     """
     model = artifact_model_config(artifact if artifact is not None else cfg.artifact)
-    check_redundant_experts(artifact if artifact is not None else cfg.artifact)
     check_vocabulary(cfg.requests, model.vocab_size)
     if getattr(cfg, "prefill_budget", None) is not None:
         check_prefill_budget(cfg.prefill_budget, artifact if artifact is not None else cfg.artifact)
@@ -73,17 +72,6 @@ def check_inputs(cfg, artifact: VerifiedArtifact | None = None) -> None:
     if cfg.weights != "random":
         check_checkpoint(cfg.weights, model)
         check_weight_format(cfg.weights, cfg.device)
-
-
-def check_redundant_experts(artifact: str | VerifiedArtifact) -> None:
-    """A plan whose expert-parallel groups hold redundant experts (`compile --redundant-experts`)
-    is refused in one line: the ranks place each expert once (copies are planned, not run yet)."""
-    if not isinstance(artifact, VerifiedArtifact) or "plan.json" not in artifact.files:
-        artifact = load_artifact(artifact if isinstance(artifact, str) else artifact.folder, ["plan.json"])
-    r = artifact.json("plan.json").get("redundant_experts", 0)
-    if r:
-        raise OpWeaveError(f"{artifact.folder}: the plan holds {r} redundant expert(s) per GPU; the runtime places "
-                           "each expert once (copies are planned, not run yet): compile with --redundant-experts 0")
 
 
 def check_weight_format(folder: str, device: str) -> None:

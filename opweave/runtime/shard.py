@@ -78,6 +78,24 @@ def program_ep(program) -> tuple[int, int]:
     return (len(program.ep_group), program.ep_group.index(program.rank)) if program.ep_group else (1, 0)
 
 
+def program_slots(program) -> dict[int, tuple[int, ...]]:
+    """Per MoE layer, the experts a rank program's routed experts hold where its group keeps
+    copies (`RankProgram.ep_slots`; empty without copies)."""
+    me = program.ep_group.index(program.rank) if program.ep_group else program.tp_rank
+    return {layer: tuple(slots[me]) for layer, slots in program.ep_slots}
+
+
+def program_copies(program, cfg) -> dict:
+    """Per MoE layer, the group's placement (`runtime.dpexperts.ExpertCopies`) where it keeps copies."""
+    if not program.ep_slots:
+        return {}
+    from opweave.runtime.dpexperts import ExpertCopies
+
+    me = program.ep_group.index(program.rank) if program.ep_group else program.tp_rank
+    return {layer: ExpertCopies(tuple(tuple(s) for s in slots), cfg.moe.num_experts, me)
+            for layer, slots in program.ep_slots}
+
+
 def check_layout(layout: str) -> None:
     """Raises a one-line OpWeaveError unless a rank runs `layout` (`RUN_LAYOUTS`)."""
     if layout not in RUN_LAYOUTS:
@@ -188,6 +206,37 @@ def rebuild(module: OpModule, cfg: ModelConfig, tp: int, experts: tuple[int, int
         return cls(cfg, module.layer)
 
 
+class SlotReader:
+    """Reads the expert-stacked tensors of a routed-experts module as the slots it holds (each
+    slot's expert's row of the stacked tensor, `RoutedExperts.slots`); other keys as they are."""
+
+    def __init__(self, reader, slots: tuple[int, ...], stacked: set[str]):
+        self.reader, self.slots, self.stacked = reader, slots, stacked
+
+    def has(self, key: str) -> bool:
+        return self.reader.has(key)
+
+    def get(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if key not in self.stacked:
+            return self.reader.get(key, shape)
+        out = torch.cat([self.reader.get_slice(key, 0, e, e + 1) for e in self.slots])
+        if shape is not None and tuple(out.shape) != tuple(shape):
+            raise OpWeaveError(f"tensor '{key}': {len(self.slots)} expert slots of it are {tuple(out.shape)}, "
+                               f"the operator expects {tuple(shape)}")
+        return out
+
+
+def slot_module(module: OpModule, slots: tuple[int, ...], reader, device: torch.device) -> OpModule:
+    """Routed experts `module` holding the experts `slots` name (copies included), on `device`."""
+    with torch.device("meta"):
+        held = type(module)(module.cfg, module.layer, slots=slots)
+    held = held.to_empty(device=device)
+    held.init_buffers()
+    if reader is not None:
+        held.load_weights(SlotReader(reader, held.slots, set(held.weight_keys.values())))
+    return held
+
+
 # ---------------------------------------------------------------- a rank's operators
 class RandomWeights:
     """Deterministic random tensors per checkpoint key (the same on every rank)."""
@@ -236,7 +285,8 @@ def _reader(weights: str, cfg, modules: dict[int, OpModule]):
 
 def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: int,
                 device: torch.device, load: bool | None = None, names: list[str] | None = None,
-                who: str = "", experts: str = "tp", ep: tuple[int, int] = (1, 0)) -> dict[int, OpModule]:
+                who: str = "", experts: str = "tp", ep: tuple[int, int] = (1, 0),
+                slots: dict[int, tuple[int, ...]] | None = None) -> dict[int, OpModule]:
     """The rank's operators on `device` with their (sharded) weights loaded: the TP table
     (`opweave.ir.tp`) says which are sharded and how, `experts` ("tp" | "ep", the rank program's
     `experts`) how routed experts are held. A tied LM head on the rank that also holds
@@ -245,7 +295,9 @@ def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: in
     device is a real one): the modules show what the rank would allocate. Every tensor of the
     result is checked to be on `device` (`check_placement`: `names` names the ops, `who` the rank).
     `ep`: under "dp" (a TP 1 rank of an expert group), the group's size and this rank's place in
-    it: its routed experts are that block of the experts, every other op whole."""
+    it: its routed experts are that block of the experts, every other op whole. `slots`: per MoE
+    layer, the experts this rank's routed experts hold where its expert group keeps copies
+    (`opweave.ir.experts.placement`, the rank program's `ep_slots`)."""
     check_layout(experts)
     if not modules:
         return {}
@@ -262,7 +314,9 @@ def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: in
     reader = _reader(weights, cfg, modules) if load else None
     out = {}
     for index, module in modules.items():
-        if experts == "dp" and ep[0] > 1 and module.kind in EXPERT_KINDS:
+        if slots and module.kind in EXPERT_KINDS and module.layer in slots:
+            module = slot_module(module, slots[module.layer], reader, device)
+        elif experts == "dp" and ep[0] > 1 and module.kind in EXPERT_KINDS:
             module = shard_module(module, ep[0], ep[1], reader, device, "ep")
         elif tp > 1 and needs_shard(module):
             module = shard_module(module, tp, tp_rank, reader, device, experts)

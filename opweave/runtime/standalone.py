@@ -24,7 +24,7 @@ from opweave.ir.tp import split_on
 from opweave.models.hf_config import config_from_hf
 from opweave.models.model import DecodeStep, build_model
 from opweave.models.ops import torch_dtype
-from opweave.runtime.shard import materialize, program_ep
+from opweave.runtime.shard import materialize, program_ep, program_slots
 from opweave.runtime.pages import START, encode
 from opweave.runtime.state import RankState
 
@@ -36,7 +36,8 @@ class _LoneRuntime:
         names = artifact.json("ops.json")
         modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
         self.ops = materialize({i: modules[names[i]] for i in program.ops}, "random", program.tp, program.tp_rank,
-                               device, experts=program.experts, ep=program_ep(program))
+                               device, experts=program.experts, ep=program_ep(program),
+                               slots=program_slots(program))
         self.rows = program.rows[1] - program.rows[0]
         self.state = RankState.allocate(self.ops, self.rows, program.num_microbatches, program.context, device)
         if self.state.pool is not None:  # every slot holds the whole context's pages: a round reads what it plans

@@ -48,7 +48,7 @@ from opweave.artifact import VerifiedArtifact, load_artifact, load_program_sourc
 from opweave.kernels.logprobs import bare, record_width
 from opweave.kernels.sampling import WORD, bad_word
 from opweave.runtime.scheduler import Request, Scheduler
-from opweave.runtime.shard import check_placement, materialize, program_ep
+from opweave.runtime.shard import check_placement, materialize, program_copies, program_ep, program_slots
 from opweave.runtime.state import RankState, StateView
 from opweave.runtime.syncguard import NoHostSync
 from opweave.runtime.timeline import Timeline
@@ -100,8 +100,9 @@ class Runtime:
         self.modules: dict[int, OpModule] = materialize(
             {i: modules[op_names[i]] for i in program.ops}, weights, program.tp, program.tp_rank, self.device,
             names=op_names, who=f"rank {program.rank}", experts=program.experts,
-            ep=program_ep(program))
+            ep=program_ep(program), slots=program_slots(program))
         self.ops = _packed(with_kernels(self.modules, self.device), self.modules, lambda: self.layouts[self._mb])
+        copies = program_copies(program, cfg)  # layer -> its placement, where the group keeps copies
         if program.ep_group:  # "dp": the routed experts see the expert group's tokens (`runtime/dpexperts.py`)
             from opweave.runtime.dpexperts import DispatchExperts, GroupExperts
 
@@ -109,10 +110,17 @@ class Runtime:
             for i, module in self.modules.items():
                 if module.kind in EXPERT_KINDS and program.ep_dispatch == "alltoall":
                     self.ops[i] = DispatchExperts(self.ops[i], groups[program.ep_group], program.ep_rows, index,
-                                                  counts, program.ep_group, comm)
+                                                  counts, program.ep_group, comm, copies.get(module.layer),
+                                                  program.ep_nodes)
                 elif module.kind in EXPERT_KINDS:
                     self.ops[i] = GroupExperts(self.ops[i], groups[program.ep_group], program.ep_rows, index,
-                                               counts, comm)
+                                               counts, comm, copies.get(module.layer))
+        elif copies:  # an "ep" TP group keeping copies: each rank runs its copies' pairs
+            from opweave.runtime.dpexperts import CopiedExperts
+
+            for i, module in self.modules.items():
+                if module.kind in EXPERT_KINDS and module.layer in copies:
+                    self.ops[i] = CopiedExperts(self.ops[i], copies[module.layer])
         self._progress_setup(program.rank)
         self.kernels = device_kernels(self.device)  # the backend of the fused ops the runtime calls itself
         self.rows = program.rows[1] - program.rows[0]

@@ -7,7 +7,7 @@ Every value in this file is a Python literal, and every name in a comment is esc
 
 OPWEAVE_VERSION = '0.1.0'
 MODEL = 'tiny_llama_num_hidden_layers3_0'
-PLAN_HASH = '6e505703468cefe8bf8c26b38695a002d2383f4b045cf7f4cb8e61b418bdf790'  # sha256 of the artifact's plan.json
+PLAN_HASH = 'd1b3edd6f6881fd7bb697994261f14e0629a923d7ef580a21b89d61f3b690795'  # sha256 of the artifact's plan.json
 TEMPLATE = 'afd'
 NUM_STAGES = 6  # stages per token in the whole plan
 RANK = 0
