@@ -436,3 +436,18 @@ def test_round_reports_leave_idle_rounds_out(monkeypatch):
     times = [t for r in sent for t in r.seconds]
     assert times == [0.080, 0.075]
     assert sum(r.computed for r in sent) == 33
+
+
+def test_a_lone_rank_round_can_be_captured(tiny_checkpoint, tmp_path):
+    """`python rank_XX.py` captures its round as a CUDA graph: the round (the sampler included)
+    makes no tensor from host data and never synchronises (`NoHostSync`, on CPU)."""
+    from opweave.runtime.standalone import load_alone
+    from opweave.runtime.syncguard import NoHostSync
+
+    out = str(tmp_path / "art")
+    _compile(tiny_checkpoint("gemma3"), out, "colocated", [("h100", 1, 1)])
+    rt, prog = load_alone(os.path.join(out, "rank_00.py"), torch.device("cpu"))
+    guard = NoHostSync("a lone rank's round")
+    with torch.no_grad(), guard:
+        prog.round()
+    assert guard.ops > 0

@@ -47,6 +47,12 @@ class _LoneRuntime:
         self._stage = {st.stage: st for st in program.stages}
         self.positions = torch.zeros(self.rows, width, dtype=torch.long, device=device)  # static: graph-safe
         self.ids = torch.zeros(self.rows, width, dtype=torch.long, device=device)
+        from opweave.kernels.sampling import encode as sampling_word
+
+        # the sampler's words per microbatch (temperature 1, top_p 0.9), made before any round: a
+        # tensor made from host data inside the round could not be captured as a CUDA graph
+        self.words = [torch.tensor([sampling_word(1.0, 0.9, mb)] * self.rows, dtype=torch.long, device=device)
+                      for mb in range(program.num_microbatches)]
 
     def _positions(self):
         return self.positions
@@ -86,10 +92,9 @@ class _LoneRuntime:
 
     def sample(self, mb, logits, positions):
         """The server's sampler on this rank's slice (temperature 1, top_p 0.9): its cost is timed."""
-        from opweave.kernels.sampling import encode, sample
+        from opweave.kernels.sampling import sample
 
-        words = torch.tensor([encode(1.0, 0.9, mb)] * self.rows, dtype=torch.long, device=self.device)
-        return sample(logits[:, -1], words, positions[:, -1])
+        return sample(logits[:, -1], self.words[mb], positions[:, -1])
 
 
 def load_alone(module_path: str, device: torch.device):

@@ -603,7 +603,9 @@ def run_rank(artifact: str | VerifiedArtifact, rank: int, weights: str, device: 
         while True:
             rounds.run()
             rounds.after()
-            if not rt.end_round():
+            more = rt.end_round()
+            rounds.ended()
+            if not more:
                 break
         rt.drain()
     report(Phase.FINISHED, rt.round_index)
@@ -644,9 +646,9 @@ class _Rounds:
         self.host: list[float] = []
 
     def run(self) -> None:
-        """One round, timed; with the check, a decode round after the first runs under `NoHostSync`."""
+        """One round; with the check, a decode round after the first runs under `NoHostSync`."""
         rt = self.rt
-        t0, c0 = time.perf_counter(), time.process_time()
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
         if rt.timeline is not None:
             rt.timeline.restart()
         rt.mark_ops = not rt.decode_round  # device events per op in the long rounds (CUDA)
@@ -656,14 +658,20 @@ class _Rounds:
             self.checked += 1
         else:
             self.runner.round()
-        self._timed(time.perf_counter() - t0, time.process_time() - c0)
+        if self.reports is not None:  # what the round computed, read before `end_round` plans the next
+            live = any(rt.transport.live(mb) for mb in range(rt.program.num_microbatches))
+            self._report = (live, rt.round_tokens())
 
-    def _timed(self, wall: float, host: float) -> None:
+    def ended(self) -> None:
+        """After `end_round`: the round's wall and host times, from its start to the end of its
+        `end_round` (where the host waits for the tokens the device sampled: on a GPU the round's
+        kernels run asynchronously, so the launches alone would time only the host)."""
+        wall, host = time.perf_counter() - self._t0, time.process_time() - self._c0
         self.wall.append(wall)
         self.host.append(host)
         if self.reports is not None:
-            live = any(self.rt.transport.live(mb) for mb in range(self.rt.program.num_microbatches))
-            self.reports.add(wall if live else None, *self.rt.round_tokens(), cache=self.rt.cache_stats())
+            live, tokens = self._report
+            self.reports.add(wall if live else None, *tokens, cache=self.rt.cache_stats())
             self.wall, self.host = self.wall[-self.KEEP:], self.host[-self.KEEP:]
 
     def after(self) -> None:
