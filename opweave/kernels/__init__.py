@@ -25,6 +25,14 @@ KERNEL_NAMES = ("rms_norm", "add_rms_norm", "rope", "decode_attention", "gdn_ste
 _MODULES = {"torch": "opweave.kernels.reference", "triton": "opweave.kernels.triton_kernels"}
 
 
+def backend_name(device) -> str:
+    """The kernel backend a rank on `device` runs: `OPWEAVE_KERNELS` where set, else "triton" on
+    CUDA and "torch" elsewhere."""
+    from opweave import config
+
+    return config.kernels_forced() or ("triton" if getattr(device, "type", str(device)) == "cuda" else "torch")
+
+
 def get_backend(name: str) -> ModuleType:
     """The kernel module of backend `name` ("torch" or "triton").
 

@@ -41,7 +41,7 @@ ARCHS = {80: (8, 0), 89: (8, 9), 90: (9, 0)}  # sm_XX -> compute capability (A10
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
 _PTR_TYPES = {torch.float8_e4m3fn: "fp8e4nv", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
-              torch.int32: "i32"}
+              torch.int32: "i32", torch.uint8: "u8"}
 _DEFAULT_WARPS, _DEFAULT_STAGES = 4, 3  # Triton's CUDA defaults when a launcher passes none
 
 
@@ -207,7 +207,9 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
     8 kv heads, a 4096-slot cache (and batch 1 at 131072 slots), Qwen3-Next's Gated-DeltaNet and MoE (512 experts, top 10),
     vocabulary 151936; the paged KV cache's kernels on pools of 16-slot pages, 256 table entries a
     row (a decode step, a 512-token prefill chunk, a cache write; GPT-OSS's sinks at head dim 64);
-    DeepSeek-V3's latent attention (128 heads, rank 512, rope 64) on a ring and on 16-slot pages."""
+    DeepSeek-V3's latent attention (128 heads, rank 512, rope 64) on a ring and on 16-slot pages;
+    block-scaled GEMMs over weights in their stored formats (DeepSeek-V3's fp8 gate/up projection,
+    GPT-OSS's MXFP4 expert gate/up projection) and the grouped experts over them."""
     from opweave.kernels import triton_kernels as tk
 
     m = lambda *shape, dt=dtype: _meta(*shape, dtype=dt)  # noqa: E731
@@ -282,6 +284,21 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
     # the same over paged latent rows: 16-slot pages, 256 table entries (4096 positions) per row
     yield "paged MLA H 128, R 512, P 64, page 16, W 256", lambda: tk.paged_mla_decode_attention(
         m(8, 128, 576), m(8 * 256 + 1, 16, 576), table, pos, 192 ** -0.5, 512, 256)
+    # weights in their published quantized formats, dequantized in registers: DeepSeek-V3's fp8
+    # (bytes) with 128 x 128 block scales, GPT-OSS's MXFP4 (two 4-bit values a byte, a scale per 32)
+    u8 = torch.uint8
+    yield "fp8 weights N 18432, K 7168", lambda: tk.fp8_block_linear(m(8, 7168), _meta(18432, 7168, dtype=u8),
+                                                                     _meta(144, 56, dtype=f32))
+    yield "MXFP4 weights N 5760, K 2880", lambda: tk.mxfp4_linear(m(8, 2880), _meta(5760, 90, 16, dtype=u8),
+                                                                  _meta(5760, 90, dtype=u8))
+    # the grouped experts over the same stored formats: a DeepSeek-V3 expert-parallel shard (32 of
+    # 256 experts, top 8, 64 tokens), GPT-OSS-120B's 128 MXFP4 experts (top 4)
+    yield "fp8 experts H 7168, I 2048, E 32, top 8, batch 64", lambda: tk.moe_experts_fp8(
+        m(64, 7168), m(64, 8), m(64, 8, dt=torch.int64), _meta(32, 4096, 7168, dtype=u8), _meta(32, 32, 56, dtype=f32),
+        _meta(32, 7168, 2048, dtype=u8), _meta(32, 56, 16, dtype=f32))
+    yield "MXFP4 experts H 2880, I 2880, E 128, top 4, biases", lambda: tk.moe_experts_swiglu_mxfp4(
+        m(8, 2880), m(8, 4), m(8, 4, dt=torch.int64), _meta(128, 5760, 90, 16, dtype=u8), _meta(128, 5760, 90, dtype=u8),
+        m(128, 5760), _meta(128, 2880, 90, 16, dtype=u8), _meta(128, 2880, 90, dtype=u8), m(128, 2880), 1.702, 7.0)
 
 
 def _describe_constexprs(launch: Launch) -> str:

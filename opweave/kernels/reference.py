@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from opweave.kernels.blocks import ATTN_KEY_BLOCK, MOE_TOKEN_BLOCK
+from opweave.kernels.stored import FP8_BLOCK, StoredMatrix, dequantize_fp8, dequantize_mxfp4
 
 NON_FINITE_TOKEN = -1
 """The id the sampler gives a row whose logits are not all finite (NaN or infinite): argmax would
@@ -52,7 +53,10 @@ nothing where the small kernel is not slower."""
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, or, for a weight packed by `pack_linear` (a oneDNN tensor), oneDNN's GEMM on it
-    (on at least `PACKED_MIN_ROWS` rows)."""
+    (on at least `PACKED_MIN_ROWS` rows); a weight held as a checkpoint stores it (`stored.StoredMatrix`)
+    computes by its own `linear`."""
+    if isinstance(weight, StoredMatrix):
+        return weight.linear(x, bias)
     if weight.is_mkldnn:
         rows = x.numel() // x.shape[-1]
         if rows < PACKED_MIN_ROWS:
@@ -631,3 +635,29 @@ def mla_cache_write(kv_cache: torch.Tensor, kv: torch.Tensor, positions: torch.T
     (position p at slot p % L; padding and overflow as in `cache_write`)."""
     cache, new = kv_cache[:, :, None, :], kv[:, :, None, :]
     cache_write(cache, cache, new, new, positions)  # the one cache as both "k" and "v": same rows twice
+
+
+def moe_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_bits: torch.Tensor,
+                    gate_up_scale: torch.Tensor, down_bits: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
+    """`moe_experts` over experts held as DeepSeek-V3's fp8 checkpoint stores them, dequantized on the
+    fly to x's dtype (`stored.dequantize_fp8`): `gate_up_bits` uint8 [E, 2I, H] (each expert's
+    `gate_proj.weight` bytes, then `up_proj.weight`'s), `gate_up_scale` float32 [E, 2 ceil(I/128),
+    ceil(H/128)] (the gate's block scales, then the up's), `down_bits` uint8 [E, H, I],
+    `down_scale` float32 [E, ceil(H/128), ceil(I/128)]."""
+    i = gate_up_bits.shape[1] // 2
+    rows = -(-i // FP8_BLOCK[0])
+    gate_up = torch.cat((dequantize_fp8(gate_up_bits[:, :i], gate_up_scale[:, :rows], x.dtype),
+                         dequantize_fp8(gate_up_bits[:, i:], gate_up_scale[:, rows:], x.dtype)), dim=1)
+    return moe_experts(x, weights, ids, gate_up, dequantize_fp8(down_bits, down_scale, x.dtype))
+
+
+def moe_experts_swiglu_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_blocks: torch.Tensor,
+                             gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor, down_blocks: torch.Tensor,
+                             down_scales: torch.Tensor, down_bias: torch.Tensor, alpha: float,
+                             limit: float) -> torch.Tensor:
+    """`moe_experts_swiglu` over GPT-OSS's experts as its checkpoint stores them (MXFP4), dequantized
+    on the fly to x's dtype (`stored.dequantize_mxfp4`): `gate_up_blocks` uint8 [E, 2I, H/32, 16] and
+    `gate_up_scales` [E, 2I, H/32] (`gate_up_proj_blocks` / `_scales`), `down_blocks` uint8
+    [E, H, I/32, 16] and `down_scales` [E, H, I/32]; biases dense."""
+    return moe_experts_swiglu(x, weights, ids, dequantize_mxfp4(gate_up_blocks, gate_up_scales, x.dtype), gate_up_bias,
+                              dequantize_mxfp4(down_blocks, down_scales, x.dtype), down_bias, alpha, limit)

@@ -13,25 +13,29 @@ decode attention casts its `tl.dot` operands to float32 when interpreting bfloat
 float32 operands use IEEE precision (not TF32) on the GPU too, so float32 runs match the reference.
 
 The kernels live by family (`rows`, `attention`, `moe`, `paged`: the paged KV cache's attention and
-writes, `paged_mla`: latent attention over paged latent rows; shared helpers in `common`); this
+writes, `paged_mla`: latent attention over paged latent rows, `quant`: block-scaled GEMMs over fp8 and
+MXFP4 weights in their stored formats; shared helpers in `common`); this
 package re-exports the backend's functions. Launch tunables are patched on the module that
 defines them (`attention.ATTN_BLOCK_N`), not here.
 """
 
 from __future__ import annotations
 
-from opweave.kernels.triton_kernels import attention, moe, paged, paged_mla, rows
+from opweave.kernels.triton_kernels import attention, moe, paged, paged_mla, quant, rows
 from opweave.kernels.triton_kernels.attention import (attention_plan, decode_attention, gdn_step,
                                                       mla_decode_attention, mla_plan)
-from opweave.kernels.triton_kernels.moe import gated_act, moe_block_table, moe_experts, moe_experts_swiglu, moe_route
+from opweave.kernels.triton_kernels.moe import (gated_act, moe_block_table, moe_experts, moe_experts_fp8,
+                                                moe_experts_swiglu, moe_experts_swiglu_mxfp4, moe_route)
 from opweave.kernels.triton_kernels.paged import paged_cache_write, paged_chunk_attention, paged_decode_attention
 from opweave.kernels.triton_kernels.paged_mla import paged_mla_decode_attention, paged_mla_plan
+from opweave.kernels.triton_kernels.quant import fp8_block_linear, mxfp4_linear
 from opweave.kernels.triton_kernels.rows import add_rms_norm, argmax, rms_norm, rope
 
-FAMILIES = (rows, attention, moe, paged, paged_mla)
+FAMILIES = (rows, attention, moe, paged, paged_mla, quant)
 """The modules that define the `@triton.jit` kernels (`aot.record` patches them there)."""
 
-__all__ = ["FAMILIES", "add_rms_norm", "argmax", "attention_plan", "decode_attention", "gated_act", "gdn_step",
-           "mla_decode_attention", "mla_plan", "moe_block_table", "moe_experts", "moe_experts_swiglu", "moe_route",
+__all__ = ["FAMILIES", "add_rms_norm", "argmax", "attention_plan", "decode_attention", "fp8_block_linear",
+           "gated_act", "gdn_step", "mla_decode_attention", "mla_plan", "moe_block_table", "moe_experts",
+           "moe_experts_fp8", "moe_experts_swiglu", "moe_experts_swiglu_mxfp4", "moe_route", "mxfp4_linear",
            "paged_cache_write", "paged_chunk_attention", "paged_decode_attention", "paged_mla_decode_attention",
            "paged_mla_plan", "rms_norm", "rope"]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from opweave.kernels.blocks import MOE_BLOCK_MIN, moe_block_pairs
+from opweave.kernels.stored import FP8_BLOCK, MXFP4_GROUP
 from opweave.kernels.triton_kernels.common import _MAX_BLOCK, _check_last_contiguous, _dot_fp32, _pow2
+from opweave.kernels.triton_kernels.quant import _e2m1_to_fp16, _e4m3_to_fp16, _e8m0_to_fp32
 
 MOE_WARPS = 8  # float32 MoE tl.dot tiles spill registers at 4 warps (docs/kernels.md, ahead-of-time checks)
 
@@ -154,6 +158,27 @@ def moe_block_table(ids: torch.Tensor, num_experts: int,
     return order, torch.stack((expert, start, stop), dim=1)
 
 
+DENSE, FP8, MXFP4 = 0, 1, 2  # how the grouped kernels' expert weights are held (`WEIGHTS`)
+
+
+@triton.jit
+def _fp8_tile(bits_ptrs, scale_ptrs, mask, dtype):
+    """A tile of fp8 weights read as stored: e4m3 byte times its block's scale in float32, rounded
+    to `dtype` (as `kernels.stored` / `models.quantized` dequantize)."""
+    bits = tl.load(bits_ptrs, mask=mask, other=0)
+    scale = tl.load(scale_ptrs, mask=mask, other=0.0)
+    return (_e4m3_to_fp16(bits).to(tl.float32) * 256.0 * scale).to(dtype)
+
+
+@triton.jit
+def _mxfp4_tile(byte_ptrs, shift, scale_ptrs, mask, dtype):
+    """A tile of MXFP4 weights read as stored: the nibble at `shift` (0 low, 4 high) of each byte,
+    an e2m1 value times 2 ** (its group's e8m0 scale - 127), exact, in `dtype`."""
+    code = (tl.load(byte_ptrs, mask=mask, other=0) >> shift) & 0xF
+    scale = _e8m0_to_fp32(tl.load(scale_ptrs, mask=mask, other=127))
+    return (_e2m1_to_fp16(code).to(tl.float32) * 16384.0 * scale).to(dtype)
+
+
 @triton.jit
 def _moe_block(table_ptr, order_ptr, BLOCK_M: tl.constexpr):
     """This program's block of the table: (expert, its pairs [BLOCK_M], their mask, any pair at all)."""
@@ -179,11 +204,18 @@ def _moe_gate_up_act_kernel(
     stride_x,                 # elements between rows of x
     stride_ge, stride_gh, stride_gc,  # gate_up strides: expert, hidden, intermediate channel
     up_offset,                # elements from a gate weight to its up weight (I rows, or the next column)
-    stride_be,                # bias strides: expert (its channels are laid out as the weight's)
+    stride_be,                # bias strides: expert
+    bias_c, bias_up,          # bias: elements per channel, from a gate bias to its up bias
+    gus_ptr,                  # the weights' scales (WEIGHTS FP8: [E, 2 ceil(I/128), ceil(H/128)] float32,
+                              # the gate's block rows then the up's; MXFP4: [E, 2I, H/32] uint8 e8m0)
+    stride_se, stride_sc, stride_sh,  # scale strides: expert, channel (fp8: per 128 channels), hidden (fp8: per 128)
+    up_scale_offset,          # elements from a gate's scales to its up's
     H, I,                     # hidden size, expert intermediate size
     alpha, limit,             # GPT_OSS: SwiGLU's sigmoid gain; clamp of gate (above) and up (both sides)
     K: tl.constexpr,          # experts per token
     GPT_OSS: tl.constexpr,    # biases and the clamped SwiGLU; else silu(gate) * up
+    WEIGHTS: tl.constexpr,    # DENSE (model dtype), FP8 ([E, 2I, H] e4m3 bytes) or MXFP4 ([E, 2I, H/32, 16]
+                              # blocks, stored row 2c the gate of channel c, 2c + 1 its up)
     BLOCK_M: tl.constexpr,    # pairs per block (rows of the tl.dot)
     BLOCK_I: tl.constexpr,    # intermediate channels per program
     BLOCK_H: tl.constexpr,    # hidden columns per iteration
@@ -194,15 +226,29 @@ def _moe_gate_up_act_kernel(
     ch = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     acc_g = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
+    wdt = act_ptr.dtype.element_ty  # a stored weight's values, dequantized to the model dtype
     h_end = tl.where(busy, H, 0)  # an empty block reads nothing
     for h0 in range(0, h_end, BLOCK_H):
         hs = h0 + tl.arange(0, BLOCK_H)
         x = tl.load(x_ptr + token[:, None] * stride_x + hs[None, :], mask=m_mask[:, None] & (hs < H)[None, :],
                     other=0.0)
         w_mask = (hs < H)[:, None] & (ch < I)[None, :]
-        w_base = gu_ptr + expert * stride_ge + hs[:, None] * stride_gh + ch[None, :] * stride_gc
-        wg = tl.load(w_base, mask=w_mask, other=0.0)       # [BLOCK_H, BLOCK_I]: once per block of pairs
-        wu = tl.load(w_base + up_offset, mask=w_mask, other=0.0)
+        # [BLOCK_H, BLOCK_I] tiles of the gate and up weights: once per block of pairs
+        if WEIGHTS == 2:    # MXFP4: byte h // 2 of the channel's stored row, nibble h % 2
+            b_base = gu_ptr + expert * stride_ge + ch[None, :] * stride_gc + (hs // 2)[:, None]
+            shift = ((hs % 2) * 4)[:, None].to(tl.uint8)
+            s_base = gus_ptr + expert * stride_se + ch[None, :] * stride_sc + (hs // 32)[:, None] * stride_sh
+            wg = _mxfp4_tile(b_base, shift, s_base, w_mask, wdt)
+            wu = _mxfp4_tile(b_base + up_offset, shift, s_base + up_scale_offset, w_mask, wdt)
+        else:
+            w_base = gu_ptr + expert * stride_ge + hs[:, None] * stride_gh + ch[None, :] * stride_gc
+            if WEIGHTS == 1:  # fp8: each value's 128 x 128 block scale
+                s_base = gus_ptr + expert * stride_se + (ch // 128)[None, :] * stride_sc + (hs // 128)[:, None] * stride_sh
+                wg = _fp8_tile(w_base, s_base, w_mask, wdt)
+                wu = _fp8_tile(w_base + up_offset, s_base + up_scale_offset, w_mask, wdt)
+            else:
+                wg = tl.load(w_base, mask=w_mask, other=0.0)
+                wu = tl.load(w_base + up_offset, mask=w_mask, other=0.0)
         if DOT_FP32:
             x = x.to(tl.float32)
             acc_g += tl.dot(x, wg.to(tl.float32), input_precision="ieee")
@@ -215,9 +261,9 @@ def _moe_gate_up_act_kernel(
     gate = acc_g.to(dtype).to(tl.float32)
     up = acc_u.to(dtype).to(tl.float32)
     if GPT_OSS:  # the biased sums, glu, up + 1
-        bias = gub_ptr + expert * stride_be + ch * stride_gc
+        bias = gub_ptr + expert * stride_be + ch * bias_c
         bg = tl.load(bias, mask=ch < I, other=0.0).to(tl.float32)
-        bu = tl.load(bias + up_offset, mask=ch < I, other=0.0).to(tl.float32)
+        bu = tl.load(bias + bias_up, mask=ch < I, other=0.0).to(tl.float32)
         gate = tl.minimum((gate + bg[None, :]).to(dtype).to(tl.float32), limit)
         up = (up + bu[None, :]).to(dtype).to(tl.float32)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -240,9 +286,13 @@ def _moe_down_kernel(
     stride_w,                 # elements between rows of weights
     stride_de, stride_dh, stride_di,  # down strides (expert, output column, intermediate row)
     stride_be,                # down bias stride (expert)
+    ds_ptr,                   # the down weights' scales (WEIGHTS FP8: [E, ceil(H/128), ceil(I/128)] float32;
+                              # MXFP4: [E, H, I/32] uint8 e8m0)
+    stride_se, stride_sh, stride_si,  # scale strides: expert, output column (fp8: per 128), intermediate (per block)
     H, I,                     # hidden size, expert intermediate size
     K: tl.constexpr,          # experts per token
     HAS_BIAS: tl.constexpr,   # add the expert's down bias before the routing weight
+    WEIGHTS: tl.constexpr,    # DENSE, FP8 ([E, H, I] e4m3 bytes) or MXFP4 ([E, H, I/32, 16] blocks)
     BLOCK_M: tl.constexpr,    # pairs per block
     BLOCK_H: tl.constexpr,    # output columns per program
     BLOCK_I: tl.constexpr,    # intermediate rows per iteration
@@ -251,13 +301,25 @@ def _moe_down_kernel(
     expert, pair, m_mask, busy = _moe_block(table_ptr, order_ptr, BLOCK_M)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    wdt = out_ptr.dtype.element_ty
     i_end = tl.where(busy, I, 0)  # an empty block reads nothing
     for i0 in range(0, i_end, BLOCK_I):
         rows = i0 + tl.arange(0, BLOCK_I)
         a = tl.load(act_ptr + pair[:, None] * I + rows[None, :], mask=m_mask[:, None] & (rows < I)[None, :],
                     other=0.0)
-        w = tl.load(down_ptr + expert * stride_de + rows[:, None] * stride_di + hs[None, :] * stride_dh,
-                    mask=(rows < I)[:, None] & (hs < H)[None, :], other=0.0)  # [BLOCK_I, BLOCK_H], once per block
+        w_mask = (rows < I)[:, None] & (hs < H)[None, :]
+        # [BLOCK_I, BLOCK_H], once per block of pairs
+        if WEIGHTS == 2:    # MXFP4: output column h is stored row h; byte i // 2, nibble i % 2
+            b_ptrs = down_ptr + expert * stride_de + hs[None, :] * stride_dh + (rows // 2)[:, None]
+            s_ptrs = ds_ptr + expert * stride_se + hs[None, :] * stride_sh + (rows // 32)[:, None] * stride_si
+            w = _mxfp4_tile(b_ptrs, ((rows % 2) * 4)[:, None].to(tl.uint8), s_ptrs, w_mask, wdt)
+        else:
+            w_ptrs = down_ptr + expert * stride_de + rows[:, None] * stride_di + hs[None, :] * stride_dh
+            if WEIGHTS == 1:
+                s_ptrs = ds_ptr + expert * stride_se + (hs // 128)[None, :] * stride_sh + (rows // 128)[:, None] * stride_si
+                w = _fp8_tile(w_ptrs, s_ptrs, w_mask, wdt)
+            else:
+                w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if DOT_FP32:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -272,15 +334,32 @@ def _moe_down_kernel(
     tl.store(out_ptr + pair[:, None] * H + hs[None, :], out, mask=m_mask[:, None] & (hs < H)[None, :])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """How the grouped kernels read expert weights held as stored (`WEIGHTS` FP8 or MXFP4): the
+    scale tensors and their strides (expert, then the two the kernel's `stride_s*` name), the offset
+    from a gate's scales to its up's, and the bias layout (elements per channel, gate to up)."""
+
+    weights: int
+    gate_up_scales: torch.Tensor
+    gate_up_scale_strides: tuple[int, int, int]
+    up_scale_offset: int
+    down_scales: torch.Tensor
+    down_scale_strides: tuple[int, int, int]
+    bias: tuple[int, int] = (0, 0)
+
+
 def _grouped_experts(x, weights, ids, e: int, i: int, gate_up, gate_up_strides, up_offset: int, down,
-                     down_strides, gate_up_bias=None, down_bias=None, alpha: float = 0.0, limit: float = 0.0):
-    """The launch both expert layouts share: the (token, expert) pairs sorted by expert in blocks of
+                     down_strides, gate_up_bias=None, down_bias=None, alpha: float = 0.0, limit: float = 0.0,
+                     stored: _Stored | None = None):
+    """The launch every expert layout shares: the (token, expert) pairs sorted by expert in blocks of
     `moe_block_m` pairs (`moe_block_table`, on the device), `_moe_gate_up_act_kernel` then
     `_moe_down_kernel` per block, and the k weighted outputs of a token summed in float32 in a fixed
     order (no atomics). Sentinel pairs (id == e: not on this expert-parallel shard) have no block,
     so their output rows are never written: they are zeroed before the sum (on the device).
     `gate_up_strides` = (hidden, intermediate channel), `down_strides` = (output column,
-    intermediate row); with the biases, GPT-OSS's clamped SwiGLU."""
+    intermediate row); with the biases, GPT-OSS's clamped SwiGLU; `stored`: weights held as a
+    checkpoint stores them (strides then count bytes; the kernels dequantize each tile)."""
     h, k = x.shape[-1], ids.shape[-1]
     x2, w2, ids2 = x.reshape(-1, h), weights.reshape(-1, k), ids.reshape(-1, k)
     n = x2.shape[0]
@@ -301,15 +380,20 @@ def _grouped_experts(x, weights, ids, e: int, i: int, gate_up, gate_up_strides, 
     warps = MOE_WARPS if x.dtype == torch.float32 or block_m >= 64 else 4
     tile = moe_tile(block_m, x.dtype == torch.float32)
     block_i, block_h = min(_pow2(i, 16), tile), min(_pow2(h, 16), tile)  # weight tiles of both kernels
+    if stored is None:
+        stored = _Stored(DENSE, gate_up, (0, 0, 0), 0, down, (0, 0, 0),
+                         (gate_up_strides[1], up_offset))
     _moe_gate_up_act_kernel[(table.shape[0], triton.cdiv(i, block_i))](
         x2, order, table, gate_up, gate_up_bias if gpt_oss else gate_up, act, x2.stride(0), gate_up.stride(0),
-        *gate_up_strides, up_offset, gate_up_bias.stride(0) if gpt_oss else 0, h, i, float(alpha), float(limit),
-        K=k, GPT_OSS=gpt_oss, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_H=block_h, DOT_FP32=dot_fp32,
-        num_warps=warps)
+        *gate_up_strides, up_offset, gate_up_bias.stride(0) if gpt_oss else 0, *stored.bias,
+        stored.gate_up_scales, *stored.gate_up_scale_strides, stored.up_scale_offset, h, i, float(alpha),
+        float(limit), K=k, GPT_OSS=gpt_oss, WEIGHTS=stored.weights, BLOCK_M=block_m, BLOCK_I=block_i,
+        BLOCK_H=block_h, DOT_FP32=dot_fp32, num_warps=warps)
     _moe_down_kernel[(table.shape[0], triton.cdiv(h, block_h))](
         act, w2, order, table, down, down_bias if gpt_oss else down, out, w2.stride(0), down.stride(0),
-        *down_strides, down_bias.stride(0) if gpt_oss else 0, h, i, K=k, HAS_BIAS=gpt_oss, BLOCK_M=block_m,
-        BLOCK_H=block_h, BLOCK_I=block_i, DOT_FP32=dot_fp32, num_warps=warps)
+        *down_strides, down_bias.stride(0) if gpt_oss else 0, stored.down_scales, *stored.down_scale_strides, h,
+        i, K=k, HAS_BIAS=gpt_oss, WEIGHTS=stored.weights, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_I=block_i,
+        DOT_FP32=dot_fp32, num_warps=warps)
     out = out.view(n, k, h).masked_fill_((ids2 >= e)[..., None], 0.0)  # sentinel rows: never written
     y = torch.sum(out, dim=1, dtype=torch.float32).to(x.dtype)  # k in order: deterministic
     return y.view(x.shape)
@@ -353,3 +437,64 @@ def moe_experts_swiglu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     return _grouped_experts(x, weights, ids, e, i, gate_up, (gate_up.stride(1), 2 * gate_up.stride(2)),
                             gate_up.stride(2), down, (down.stride(2), down.stride(1)), gate_up_bias, down_bias,
                             alpha, limit)
+
+
+def moe_experts_fp8(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_bits: torch.Tensor,
+                    gate_up_scale: torch.Tensor, down_bits: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
+    """See `reference.moe_experts_fp8`: `moe_experts` over experts held as DeepSeek-V3's fp8 checkpoint
+    stores them, each tile dequantized in registers (e4m3 times its 128 x 128 block's scale in float32,
+    rounded to x's dtype, as the reference dequantizes).
+
+    Args:
+        gate_up_bits: uint8 [E, 2I, H]: per expert the e4m3 bytes of `gate_proj.weight` then `up_proj.weight`.
+        gate_up_scale: float32 [E, 2 ceil(I/128), ceil(H/128)]: the gate's `weight_scale_inv` then the up's.
+        down_bits: uint8 [E, H, I]; down_scale: float32 [E, ceil(H/128), ceil(I/128)].
+    """
+    e, two_i, h = gate_up_bits.shape
+    i, rows = two_i // 2, triton.cdiv(two_i // 2, FP8_BLOCK[0])
+    assert two_i == 2 * i and h == x.shape[-1], f"gate_up {tuple(gate_up_bits.shape)} vs hidden {x.shape[-1]}"
+    assert gate_up_bits.dtype == down_bits.dtype == torch.uint8, "fp8 weights are passed as their bytes (uint8)"
+    assert tuple(down_bits.shape) == (e, h, i), f"down {tuple(down_bits.shape)} != ({e}, {h}, {i})"
+    assert tuple(gate_up_scale.shape) == (e, 2 * rows, triton.cdiv(h, FP8_BLOCK[1])), \
+        f"gate_up_scale {tuple(gate_up_scale.shape)}: want ({e}, {2 * rows}, {triton.cdiv(h, FP8_BLOCK[1])})"
+    assert tuple(down_scale.shape) == (e, triton.cdiv(h, FP8_BLOCK[0]), triton.cdiv(i, FP8_BLOCK[1])), \
+        f"down_scale {tuple(down_scale.shape)}"
+    assert gate_up_scale.dtype == down_scale.dtype == torch.float32 and x.dtype == weights.dtype
+    gs, ds = gate_up_scale.stride(), down_scale.stride()
+    stored = _Stored(FP8, gate_up_scale, (gs[0], gs[1], gs[2]), rows * gs[1], down_scale, (ds[0], ds[1], ds[2]))
+    return _grouped_experts(x, weights, ids, e, i, gate_up_bits, (gate_up_bits.stride(2), gate_up_bits.stride(1)),
+                            i * gate_up_bits.stride(1), down_bits, (down_bits.stride(1), down_bits.stride(2)),
+                            stored=stored)
+
+
+def moe_experts_swiglu_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_blocks: torch.Tensor,
+                             gate_up_scales: torch.Tensor, gate_up_bias: torch.Tensor, down_blocks: torch.Tensor,
+                             down_scales: torch.Tensor, down_bias: torch.Tensor, alpha: float,
+                             limit: float) -> torch.Tensor:
+    """See `reference.moe_experts_swiglu_mxfp4`: `moe_experts_swiglu` over GPT-OSS's experts as its
+    checkpoint stores them (MXFP4), each tile dequantized in registers (exact: an e2m1 value times a
+    power of two).
+
+    Args:
+        gate_up_blocks: uint8 [E, 2I, H/32, 16] (`gate_up_proj_blocks`: stored row 2c is channel c's
+            gate, 2c + 1 its up); gate_up_scales: uint8 [E, 2I, H/32] e8m0.
+        down_blocks: uint8 [E, H, I/32, 16]; down_scales: uint8 [E, H, I/32].
+        gate_up_bias [E, 2I], down_bias [E, H]: x's dtype, as `moe_experts_swiglu` takes them.
+    """
+    e, two_i, groups, half = gate_up_blocks.shape
+    h, i = groups * MXFP4_GROUP, two_i // 2
+    assert half == MXFP4_GROUP // 2 and h == x.shape[-1] and two_i == 2 * i, \
+        f"gate_up_blocks {tuple(gate_up_blocks.shape)} vs hidden {x.shape[-1]}"
+    assert i % MXFP4_GROUP == 0, f"expert channels {i}: not whole groups of {MXFP4_GROUP}"
+    assert tuple(down_blocks.shape) == (e, h, i // MXFP4_GROUP, half), f"down_blocks {tuple(down_blocks.shape)}"
+    assert tuple(gate_up_scales.shape) == (e, two_i, groups) and tuple(down_scales.shape) == (e, h, i // MXFP4_GROUP)
+    assert all(t.dtype == torch.uint8 for t in (gate_up_blocks, gate_up_scales, down_blocks, down_scales))
+    assert x.dtype == weights.dtype == gate_up_bias.dtype == down_bias.dtype, "x, weights and biases share a dtype"
+    assert tuple(gate_up_bias.shape) == (e, two_i) and tuple(down_bias.shape) == (e, h)
+    _check_last_contiguous(gate_up_scales=gate_up_scales, down_scales=down_scales)
+    row, srow = gate_up_blocks.stride(1), gate_up_scales.stride(1)  # bytes / scales per stored row
+    stored = _Stored(MXFP4, gate_up_scales, (gate_up_scales.stride(0), 2 * srow, 1), srow, down_scales,
+                     (down_scales.stride(0), down_scales.stride(1), 1), (2 * gate_up_bias.stride(1), gate_up_bias.stride(1)))
+    # gate_up: channel c's gate is stored row 2c, its up the next row; down: output column h is row h
+    return _grouped_experts(x, weights, ids, e, i, gate_up_blocks, (0, 2 * row), row, down_blocks,
+                            (down_blocks.stride(1), 0), gate_up_bias, down_bias, alpha, limit, stored=stored)
