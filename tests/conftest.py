@@ -25,6 +25,25 @@ def _seeded(request):
 
 
 @pytest.fixture(scope="session")
+def published(tmp_path_factory):
+    """published(family) -> (source, quantized, twin) folders: a tiny checkpoint of `family` in its
+    published quantized format (`hf_fixtures.QUANTIZED_CASES`) and the dense float32 twin it decodes to."""
+    from hf_fixtures import QUANTIZED_CASES, make_tiny_checkpoint, quantize_checkpoint
+
+    made = {}
+
+    def make(family: str) -> tuple[str, str, str]:
+        if family not in made:
+            method, overrides = QUANTIZED_CASES[family]
+            root = tmp_path_factory.mktemp(f"published_{family}")
+            source = make_tiny_checkpoint(family, str(root / "source"), **overrides)
+            made[family] = (source, *quantize_checkpoint(source, method, str(root / method), str(root / "twin")))
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """tiny_checkpoint(family, **overrides) -> folder with config.json + model.safetensors."""
     from hf_fixtures import make_tiny_checkpoint

@@ -289,6 +289,14 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return packed, (e + 127).to(torch.uint8), decoded.reshape(*lead, n, k)
 
 
+# the published quantized formats' tiny checkpoints (the `published` fixture): sizes past one block
+# where it matters: DeepSeek's dense MLP of 320 rows is 2.5 fp8 blocks (its TP 2 halves cut block 1 in
+# two); GPT-OSS's hidden 96 is 3 MXFP4 groups, its expert channels 32 one group (TP 2 halves it), and
+# gate_up [E, 96, 64] is not square, so a transposition shows
+QUANTIZED_CASES = {"deepseek_v3": ("fp8", {"intermediate_size": 320}),
+                   "gpt_oss": ("mxfp4", {"hidden_size": 96})}
+
+
 def quantize_checkpoint(folder: str, method: str, out_dir: str, twin_dir: str) -> tuple[str, str]:
     """Writes `folder`'s checkpoint in a published quantized format to `out_dir` and the weights that
     decodes to, dense float32 without `quantization_config`, to `twin_dir`; returns both folders.

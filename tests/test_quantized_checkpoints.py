@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hf_fixtures import make_tiny_checkpoint, quantize_checkpoint
+from hf_fixtures import QUANTIZED_CASES as CASES
 from opweave.errors import OpWeaveError
 from opweave.models import ops
 from opweave.models import quantized as Q
@@ -217,28 +217,6 @@ def test_bad_quantized_tensors_are_one_line_errors(tmp_path, tensors, message):
 
 
 # ---------------------------------------------------------------- tiny published checkpoints
-# sizes past one block where it matters: DeepSeek's dense MLP of 320 rows is 2.5 fp8 blocks (its TP 2
-# halves cut block 1 in two); GPT-OSS's hidden 96 is 3 MXFP4 groups, its expert channels 32 one
-# group (TP 2 halves it), and gate_up [E, 96, 64] is not square, so a transposition shows
-CASES = {"deepseek_v3": ("fp8", {"intermediate_size": 320}),
-         "gpt_oss": ("mxfp4", {"hidden_size": 96})}
-
-
-@pytest.fixture(scope="module")
-def published(tmp_path_factory):
-    made = {}
-
-    def make(family: str) -> tuple[str, str, str]:
-        if family not in made:
-            method, overrides = CASES[family]
-            root = tmp_path_factory.mktemp(f"published_{family}")
-            source = make_tiny_checkpoint(family, str(root / "source"), **overrides)
-            made[family] = (source, *quantize_checkpoint(source, method, str(root / method), str(root / "twin")))
-        return made[family]
-
-    return make
-
-
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_fixture_has_the_published_layout(published, family):
     source, quantized, twin = published(family)
@@ -331,11 +309,16 @@ def test_tp2_shards_of_the_quantized_checkpoint_equal_the_twins(published, famil
 
 
 # ---------------------------------------------------------------- a compiled plan on CPU ranks
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("family", sorted(CASES))
 @pytest.mark.slow
-def test_plan_of_the_quantized_checkpoint_generates_its_twins_tokens(published, tmp_path, family):
+def test_plan_of_the_quantized_checkpoint_generates_its_twins_tokens(published, tmp_path, monkeypatch, family,
+                                                                     kernels):
     """On one CPU rank (the tiny fixtures' matrices are smaller than a 128 x 128 block, so the
-    planner keeps them whole; the sliced TP 2 reads are `test_tp2_shards_...` above)."""
+    planner keeps them whole; the sliced TP 2 reads are `test_tp2_shards_...` above): read
+    dequantized on the torch kernels, held as stored on the Triton kernels (the GPU's path, here
+    under TRITON_INTERPRET=1: block-scaled GEMMs and grouped experts over the stored bytes)."""
+    monkeypatch.setenv("OPWEAVE_KERNELS", kernels)
     from opweave.compiler.compile import write_artifact
     from opweave.compiler.frontend import run_front_end
     from opweave.compiler.pinned import pinned_plan
@@ -345,47 +328,51 @@ def test_plan_of_the_quantized_checkpoint_generates_its_twins_tokens(published, 
     from opweave.runtime.scheduler import Request
 
     _, quantized, twin = published(family)
-    prompts = [PROMPT, [5, 6, 7], [42]]
+    prompts = [PROMPT, [5, 6, 7], [42]] if kernels == "torch" else [PROMPT, [5, 6, 7]]
+    new = 4 if kernels == "torch" else 3
     reference = resolve(twin).load()
-    want = [generate(reference, p, 4)[1] for p in prompts]
+    want = [generate(reference, p, new)[1] for p in prompts]
     cluster = parse_cluster("h100x8+l40sx8", load_catalog())
     out = str(tmp_path / "art")
     write_artifact(out, pinned_plan(run_front_end(quantized), cluster, "colocated", [("h100", 1, 1)], batch=4,
                                     microbatches=2, context=64))
-    requests = tuple(Request(index=i, prompt=p, max_new_tokens=4) for i, p in enumerate(prompts))
-    try:
-        outputs, _ = run_detailed(RunConfig(artifact=out, weights=quantized, device="cpu", requests=requests,
-                                            timeout_s=300))
-    except OpWeaveError as e:  # the expected failure is that refusal, nothing else
-        assert "quantization_config" in str(e), str(e)
-        raise
+    requests = tuple(Request(index=i, prompt=p, max_new_tokens=new) for i, p in enumerate(prompts))
+    outputs, _ = run_detailed(RunConfig(artifact=out, weights=quantized, device="cpu", requests=requests,
+                                        timeout_s=300))
     assert [list(r.output) for r in outputs] == want
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
-def test_a_gpu_rank_refuses_a_quantized_checkpoint_in_one_line(published, family):
-    """On CUDA the weights would be held dequantized, above the planned memory: refused before
-    anything is read or allocated (no GPU needed to check it)."""
+def test_a_gpu_rank_on_the_torch_kernels_refuses_a_quantized_checkpoint_in_one_line(published, family, monkeypatch):
+    """On CUDA the torch kernels would hold the weights dequantized, above the planned memory:
+    refused before anything is read or allocated (no GPU needed to check it)."""
     from opweave.models.hf_config import config_from_hf
     from opweave.models.model import DecodeStep, build_model
     from opweave.runtime.shard import materialize
 
+    monkeypatch.setenv("OPWEAVE_KERNELS", "torch")
     _, quantized, _ = published(family)
     with open(os.path.join(quantized, "config.json")) as f:
         cfg = config_from_hf(json.load(f), family)
     modules = {i: m for i, (_, m) in enumerate(DecodeStep(build_model(cfg, "meta")).named_modules()) if m is not None}
-    with pytest.raises(OpWeaveError, match="on a GPU they would be held dequantized") as err:
+    with pytest.raises(OpWeaveError, match="the torch kernels would hold them dequantized") as err:
         materialize({0: modules[1]}, quantized, 1, 0, torch.device("cuda"))
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("family", sorted(CASES))
-def test_run_on_cuda_refuses_a_quantized_checkpoint_before_any_rank(published, family):
+def test_run_on_cuda_checks_the_quantized_checkpoint_before_any_rank(published, monkeypatch):
+    """DeepSeek-V3's fp8 matrices and GPT-OSS's MXFP4 experts run as stored on the Triton kernels
+    (CUDA's default); the torch kernels would hold them dequantized: a one-line refusal before any
+    rank starts (an operator with no kernel over its stored format: `test_stored_weights`)."""
     from opweave.runtime.checks import check_weight_format
 
-    source, quantized, _ = published(family)
-    check_weight_format(quantized, "cpu")   # read dequantized there
-    check_weight_format(source, "cuda")     # a dense checkpoint runs anywhere
-    with pytest.raises(OpWeaveError, match="a GPU rank would hold them dequantized") as err:
-        check_weight_format(quantized, "cuda")
-    assert "\n" not in str(err.value)
+    for family in CASES:
+        source, quantized, _ = published(family)
+        check_weight_format(quantized, "cpu")   # read dequantized there
+        check_weight_format(source, "cuda")     # a dense checkpoint runs anywhere
+        check_weight_format(quantized, "cuda")  # held as stored
+    monkeypatch.setenv("OPWEAVE_KERNELS", "torch")
+    for family in CASES:
+        with pytest.raises(OpWeaveError, match="the torch kernels would hold them dequantized") as err:
+            check_weight_format(published(family)[1], "cuda")
+        assert "\n" not in str(err.value)

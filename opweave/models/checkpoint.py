@@ -281,6 +281,53 @@ class CheckpointReader:
         return Q.dequantize_fp8(self._stored(real, read.values), self._stored(scales, read.scales), self._block,
                                 row0=row0, col0=col0, dtype=dtype, name=real)
 
+    def stored(self, key: str) -> bool:
+        """Whether tensor `key` (its dense name) is stored quantized: fp8 with block scales or MXFP4."""
+        real = self._require(key)
+        return self._mxfp4(key, real) or self._header(real)[1].startswith("F8")
+
+    def get_stored(self, key: str, part: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantized tensor `key` (its dense name) as stored, not dequantized: (values, scales).
+
+        fp8: the e4m3 values' bytes (uint8, the dense shape) and `weight_scale_inv` (float32);
+        MXFP4: `P_blocks` (uint8 [..., N, G, 16]) and `P_scales` (uint8 [..., N, G]). `part`
+        (dim, start, stop) of the dense tensor reads only those rows and their scales; it must
+        cover whole quantization blocks (start on a block's first row, stop on a block's end or the
+        dimension's), as the TP table splits quantized weights (`ir.tp.QUANT_BLOCK`)."""
+        real = self._require(key)
+        shape, stored = self._header(real)
+        try:
+            if self._mxfp4(key, real):
+                dense = real[:-len(Q.MXFP4_BLOCKS)]
+                scales = self._scale_key(dense + Q.MXFP4_SCALES, real, key)
+                if stored != "U8":
+                    raise OpWeaveError(f"tensor '{real}' has dtype {stored}; MXFP4 blocks are U8 (uint8)")
+                Q.check_mxfp4(dense, shape, self._header(scales)[0])
+                read = Q.mxfp4_read(shape, *part) if part is not None else None
+                if read is not None and read.cut is not None and (read.cut[1] or read.cut[2] % Q.MXFP4_GROUP):
+                    raise OpWeaveError(f"tensor '{key}': rows {part[1]}..{part[2]} of dimension {part[0]} are not "
+                                       f"whole groups of {Q.MXFP4_GROUP} (its scales' blocks)")
+                index = (None, None) if read is None else (read.values, read.scales)
+            elif stored == "F8_E4M3":
+                scales = self._scale_key(real + Q.FP8_SCALE_SUFFIX, real, key)
+                Q.check_fp8(real, shape, self._header(scales)[0], self._block)
+                read = Q.fp8_read(shape, *part, block=self._block) if part is not None else None
+                if read is not None and read.dim is not None:
+                    b, (dim, start, stop) = self._block[read.dim - (len(shape) - 2)], part
+                    if start % b or (stop % b and stop != shape[dim]):
+                        raise OpWeaveError(f"tensor '{key}': rows {start}..{stop} of dimension {dim} are not whole "
+                                           f"{self._block[0]}x{self._block[1]} blocks (its scales')")
+                index = (None, None) if read is None else (read.values, read.scales)
+            else:
+                raise OpWeaveError(f"tensor '{key}' is not stored quantized (dtype {stored})")
+        except OpWeaveError as e:
+            message = str(e)
+            raise OpWeaveError(message if message.startswith(self.folder) else f"{self.folder}: {message}") from None
+        values = self._stored(real, index[0])
+        self.num_reads += 1
+        return (values.view(torch.uint8) if values.dtype == torch.float8_e4m3fn else values,
+                self._stored(scales, index[1]))
+
     def get(self, key: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Reads one tensor; checks its shape when `shape` is given. A quantized tensor (fp8 with
         block scales, MXFP4) is returned dequantized, in `dtype` (default: the reader's)."""

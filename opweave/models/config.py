@@ -103,8 +103,8 @@ class WeightFormat:
 
     fp8: e4m3 values with a float32 scale per 128 x 128 block (DeepSeek-V3, Kimi-K2);
     mxfp4: 4-bit values with a one-byte scale per 32 (GPT-OSS's experts).
-    Never converted: embeddings, the LM head, norms, routers, biases, attention sinks, and the
-    checkpoint's `modules_to_not_convert`."""
+    Never converted: embeddings, the LM head, norms, routers, biases, attention sinks, latent
+    attention's absorbed W_UK / W_UV (held dequantized) and the checkpoint's `modules_to_not_convert`."""
 
     method: str                               # fp8 | mxfp4
     dtype: str                                # the IR weights' dtype name (`ir.graph.DTYPE_SIZE`)
@@ -117,8 +117,10 @@ class WeightFormat:
         return not any(fnmatch.fnmatch(key, pat) or fnmatch.fnmatch(key, pat + ".*") for pat in self.not_converted)
 
 
+# latent attention's absorbed halves of kv_b_proj (`ops_mla`: W_UK, W_UV, multiplied in einsums per
+# head) are held at the model's dtype, dequantized on load (as vLLM and SGLang hold them)
 _NEVER_CONVERTED = re.compile(
-    r"(embed_tokens|lm_head|norm|\.mlp\.gate\.weight$|\.mlp\.router\.|sinks|bias)")
+    r"(embed_tokens|lm_head|norm|\.mlp\.gate\.weight$|\.mlp\.router\.|sinks|bias|kv_b_proj\.w_u[kv]$)")
 
 
 def weight_format(quant: Any, where: str) -> WeightFormat | None:

@@ -24,9 +24,11 @@ from opweave.kernels import cpu as CPUK
 from opweave.kernels import reference as K
 from opweave.kernels.paged import PagedKV
 from opweave.kernels.reference import NON_FINITE_TOKEN  # noqa: F401  (re-exported)
+from opweave.errors import OpWeaveError
 from opweave.ir.facts import OpFacts, StateSpec
 from opweave.ir.kinds import OpKind, TPRule
 from opweave.models.config import ModelConfig, RopeSpec
+from opweave.models.stored import hold
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,10 +98,60 @@ class OpModule(nn.Module):
 
     def load_weights(self, reader) -> None:
         """Copies this op's tensors from a `CheckpointReader` (reads only these keys) into its
-        parameters, where they already are (the run device): never replaces them."""
-        for attr, key in self.weight_keys.items():
-            param = getattr(self, attr)
-            load_into(param, reader.get(key, tuple(param.shape)))
+        parameters, where they already are (the run device): never replaces them. A matrix held
+        as stored (`hold_stored`) reads its stored values and scales."""
+        for attr in self.weight_keys:
+            self.load_attr(reader, attr)
+
+    def load_attr(self, reader, attr: str) -> None:
+        """Loads one of this op's tensors: dense, or as stored where it is held so (`hold_stored`)."""
+        key = self.weight_keys[attr]
+        if attr in self.held_stored:
+            self.load_stored(attr, reader.get_stored(key))
+            return
+        param = getattr(self, attr)
+        load_into(param, reader.get(key, tuple(param.shape)))
+
+    # matrices held as a quantized checkpoint stores them (`opweave.models.stored`)
+    stored_methods: tuple[str, ...] = ()  # the formats this module's own matrices are computed from, stored
+    # 2-D weights read only through `K.linear`, which computes from stored fp8 (`kernels.stored`)
+    stored_linear_weights: tuple[str, ...] = ()
+
+    @property
+    def held_stored(self) -> tuple[str, ...]:
+        """The parameters held as stored (`hold_stored`): each is two buffers, P_values, P_scales."""
+        return getattr(self, "_held_stored", ())
+
+    def hold_stored(self, fmt, strict: bool = True) -> None:
+        """On the meta device, before materialising: holds every matrix the checkpoint's format
+        `fmt` (`ModelConfig.weight_format`) converts as stored (`models.stored.hold`). A module
+        that has such matrices and cannot compute from them (`stored_methods`) is a one-line
+        error (`strict`), else keeps them dense."""
+        converted = [attr for attr, key in self.weight_keys.items()
+                     if attr not in self.tied and fmt.converts(key, getattr(self, attr).dim())]
+        if not converted:
+            return
+        dense = [attr for attr in converted if fmt.method not in self.stored_methods
+                 and not (fmt.method == "fp8" and attr in self.stored_linear_weights)]
+        if dense:
+            if not strict:
+                return
+            raise OpWeaveError(f"{self.cfg.name}: {self.kind.value} '{self.weight_keys[dense[0]]}' is stored "
+                               f"{fmt.method} (quantization_config) and the Triton kernels compute it from dense "
+                               "weights only: run on --device cpu (read dequantized), or dequantize the checkpoint")
+        for attr in converted:
+            hold(self, attr, fmt.method, linear=attr in self.stored_linear_weights)
+        self._held_stored = tuple(converted)
+        self.stored = fmt.method
+
+    stored: str | None = None  # the format of `held_stored` ("fp8" | "mxfp4")
+
+    def load_stored(self, attr: str, stored: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copies a stored matrix (values, scales) into `attr`_values / `attr`_scales."""
+        from opweave.models.stored import SCALES, VALUES
+
+        load_into(getattr(self, attr + VALUES), stored[0])
+        load_into(getattr(self, attr + SCALES), stored[1])
 
     def allocate_state(self, batch: int, max_len: int, device) -> None:
         """Allocates per-sequence state for `batch` slots and `max_len` positions (default: none)."""
@@ -171,7 +223,7 @@ class QKVProj(OpModule):
     Returns (q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], gate [B,T,Hq*D] or None)."""
 
     kind = OpKind.QKV_PROJ
-    linear_weights = fuse_weights = ("q_weight", "k_weight", "v_weight")
+    linear_weights = fuse_weights = stored_linear_weights = ("q_weight", "k_weight", "v_weight")
     fuse_biases = ("q_bias", "k_bias", "v_bias")
 
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -400,7 +452,7 @@ class OProj(OpModule):
     """Output projection of an attention (or Gated-DeltaNet) block, gated by sigmoid(gate) if given."""
 
     kind = OpKind.O_PROJ
-    linear_weights = ("weight",)
+    linear_weights = stored_linear_weights = ("weight",)
 
     def __init__(self, cfg: ModelConfig, layer: int, key: str, in_features: int):
         super().__init__(cfg, layer)
@@ -429,7 +481,7 @@ class MLPGateUp(OpModule):
     """Fused gate/up projection of a dense gated MLP: returns (gate, up)."""
 
     kind = OpKind.MLP_GATE_UP
-    linear_weights = fuse_weights = ("gate_weight", "up_weight")
+    linear_weights = fuse_weights = stored_linear_weights = ("gate_weight", "up_weight")
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -464,7 +516,7 @@ class Act(OpModule):
 
 class MLPDown(OpModule):
     kind = OpKind.MLP_DOWN
-    linear_weights = ("weight",)
+    linear_weights = stored_linear_weights = ("weight",)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -551,6 +603,7 @@ class MoEExperts(RoutedExperts):
     The compute gathers the k selected experts per token, so shapes never depend on the routing."""
 
     kind = OpKind.MOE_EXPERTS
+    stored_methods = ("fp8",)  # DeepSeek-V3's and Kimi-K2's experts, held as stored on the Triton path
 
     def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None,
                  slots: tuple[int, ...] | None = None):
@@ -561,24 +614,60 @@ class MoEExperts(RoutedExperts):
         self._param("gate_up", p + "gate_up_proj", e, 2 * m.intermediate_size, cfg.hidden_size)
         self._param("down", p + "down_proj", e, cfg.hidden_size, m.intermediate_size)
 
+    def hold_stored(self, fmt, strict: bool = True) -> None:
+        """As `OpModule.hold_stored`; stored fp8 `gate_up`'s scales are the gate's block rows then
+        the up's (`kernels moe_experts_fp8`): 2 ceil(I / 128) rows, not ceil(2 I / 128)."""
+        super().hold_stored(fmt, strict)
+        if self.stored == "fp8":
+            e, two_i, h = self.gate_up_values.shape
+            rows, cols = -(-(two_i // 2) // 128), -(-h // 128)
+            self.register_buffer("gate_up_scales", torch.empty(e, 2 * rows, cols, device=self.gate_up_values.device))
+
     def load_weights(self, reader) -> None:
-        if reader.has(self.weight_keys["gate_up"]):
-            return super().load_weights(reader)
         m, p = self.cfg.moe, self.prefix
         i, h = m.intermediate_size, self.cfg.hidden_size
+        if reader.has(self.weight_keys["gate_up"]):
+            if self.stored and i % 128:
+                raise OpWeaveError(f"{self.cfg.name}: '{self.weight_keys['gate_up']}' is stored fused with {i} "
+                                   "channels a matrix: its gate and up fp8 blocks mix (not a multiple of 128)")
+            return super().load_weights(reader)
         for local, e in enumerate(self.expert_ids):  # each expert straight into its rows (gate rows first)
+            if self.stored:
+                self._load_stored_expert(local, [reader.get_stored(f"{p}{e}.{name}_proj.weight")
+                                                 for name in ("gate", "up", "down")])
+                continue
             load_into(self.gate_up[local, :i], reader.get(f"{p}{e}.gate_proj.weight", (i, h)))
             load_into(self.gate_up[local, i:], reader.get(f"{p}{e}.up_proj.weight", (i, h)))
             load_into(self.down[local], reader.get(f"{p}{e}.down_proj.weight", (h, i)))
 
+    def _load_stored_expert(self, local: int, parts) -> None:
+        """One expert's stored gate, up and down (values, scales) into its slot's rows."""
+        (gv, gs), (uv, us), (dv, ds) = parts
+        i, rows = gv.shape[0], gs.shape[0]
+        load_into(self.gate_up_values[local, :i], gv)
+        load_into(self.gate_up_values[local, i:], uv)
+        load_into(self.gate_up_scales[local, :rows], gs)
+        load_into(self.gate_up_scales[local, rows:], us)
+        load_into(self.down_values[local], dv)
+        load_into(self.down_scales[local], ds)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return K.moe_experts(x, weights, self.local_ids(ids), self.gate_up, self.down)
+        return experts_silu(K, self, x, weights, ids)
 
     def facts(self) -> OpFacts:
         m = self.cfg.moe
         active = m.top_k / m.num_experts
         return OpFacts(flops_per_token=int(2 * self.weight_numel() * active), tp_rule=TPRule.EXPERT_FFN,
                        tp_units=m.intermediate_size, active_weight_fraction=active)
+
+
+def experts_silu(k, op: MoEExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`op`'s experts on kernel backend `k`: from its dense weights, or from its fp8 values and block
+    scales where it holds them as stored (`OpModule.hold_stored`)."""
+    if op.stored == "fp8":
+        return k.moe_experts_fp8(x, weights, op.local_ids(ids), op.gate_up_values, op.gate_up_scales,
+                                 op.down_values, op.down_scales)
+    return k.moe_experts(x, weights, op.local_ids(ids), op.gate_up, op.down)
 
 
 class SharedExpert(OpModule):

@@ -108,6 +108,7 @@ class GptOssExperts(RoutedExperts):
     `down_bias` [E, H] (E: the experts held, `RoutedExperts`)."""
 
     kind = OpKind.MOE_EXPERTS_SWIGLU
+    stored_methods = ("mxfp4",)  # the published checkpoints' experts, held as stored on the Triton path
 
     def __init__(self, cfg: ModelConfig, layer: int, experts: tuple[int, int] | None = None,
                  slots: tuple[int, ...] | None = None):
@@ -128,17 +129,27 @@ class GptOssExperts(RoutedExperts):
         super().load_weights(reader)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        m = self.cfg.moe
-        return K.moe_experts_swiglu(x, weights, self.local_ids(ids), self.gate_up, self.gate_up_bias, self.down,
-                                    self.down_bias, m.swiglu_alpha, m.swiglu_limit)
+        return experts_swiglu(K, self, x, weights, ids)
 
     def facts(self) -> OpFacts:
         m = self.cfg.moe
         active = m.top_k / m.num_experts
         # per selected expert: 2 FLOPs per matrix weight, one per bias, ~10 per channel of the
         # clamped SwiGLU (two clamps, sigmoid, three products, the + 1)
-        matrices = self.gate_up.numel() + self.down.numel()
-        biases = self.gate_up_bias.numel() + self.down_bias.numel()
+        e, h, i = self.num_local_experts, self.cfg.hidden_size, m.intermediate_size
+        matrices, biases = e * h * 2 * i + e * i * h, e * 2 * i + e * h
         flops = active * (2 * matrices + biases) + m.top_k * 10 * m.intermediate_size
         return OpFacts(flops_per_token=int(flops), tp_rule=TPRule.EXPERT_FFN, tp_units=m.intermediate_size,
                        active_weight_fraction=active)
+
+
+def experts_swiglu(k, op: GptOssExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`op`'s experts on kernel backend `k`: from its dense weights, or from its MXFP4 blocks and
+    scales where it holds them as stored (`OpModule.hold_stored`)."""
+    m = op.cfg.moe
+    if op.stored == "mxfp4":
+        return k.moe_experts_swiglu_mxfp4(x, weights, op.local_ids(ids), op.gate_up_values, op.gate_up_scales,
+                                          op.gate_up_bias, op.down_values, op.down_scales, op.down_bias,
+                                          m.swiglu_alpha, m.swiglu_limit)
+    return k.moe_experts_swiglu(x, weights, op.local_ids(ids), op.gate_up, op.gate_up_bias, op.down, op.down_bias,
+                                m.swiglu_alpha, m.swiglu_limit)

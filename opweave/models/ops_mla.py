@@ -71,6 +71,7 @@ class MLAProj(OpModule):
     in the rotate-half layout (the order of the table's q / k / v / gate outputs)."""
 
     kind = OpKind.QKV_PROJ
+    stored_linear_weights = ("q_a_weight", "q_b_weight", "q_weight", "kv_a_weight")
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -92,23 +93,22 @@ class MLAProj(OpModule):
     def load_weights(self, reader) -> None:
         if reader.has(self.weight_keys["w_uk"]):  # a reader that knows the IR's names (random weights)
             return super().load_weights(reader)
-        for attr, key in self.weight_keys.items():
+        for attr in self.weight_keys:
             if attr != "w_uk":
-                param = getattr(self, attr)
-                load_into(param, reader.get(key, tuple(param.shape)))
+                self.load_attr(reader, attr)
         load_into(self.w_uk, _kv_b_halves(self, reader, self.cfg.num_heads)[0])
 
     def forward(self, x: torch.Tensor):
         cfg, m = self.cfg, self.cfg.mla
         b, t, _ = x.shape
         if m.q_lora_rank is not None:
-            qa = K.rms_norm(F.linear(x, self.q_a_weight), self.q_a_norm, LATENT_NORM_EPS, False)
-            q = F.linear(qa, self.q_b_weight)
+            qa = K.rms_norm(K.linear(x, self.q_a_weight), self.q_a_norm, LATENT_NORM_EPS, False)
+            q = K.linear(qa, self.q_b_weight)
         else:
-            q = F.linear(x, self.q_weight)
+            q = K.linear(x, self.q_weight)
         q = q.view(b, t, cfg.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim)
         q_nope, q_pe = q[..., :m.qk_nope_head_dim], q[..., m.qk_nope_head_dim:]
-        ckv = F.linear(x, self.kv_a_weight)
+        ckv = K.linear(x, self.kv_a_weight)
         c = K.rms_norm(ckv[..., :m.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS, False)
         k_pe = ckv[..., m.kv_lora_rank:]
         if m.rope_interleave:
@@ -203,6 +203,7 @@ class MLAOProj(OpModule):
     """Value up-projection and output projection: o = o_proj(o_lat @ W_UV^T) per head."""
 
     kind = OpKind.O_PROJ
+    stored_linear_weights = ("weight",)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -215,14 +216,14 @@ class MLAOProj(OpModule):
     def load_weights(self, reader) -> None:
         if reader.has(self.weight_keys["w_uv"]):
             return super().load_weights(reader)
-        load_into(self.weight, reader.get(self.weight_keys["weight"], tuple(self.weight.shape)))
+        self.load_attr(reader, "weight")
         load_into(self.w_uv, _kv_b_halves(self, reader, self.cfg.num_heads)[1])
 
     def forward(self, o_lat: torch.Tensor) -> torch.Tensor:
         b, t, _ = o_lat.shape
         m = self.cfg.mla
         o = torch.einsum("bthr,hvr->bthv", o_lat.view(b, t, self.cfg.num_heads, m.kv_lora_rank), self.w_uv)
-        return F.linear(o.reshape(b, t, -1), self.weight)
+        return K.linear(o.reshape(b, t, -1), self.weight)
 
     def facts(self) -> OpFacts:
         return _gemm_facts(self, TPRule.ROW, self.cfg.num_heads)
@@ -259,6 +260,7 @@ class PlainSharedExpert(OpModule):
     MLP of n x moe_intermediate_size), added ungated to the routed output."""
 
     kind = OpKind.SHARED_EXPERT
+    stored_linear_weights = ("gate_weight", "up_weight", "down_weight")
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__(cfg, layer)
@@ -269,8 +271,8 @@ class PlainSharedExpert(OpModule):
         self._param("down_weight", p + "down_proj.weight", h, i)
 
     def forward(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        h = K.gated_act(F.linear(x, self.gate_weight), F.linear(x, self.up_weight), self.cfg.hidden_act)
-        return routed + F.linear(h, self.down_weight)
+        h = K.gated_act(K.linear(x, self.gate_weight), K.linear(x, self.up_weight), self.cfg.hidden_act)
+        return routed + K.linear(h, self.down_weight)
 
     def facts(self) -> OpFacts:
         return _gemm_facts(self, TPRule.EXPERT_FFN, self.cfg.moe.shared_expert_intermediate_size)

@@ -28,12 +28,7 @@ import dataclasses
 import torch
 
 from opweave.errors import OpWeaveError
-
-FP8_BLOCK = (128, 128)
-"""Rows x columns of one fp8 scale block (`weight_block_size`)."""
-
-MXFP4_GROUP = 32
-"""Values per MXFP4 scale (16 bytes of two 4-bit values)."""
+from opweave.kernels.stored import FP8_BLOCK, MXFP4_GROUP  # noqa: F401  (the kernels' definition, re-exported)
 
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The value of each 4-bit e2m1 code (sign bit 3, two exponent bits, one mantissa bit)."""

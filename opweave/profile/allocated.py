@@ -75,14 +75,15 @@ class MetaWeights:
 
 
 def build_modules(cfg, op_names: list[str], program: RankProgram) -> dict:
-    """The rank's operator modules on meta, built the way the worker builds them."""
+    """The rank's operator modules on meta, built the way the worker builds them (a GPU rank's:
+    a quantized checkpoint's matrices held as stored where a kernel computes from them)."""
     from opweave.models.model import DecodeStep, build_model
     from opweave.runtime.shard import materialize, program_ep, program_slots
 
     modules = dict(DecodeStep(build_model(cfg, "meta")).named_modules())
     return materialize({i: modules[op_names[i]] for i in program.ops}, MetaWeights, program.tp,
                        program.tp_rank, META, experts=program.experts, ep=program_ep(program),
-                       slots=program_slots(program))
+                       slots=program_slots(program), stored=cfg.weight_format)
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -76,16 +76,29 @@ def check_inputs(cfg, artifact: VerifiedArtifact | None = None) -> None:
 
 def check_weight_format(folder: str, device: str) -> None:
     """A published fp8 / MXFP4 checkpoint (`quantization_config`) runs on CPU ranks (read
-    dequantized); on CUDA it is refused before any rank starts (the rank would hold it dequantized,
-    above the planned memory; `runtime/shard.materialize` refuses it there too)."""
+    dequantized) and on the Triton kernels (held as stored, `models.stored`); before any rank
+    starts, a CUDA run is refused in one line where a rank could not hold it as planned: on the
+    torch kernels (dequantized, above the planned memory), or where an operator's converted
+    matrices have no kernel over the stored format (`OpModule.hold_stored`, on the meta device)."""
     if device != "cuda":
         return
+    import torch
+
+    from opweave.models.model import DecodeStep, build_model
+    from opweave.models.ops import OpModule
+    from opweave.runtime.shard import stored_format
+
     path = os.path.join(folder, "config.json")
-    fmt = config_from_hf(_read_json(path, "checkpoint config"), "checkpoint", where=f"--weights {path}").weight_format
-    if fmt is not None:
-        raise OpWeaveError(f"--weights {folder}: the checkpoint's weights are {fmt.method} (quantization_config); "
-                           "a GPU rank would hold them dequantized, above the planned memory (block-scaled GEMMs on "
-                           "the stored format are not built yet): run on --device cpu, or dequantize the checkpoint")
+    cfg = config_from_hf(_read_json(path, "checkpoint config"), "checkpoint", where=f"--weights {path}")
+    fmt = stored_format(folder, cfg, torch.device("cuda"))
+    if fmt is None:
+        return
+    try:
+        for module in DecodeStep(build_model(cfg, "meta")).modules():
+            if isinstance(module, OpModule):
+                module.hold_stored(fmt)
+    except OpWeaveError as e:
+        raise OpWeaveError(f"--weights {folder}: {e}") from None
 
 
 def check_prefill_budget(budget: int, artifact: str | VerifiedArtifact) -> None:

@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opweave import config
 from opweave.kernels import cpu as CPUK
-from opweave.kernels import get_backend
+from opweave.kernels import backend_name, get_backend
 from opweave.kernels import paged as PK
 from opweave.kernels.paged import PagedKV
 from opweave.kernels.reference import cache_write, can_pack_linear, pack_linear
@@ -27,10 +26,8 @@ from opweave.models.ops import OpModule, paged_attention
 
 
 def kernel_backend(device: torch.device) -> str:
-    forced = config.kernels_forced()
-    if forced:
-        return forced
-    return "triton" if device.type == "cuda" else "torch"
+    """`opweave.kernels.backend_name`: the forced backend, else the device's."""
+    return backend_name(device)
 
 
 class KernelOp(nn.Module):
@@ -64,12 +61,14 @@ class KernelOp(nn.Module):
             weights, ids = k.moe_route(F.linear(args[0], op.weight, getattr(op, "bias", None)), op.cfg.moe.top_k,
                                        op.cfg.moe.norm_topk_prob)
             return weights.to(args[0].dtype), ids
-        if kind == OpKind.MOE_EXPERTS:
-            return k.moe_experts(args[0], args[1], op.local_ids(args[2]), op.gate_up, op.down)
-        if kind == OpKind.MOE_EXPERTS_SWIGLU:  # GPT-OSS
-            m = op.cfg.moe
-            return k.moe_experts_swiglu(args[0], args[1], op.local_ids(args[2]), op.gate_up, op.gate_up_bias, op.down,
-                                        op.down_bias, m.swiglu_alpha, m.swiglu_limit)
+        if kind == OpKind.MOE_EXPERTS:  # (fp8 experts as stored, where held so)
+            from opweave.models.ops import experts_silu
+
+            return experts_silu(k, op, *args)
+        if kind == OpKind.MOE_EXPERTS_SWIGLU:  # GPT-OSS (its MXFP4 experts as stored, where held so)
+            from opweave.models.ops_gpt_oss import experts_swiglu
+
+            return experts_swiglu(k, op, *args)
         if kind == OpKind.SAMPLE:
             return k.argmax(args[0][:, -1, :])
         if kind == OpKind.ATTN_FULL and isinstance(state, PagedKV):  # the backend's paged kernels

@@ -37,7 +37,9 @@ from opweave.ir.kinds import OpKind
 from opweave.ir.tp import EXPERT_KINDS, EXPERT_LAYOUTS, OpTP, share
 from opweave.models.config import ModelConfig
 from opweave.models.ops import OpModule
+from opweave.models.stored import cat_stored
 from opweave.runtime.heartbeat import Phase, report
+from opweave.runtime.kernel_ops import kernel_backend
 
 
 # ---------------------------------------------------------------- one operator's shard (the TP table's)
@@ -130,6 +132,17 @@ class ShardReader:
         return torch.cat([self.reader.get_slice(key, dim, start, start + length)
                           for start, length in split.blocks(self.tp, self.rank)], dim=dim)
 
+    def get_stored(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's block of quantized matrix `key` as stored (`models.stored`): the same split
+        as `get`'s, read in whole quantization blocks."""
+        full = tuple(self.reader.shape(key))
+        found = self.view.weight_split(key, full, self.layout)
+        if found is None:
+            return self.reader.get_stored(key)
+        dim, split = found
+        return cat_stored([self.reader.get_stored(key, (dim, start, start + length))
+                           for start, length in split.blocks(self.tp, self.rank)], len(full), dim)
+
     def _degree(self) -> str:
         return f"{'EP' if self.view.expert_parallel(self.layout) else 'TP'} {self.tp}"
 
@@ -143,7 +156,7 @@ def needs_shard(module: OpModule) -> bool:
 
 
 def shard_module(module: OpModule, tp: int, rank: int, reader, device: torch.device,
-                 layout: str = "tp") -> OpModule:
+                 layout: str = "tp", stored=None, strict: bool = True) -> OpModule:
     """This rank's shard of `module`, materialised on `device` with its weight blocks.
 
     Args:
@@ -152,6 +165,8 @@ def shard_module(module: OpModule, tp: int, rank: int, reader, device: torch.dev
         reader: checkpoint reader of the full tensors (None: shapes only, nothing loaded).
         layout: how the group holds routed experts ("tp": a slice of every expert's channels;
             "ep": E / tp whole experts per rank); other ops shard the same under both.
+        stored, strict: the checkpoint's `WeightFormat` where its quantized matrices are held as
+            stored (`stored_format`), else None; `OpModule.hold_stored`'s `strict`.
     Raises:
         OpWeaveError (one line) when the op does not split over the group as `layout` says."""
     check_layout(layout)
@@ -169,6 +184,8 @@ def shard_module(module: OpModule, tp: int, rank: int, reader, device: torch.dev
         expected = view.local_shape(key, dict(view.weights)[key], tp, layout)
         if tuple(p.shape) != expected:
             raise AssertionError(f"{module.kind.value} shard {attr}: built {tuple(p.shape)}, the TP table says {expected}")
+    if stored is not None:
+        sharded.hold_stored(stored, strict)
     sharded = sharded.to_empty(device=device)
     sharded.init_buffers()
     if reader is not None:  # None: on the meta device, shapes only
@@ -225,11 +242,21 @@ class SlotReader:
                                f"the operator expects {tuple(shape)}")
         return out
 
+    def get_stored(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if key not in self.stacked:
+            return self.reader.get_stored(key)
+        full = tuple(self.reader.shape(key))
+        return cat_stored([self.reader.get_stored(key, (0, e, e + 1)) for e in self.slots], len(full), 0)
 
-def slot_module(module: OpModule, slots: tuple[int, ...], reader, device: torch.device) -> OpModule:
-    """Routed experts `module` holding the experts `slots` name (copies included), on `device`."""
+
+def slot_module(module: OpModule, slots: tuple[int, ...], reader, device: torch.device, stored=None,
+                strict: bool = True) -> OpModule:
+    """Routed experts `module` holding the experts `slots` name (copies included), on `device`
+    (`stored`, `strict`: as `shard_module`'s)."""
     with torch.device("meta"):
         held = type(module)(module.cfg, module.layer, slots=slots)
+    if stored is not None:
+        held.hold_stored(stored, strict)
     held = held.to_empty(device=device)
     held.init_buffers()
     if reader is not None:
@@ -283,10 +310,27 @@ def _reader(weights: str, cfg, modules: dict[int, OpModule]):
     return CheckpointReader(weights)  # a published fp8 / MXFP4 checkpoint reads dequantized (`models.quantized`)
 
 
+def stored_format(weights, cfg: ModelConfig, device: torch.device):
+    """The `WeightFormat` a rank holds its quantized matrices in as stored (`models.stored`): a
+    published fp8 / MXFP4 checkpoint run on the Triton kernels (CUDA's, or forced with
+    `OPWEAVE_KERNELS=triton`), which dequantize them in registers; None where weights are dense or
+    random, or read dequantized (CPU ranks on the torch kernels). On CUDA with the torch kernels a
+    quantized checkpoint is a one-line error: held dequantized it would exceed the planned memory."""
+    if cfg.weight_format is None or callable(weights) or weights == "random":
+        return None
+    if kernel_backend(device) == "triton":
+        return cfg.weight_format
+    if device.type == "cuda":
+        raise OpWeaveError(f"{weights}: the checkpoint's weights are {cfg.weight_format.method} "
+                           "(quantization_config); on a GPU the torch kernels would hold them dequantized, above the "
+                           "planned memory: run with the Triton kernels (the default on CUDA; unset OPWEAVE_KERNELS)")
+    return None
+
+
 def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: int,
                 device: torch.device, load: bool | None = None, names: list[str] | None = None,
                 who: str = "", experts: str = "tp", ep: tuple[int, int] = (1, 0),
-                slots: dict[int, tuple[int, ...]] | None = None) -> dict[int, OpModule]:
+                slots: dict[int, tuple[int, ...]] | None = None, stored=None) -> dict[int, OpModule]:
     """The rank's operators on `device` with their (sharded) weights loaded: the TP table
     (`opweave.ir.tp`) says which are sharded and how, `experts` ("tp" | "ep", the rank program's
     `experts`) how routed experts are held. A tied LM head on the rank that also holds
@@ -297,7 +341,10 @@ def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: in
     `ep`: under "dp" (a TP 1 rank of an expert group), the group's size and this rank's place in
     it: its routed experts are that block of the experts, every other op whole. `slots`: per MoE
     layer, the experts this rank's routed experts hold where its expert group keeps copies
-    (`opweave.ir.experts.placement`, the rank program's `ep_slots`)."""
+    (`opweave.ir.experts.placement`, the rank program's `ep_slots`). `stored`: the checkpoint's
+    `WeightFormat` to hold quantized matrices in as stored (`stored_format`; by default what the
+    weights and the kernel backend call for); given, modules that have no kernel over it keep
+    theirs dense (the meta measurement of a GPU rank, `profile/allocated.py`)."""
     check_layout(experts)
     if not modules:
         return {}
@@ -305,22 +352,21 @@ def materialize(modules: dict[int, OpModule], weights: str, tp: int, tp_rank: in
     if load is None:
         load = device.type != "meta"
     cfg = next(iter(modules.values())).cfg
-    if load and device.type == "cuda" and cfg.weight_format is not None and not callable(weights) \
-            and weights != "random":
-        raise OpWeaveError(f"{weights}: the checkpoint's weights are {cfg.weight_format.method} "
-                           "(quantization_config); on a GPU they would be held dequantized, above the planned "
-                           "memory (block-scaled GEMMs on the stored format are not built yet): run on --device "
-                           "cpu, or dequantize the checkpoint and remove quantization_config")
+    strict = stored is None
+    if strict:
+        stored = stored_format(weights, cfg, device) if load else None
     reader = _reader(weights, cfg, modules) if load else None
     out = {}
     for index, module in modules.items():
         if slots and module.kind in EXPERT_KINDS and module.layer in slots:
-            module = slot_module(module, slots[module.layer], reader, device)
+            module = slot_module(module, slots[module.layer], reader, device, stored, strict)
         elif experts == "dp" and ep[0] > 1 and module.kind in EXPERT_KINDS:
-            module = shard_module(module, ep[0], ep[1], reader, device, "ep")
+            module = shard_module(module, ep[0], ep[1], reader, device, "ep", stored, strict)
         elif tp > 1 and needs_shard(module):
-            module = shard_module(module, tp, tp_rank, reader, device, experts)
+            module = shard_module(module, tp, tp_rank, reader, device, experts, stored, strict)
         else:
+            if stored is not None:
+                module.hold_stored(stored, strict)
             module = module.to_empty(device=device)
             module.init_buffers()
             if reader is not None:
