@@ -31,6 +31,13 @@ Parts:
             measured median round of `opweave run --device cuda --json` on random weights.
   graph     the standalone rank module's eager vs CUDA-graph time per decode round (tiny-gemma3 at
             batch 64), with the speed-up.
+  quant     the block-scaled GEMMs over weights in their stored formats (`triton_kernels.quant`:
+            DeepSeek-V3's fp8 with 128 x 128 scales, GPT-OSS's MXFP4) in bf16 and fp16 against x @ W^T
+            with W dequantized (`models.quantized`), judged as `kernels` judges bf16; their median time
+            and weight GB/s beside torch's matmul over the dequantized bf16 weight (twice the bytes
+            for fp8, four times for MXFP4).
+  stored    tiny checkpoints in the published formats (DeepSeek-V3 fp8, GPT-OSS MXFP4) run with
+            `--device cuda`, held as stored: tokens identical to their dequantized twins' on CPU.
 
 `--cpu-smoke` runs the same logic on CPU with tiny sizes: env (CPU copy bandwidth), kernels in
 fp32 under TRITON_INTERPRET=1, the memory part's plan figures, and the CPU run of `run`; parts that
@@ -57,15 +64,16 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("env", "kernels", "attention", "memory", "run", "tpot", "graph")
+PARTS = ("env", "kernels", "attention", "memory", "run", "tpot", "graph", "quant", "stored")
 # per-part timeouts (s); the whole script is also held to TOTAL_BUDGET_S (a GPU machine's lease)
-TIMEOUTS = {"env": 60, "kernels": 150, "attention": 90, "memory": 180, "run": 120, "tpot": 150, "graph": 90}
+TIMEOUTS = {"env": 60, "kernels": 150, "attention": 90, "memory": 180, "run": 120, "tpot": 150, "graph": 90,
+            "quant": 90, "stored": 300}
 # --cpu-smoke: no budget for the script, and per part only a guard against a hang (a loaded CI
 # machine may take many times the ~10 s a part takes on an idle one; a wall-clock budget made the
 # tests fail there)
 SMOKE_HANG_S = 900
 SMOKE_TIMEOUTS = {name: SMOKE_HANG_S for name in PARTS}
-TOTAL_BUDGET_S = 470
+TOTAL_BUDGET_S = 540
 SMOKE_BUDGET_S = float("inf")
 _HANG_GUARD_ONLY = False  # set in a --cpu-smoke part's process (`run_part`)
 RESULT_TAG = "GPU_CHECK_RESULT "
@@ -469,8 +477,8 @@ def part_memory(smoke: bool) -> tuple[str, dict]:
 
 # ---------------------------------------------------------------------------------------------- run
 
-def _tokens(art: str, device: str, graphs: bool = True) -> list:
-    proc = _opweave(["run", art, "--weights", "random", "--prompt-ids", "3,10,20,30,40", "--max-new-tokens", "12",
+def _tokens(art: str, device: str, graphs: bool = True, weights: str = "random") -> list:
+    proc = _opweave(["run", art, "--weights", weights, "--prompt-ids", "3,10,20,30,40", "--max-new-tokens", "12",
                      "--device", device, "--json"], 110, extra_env=None if graphs else {"OPWEAVE_CUDA_GRAPHS": "0"})
     return [o["token_ids"] for o in json.loads(proc.stdout.strip().splitlines()[-1])["outputs"]]
 
@@ -560,10 +568,175 @@ def part_graph(smoke: bool) -> tuple[str, dict]:
         return f"tiny-gemma3 batch 64: eager {eager:.3f} ms, graph {graph:.3f} ms per round ({eager / graph:.1f}x)", fig
 
 
+# ---------------------------------------------------------------------------------------------- quant
+
+def part_quant(smoke: bool) -> tuple[str, dict]:
+    torch = _torch()
+    from opweave.kernels import triton_kernels as tk
+    from opweave.models.quantized import dequantize_fp8, dequantize_mxfp4, fp8_scale_shape
+    cuda = torch.cuda.is_available() and not smoke
+    device = "cuda" if cuda else "cpu"
+    dtypes = (torch.bfloat16, torch.float16) if cuda else (torch.float32,)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    # (label, M, N, K): DeepSeek-V3's fused gate/up of a dense layer; GPT-OSS-120B's expert gate/up
+    fp8_shapes = [("fp8 N 256 K 384", 3, 256, 384)] if smoke else [
+        ("fp8 DeepSeek-V3 gate/up", m, 36864, 7168) for m in (1, 64)]
+    fp4_shapes = [("MXFP4 N 96 K 128", 3, 96, 128)] if smoke else [
+        ("MXFP4 GPT-OSS expert gate/up", m, 5760, 2880) for m in (1, 64)]
+    rows, bad = [], []
+    for kind, shapes in (("fp8", fp8_shapes), ("mxfp4", fp4_shapes)):
+        for label, m, n, k in shapes:
+            if kind == "fp8":
+                bits = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+                bits = torch.where((bits & 0x7F) == 0x7F, bits ^ 0x01, bits)  # no NaN codes
+                sc = torch.empty(fp8_scale_shape((n, k))).uniform_(2e-5, 2e-3, generator=gen)
+                w32 = dequantize_fp8(bits.view(torch.float8_e4m3fn), sc)                    # [N, K]
+                packed = (bits.to(device), sc.to(device))
+                fn, wbytes = tk.fp8_block_linear, bits.numel() + sc.numel() * 4
+            else:
+                blocks = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=gen)
+                scales = torch.randint(117, 130, (n, k // 32), dtype=torch.uint8, generator=gen)
+                w32 = dequantize_mxfp4(blocks, scales).T.contiguous()                          # [N, K]
+                packed = (blocks.to(device), scales.to(device))
+                fn, wbytes = tk.mxfp4_linear, blocks.numel() + scales.numel()
+            for dtype in dtypes:
+                x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+                w = w32.to(device=device, dtype=dtype)
+                with torch.no_grad():
+                    got = fn(x, *packed)
+                    oracle = x.float() @ w32.to(device).T
+                    ref = x @ w.T
+                res = _judge("quant", dtype, got, ref, oracle)
+                row = {"case": label, "m": m, "n": n, "k": k, "dtype": str(dtype).replace("torch.", ""),
+                       "weight_bytes": wbytes, **res}
+                if cuda:
+                    t_q = _median_time(lambda: fn(x, *packed), repeats=20)
+                    t_d = _median_time(lambda: x @ w.T, repeats=20)
+                    row.update(triton_s=t_q, dense_s=t_d, triton_weight_gbps=wbytes / t_q / 1e9,
+                               dense_weight_gbps=w.numel() * w.element_size() / t_d / 1e9)
+                rows.append(row)
+                if not res["ok"]:
+                    bad.append(f"{label} M {m} {row['dtype']}")
+    rows += _grouped_quant_cases(smoke, device, dtypes, gen, bad)
+    fig = {"device": device, "cases": rows}
+    if bad:
+        raise Failed(f"{len(bad)}/{len(rows)} quantized GEMM cases off: {', '.join(bad[:4])}", fig)
+    timed = [r for r in rows if "triton_s" in r]
+    speed = "; ".join(f"{r['case'].split()[0]} M {r['m']} {r['dtype']}: {r['triton_s'] * 1e6:.0f} us "
+                      f"({r['triton_weight_gbps']:.0f} GB/s) vs dense {r['dense_s'] * 1e6:.0f} us"
+                      for r in timed if r["dtype"] == "bfloat16")
+    return f"{len(rows)} cases on {device} match x @ W^T" + (f"; {speed}" if speed else ""), fig
+
+
+def _grouped_quant_cases(smoke: bool, device: str, dtypes, gen, bad: list) -> list[dict]:
+    """The grouped experts over stored weights (`moe_experts_fp8`, `moe_experts_swiglu_mxfp4`)
+    against their torch references (judged as `kernels` judges: the reference in float32 on the
+    same inputs is the oracle), timed beside the dense kernels on the dequantized weights."""
+    torch = _torch()
+    from opweave.kernels import get_backend
+    ref, tri = get_backend("torch"), get_backend("triton")
+    from opweave.kernels.stored import dequantize_fp8, dequantize_mxfp4
+    n, e, k = (5, 4, 2) if smoke else (64, 16, 4)
+    rows = []
+    for kind, (h, i) in (("fp8", (64, 160) if smoke else (2048, 1024)), ("mxfp4", (64, 64) if smoke else (2880, 2880))):
+        if kind == "fp8":
+            r = -(-i // 128)
+            gu = torch.randint(0, 256, (e, 2 * i, h), dtype=torch.uint8, generator=gen)
+            gu = torch.where((gu & 0x7F) == 0x7F, gu ^ 1, gu)
+            dn = torch.randint(0, 256, (e, h, i), dtype=torch.uint8, generator=gen)
+            dn = torch.where((dn & 0x7F) == 0x7F, dn ^ 1, dn)
+            gs = torch.empty(e, 2 * r, -(-h // 128)).uniform_(2e-4, 2e-3, generator=gen)
+            ds = torch.empty(e, -(-h // 128), -(-i // 128)).uniform_(2e-4, 2e-3, generator=gen)
+            stored = [t.to(device) for t in (gu, gs, dn, ds)]
+        else:
+            gu = torch.randint(0, 256, (e, 2 * i, h // 32, 16), dtype=torch.uint8, generator=gen)
+            gs = torch.randint(117, 124, (e, 2 * i, h // 32), dtype=torch.uint8, generator=gen)
+            dn = torch.randint(0, 256, (e, h, i // 32, 16), dtype=torch.uint8, generator=gen)
+            ds = torch.randint(117, 124, (e, h, i // 32), dtype=torch.uint8, generator=gen)
+            stored = [t.to(device) for t in (gu, gs, dn, ds)]
+        for dtype in dtypes:
+            x = (torch.randn(n, h, generator=gen) * 0.5).to(device=device, dtype=dtype)
+            ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)]).to(device)
+            w = torch.softmax(torch.randn(n, k, generator=gen), -1).to(device=device, dtype=dtype)
+            if kind == "fp8":
+                def call(backend, xx, ww):
+                    return backend.moe_experts_fp8(xx, ww, ids, *stored)
+                dense = (torch.cat((dequantize_fp8(stored[0][:, :i], stored[1][:, :r], dtype),
+                                    dequantize_fp8(stored[0][:, i:], stored[1][:, r:], dtype)), 1).contiguous(),
+                         dequantize_fp8(stored[2], stored[3], dtype).contiguous())
+
+                def call_dense():
+                    return tri.moe_experts(x, w, ids, *dense)
+            else:
+                gb = (torch.randn(e, 2 * i, generator=gen) * 0.1).to(device=device, dtype=dtype)
+                db = (torch.randn(e, h, generator=gen) * 0.1).to(device=device, dtype=dtype)
+
+                def call(backend, xx, ww):
+                    return backend.moe_experts_swiglu_mxfp4(xx, ww, ids, stored[0], stored[1], gb.to(xx.dtype),
+                                                            stored[2], stored[3], db.to(xx.dtype), 1.702, 7.0)
+                dense = (dequantize_mxfp4(stored[0], stored[1], dtype).contiguous(), gb,
+                         dequantize_mxfp4(stored[2], stored[3], dtype).contiguous(), db)
+
+                def call_dense():
+                    return tri.moe_experts_swiglu(x, w, ids, *dense, 1.702, 7.0)
+            with torch.no_grad():
+                res = _judge("quant", dtype, call(tri, x, w), call(ref, x, w), call(ref, x.float(), w.float()))
+            row = {"case": f"grouped {kind} experts E {e} H {h} I {i} top {k}", "m": n, "n": 2 * i, "k": h,
+                   "dtype": str(dtype).replace("torch.", ""), **res}
+            if device == "cuda":
+                row.update(triton_s=_median_time(lambda: call(tri, x, w), repeats=20),
+                           dense_s=_median_time(call_dense, repeats=20))
+                nbytes = sum(t.numel() * t.element_size() for t in stored)
+                row.update(triton_weight_gbps=nbytes / row["triton_s"] / 1e9,
+                           dense_weight_gbps=sum(t.numel() * t.element_size() for t in dense) / row["dense_s"] / 1e9)
+            rows.append(row)
+            if not res["ok"]:
+                bad.append(f"{row['case']} {row['dtype']}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- stored
+
+def part_stored(smoke: bool) -> tuple[str, dict]:
+    """Tiny checkpoints in the published quantized formats (`tests/hf_fixtures.py`: DeepSeek-V3 fp8
+    with 128 x 128 block scales, GPT-OSS with MXFP4 experts), one rank: `--device cuda` holds them as
+    stored (block-scaled GEMMs, grouped experts over the stored bytes) and must generate the tokens
+    of their dequantized float32 twins run on `--device cpu`."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from hf_fixtures import QUANTIZED_CASES, make_tiny_checkpoint, quantize_checkpoint
+
+    fig, bad = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, (method, overrides) in sorted(QUANTIZED_CASES.items()):
+            if smoke and family != "gpt_oss":  # the script's logic, once (the suite runs every family)
+                continue
+            root = os.path.join(tmp, family)
+            source = make_tiny_checkpoint(family, os.path.join(root, "source"), **overrides)
+            quantized, twin = quantize_checkpoint(source, method, os.path.join(root, method),
+                                                  os.path.join(root, "twin"))
+            art = _compile(quantized, os.path.join(root, "art"), "256", 4)
+            want = _tokens(_compile(twin, os.path.join(root, "twin_art"), "256", 4), "cpu", weights=twin)
+            row = {"method": method, "twin_cpu_tokens": want}
+            if smoke or not _torch().cuda.is_available():
+                row["quantized_cpu_tokens"] = got = _tokens(art, "cpu", weights=quantized)  # read dequantized
+            else:
+                row["quantized_cuda_tokens"] = got = _tokens(art, "cuda", weights=quantized)
+            row["identical"] = got == want
+            fig[family] = row
+            if got != want:
+                bad.append(f"{family} ({method}): {got} != twin {want}")
+    if bad:
+        raise Failed("; ".join(bad), fig)
+    where = "cpu, read dequantized" if smoke or not _torch().cuda.is_available() else "cuda, held as stored"
+    families = ", ".join(f"{family} ({row['method']})" for family, row in fig.items())
+    return f"{families}: tokens identical to the dequantized twins' ({where})", fig
+
+
 # ---------------------------------------------------------------------------------------------- driver
 
 FUNCS = {"env": part_env, "kernels": part_kernels, "attention": part_attention, "memory": part_memory,
-         "run": part_run, "tpot": part_tpot, "graph": part_graph}
+         "run": part_run, "tpot": part_tpot, "graph": part_graph, "quant": part_quant,
+         "stored": part_stored}
 
 
 def run_part(name: str, smoke: bool, fail: bool) -> None:
@@ -610,12 +783,21 @@ def _spawn(name: str, smoke: bool, fail: bool, timeout: float) -> dict:
     return res
 
 
+def _write(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="the script's logic on CPU with tiny sizes")
     ap.add_argument("--out", default=None, help="JSON file to write (default $OUT/gpu_check.json, else ./)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
     ap.add_argument("--fail-part", default=None, help="make this part raise (tests the FAIL path)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds for the whole script (default {TOTAL_BUDGET_S:.0f}; none with --cpu-smoke)")
     ap.add_argument("--run-part", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -627,11 +809,12 @@ def main(argv: list[str] | None = None) -> int:
         run_part(args.run_part, args.cpu_smoke, args.fail_part == args.run_part)
         return 0
     out = args.out or os.path.join(os.environ.get("OUT") or os.getcwd(), "gpu_check.json")
-    budget = SMOKE_BUDGET_S if args.cpu_smoke else TOTAL_BUDGET_S
+    budget = args.budget if args.budget is not None else SMOKE_BUDGET_S if args.cpu_smoke else TOTAL_BUDGET_S
     limits = SMOKE_TIMEOUTS if args.cpu_smoke else TIMEOUTS
     start = time.perf_counter()
     report = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "cpu_smoke": args.cpu_smoke,
-              "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "host": platform.node(), "parts": {}}
+              "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "host": platform.node(), "parts": {},
+              "seconds": 0.0}
     for name in parts:
         left = budget - (time.perf_counter() - start)
         if left < 5:
@@ -640,10 +823,8 @@ def main(argv: list[str] | None = None) -> int:
             res = _spawn(name, args.cpu_smoke, args.fail_part == name, min(limits[name], left))
         report["parts"][name] = res
         print(f"{res['status']} {name}: {res['summary']}", flush=True)
-    report["seconds"] = round(time.perf_counter() - start, 2)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1, default=str)
+        report["seconds"] = round(time.perf_counter() - start, 2)
+        _write(out, report)  # after every part: a lease that ends mid-script keeps what ran
     failed = [n for n, r in report["parts"].items() if r["status"] == "FAIL"]
     print(f"wrote {out} ({report['seconds']:.0f} s; {len(failed)} failed)", flush=True)
     return 1 if failed else 0

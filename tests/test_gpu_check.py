@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-PARTS = ["env", "kernels", "attention", "memory", "run", "tpot", "graph"]
+PARTS = ["env", "kernels", "attention", "memory", "run", "tpot", "graph", "quant", "stored"]
 
 pytest.importorskip("triton")
 
@@ -76,7 +76,7 @@ def test_unknown_part_is_a_one_line_error(tmp_path):
     proc, _ = _smoke(tmp_path, "--parts", "nope")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: unknown part(s) nope (known: env, kernels, attention, "
-                                                "memory, run, tpot, graph)"]
+                                                "memory, run, tpot, graph, quant, stored)"]
 
 
 def _gpu_check_module():
