@@ -106,3 +106,39 @@ def test_references_dequantize_as_the_checkpoint_reader_does():
 @pytest.mark.parametrize("name", ["moe_experts_fp8", "moe_experts_swiglu_mxfp4"])
 def test_both_backends_share_the_signature(name):
     assert inspect.signature(getattr(R, name)).parameters.keys() == inspect.signature(getattr(tk, name)).parameters.keys()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_the_widest_blocks(fmt):
+    """128 pairs a block (a prefill chunk): a float32 model's narrowest tiles (16 wide), so the fp8
+    tiles step through a 128 x 128 scale block in eight (I 136: a second block of channels) and the
+    MXFP4 K-direction tile covers half a group of 32."""
+    from opweave.kernels.triton_kernels.moe import moe_block_m
+
+    gen = torch.Generator().manual_seed(128)
+    n, e, h = 160, 4, 64
+    assert moe_block_m(n, 2, e) == 128
+    weights, ids = _routing(n, e, 2, gen, torch.float32)
+    x = torch.randn(n, h, generator=gen)
+    if fmt == "fp8":
+        args = _fp8_experts(e, 136, h, gen)
+        got, want = tk.moe_experts_fp8(x, weights, ids, *args), R.moe_experts_fp8(x, weights, ids, *args)
+    else:
+        gu, gus, down, ds = _mxfp4_experts(e, 64, h, gen)
+        gub, db = torch.randn(e, 128, generator=gen) * 0.1, torch.randn(e, h, generator=gen) * 0.1
+        args = (gu, gus, gub, down, ds, db, 1.702, 7.0)
+        got = tk.moe_experts_swiglu_mxfp4(x, weights, ids, *args)
+        want = R.moe_experts_swiglu_mxfp4(x, weights, ids, *args)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_mxfp4_channels_in_whole_groups():
+    gen = torch.Generator().manual_seed(5)
+    e, h = 2, 64
+    gu = torch.zeros(e, 2 * 48, h // 32, 16, dtype=torch.uint8)
+    gus = torch.full((e, 96, h // 32), 127, dtype=torch.uint8)
+    down, ds = torch.zeros(e, h, 1, 16, dtype=torch.uint8), torch.full((e, h, 1), 127, dtype=torch.uint8)
+    weights, ids = _routing(1, e, 2, gen, torch.float32)
+    with pytest.raises(AssertionError, match="whole groups of 32"):
+        tk.moe_experts_swiglu_mxfp4(torch.zeros(1, h), weights, ids, gu, gus, torch.zeros(e, 96), down, ds,
+                                    torch.zeros(e, h), 1.702, 7.0)

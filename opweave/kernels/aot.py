@@ -292,13 +292,19 @@ def cases(dtype: torch.dtype, head_dims=HEAD_DIMS) -> Iterator[tuple[str, Callab
     yield "MXFP4 weights N 5760, K 2880", lambda: tk.mxfp4_linear(m(8, 2880), _meta(5760, 90, 16, dtype=u8),
                                                                   _meta(5760, 90, dtype=u8))
     # the grouped experts over the same stored formats: a DeepSeek-V3 expert-parallel shard (32 of
-    # 256 experts, top 8, 64 tokens), GPT-OSS-120B's 128 MXFP4 experts (top 4)
-    yield "fp8 experts H 7168, I 2048, E 32, top 8, batch 64", lambda: tk.moe_experts_fp8(
-        m(64, 7168), m(64, 8), m(64, 8, dt=torch.int64), _meta(32, 4096, 7168, dtype=u8), _meta(32, 32, 56, dtype=f32),
-        _meta(32, 7168, 2048, dtype=u8), _meta(32, 56, 16, dtype=f32))
-    yield "MXFP4 experts H 2880, I 2880, E 128, top 4, biases", lambda: tk.moe_experts_swiglu_mxfp4(
-        m(8, 2880), m(8, 4), m(8, 4, dt=torch.int64), _meta(128, 5760, 90, 16, dtype=u8), _meta(128, 5760, 90, dtype=u8),
-        m(128, 5760), _meta(128, 2880, 90, 16, dtype=u8), _meta(128, 2880, 90, dtype=u8), m(128, 2880), 1.702, 7.0)
+    # 256 experts, top 8), GPT-OSS-120B's 128 MXFP4 experts (top 4):
+    # a decode step (8 tokens: blocks of 16 pairs, 64-wide tiles) and a prefill chunk (512 tokens: 128
+    # pairs, the widest blocks) of the fp8 shard; GPT-OSS at 8 and 4096 tokens (16 and 128 pairs)
+    for batch in (8, 512):
+        yield f"fp8 experts H 7168, I 2048, E 32, top 8, batch {batch}", lambda b=batch: tk.moe_experts_fp8(
+            m(b, 7168), m(b, 8), m(b, 8, dt=torch.int64), _meta(32, 4096, 7168, dtype=u8),
+            _meta(32, 32, 56, dtype=f32), _meta(32, 7168, 2048, dtype=u8), _meta(32, 56, 16, dtype=f32))
+    for batch in (8, 4096):
+        yield (f"MXFP4 experts H 2880, I 2880, E 128, top 4, biases" + (f", batch {batch}" if batch != 8 else ""),
+               lambda b=batch: tk.moe_experts_swiglu_mxfp4(
+                   m(b, 2880), m(b, 4), m(b, 4, dt=torch.int64), _meta(128, 5760, 90, 16, dtype=u8),
+                   _meta(128, 5760, 90, dtype=u8), m(128, 5760), _meta(128, 2880, 90, 16, dtype=u8),
+                   _meta(128, 2880, 90, dtype=u8), m(128, 2880), 1.702, 7.0))
 
 
 def _describe_constexprs(launch: Launch) -> str:

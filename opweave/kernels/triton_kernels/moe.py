@@ -162,12 +162,15 @@ DENSE, FP8, MXFP4 = 0, 1, 2  # how the grouped kernels' expert weights are held 
 
 
 @triton.jit
-def _fp8_tile(bits_ptrs, scale_ptrs, mask, dtype):
+def _fp8_tile(bits_ptrs, scale_ptr, mask, dtype):
     """A tile of fp8 weights read as stored: e4m3 byte times its block's scale in float32, rounded
-    to `dtype` (as `kernels.stored` / `models.quantized` dequantize)."""
+    to `dtype` (as `kernels.stored` / `models.quantized` dequantize). The tile lies in one 128 x 128
+    scale block (its sides divide 128 and it is aligned), so `scale_ptr` is that block's one scale:
+    a scalar load, not a tile of them (a float32 tile of scales per weight tile overflowed sm_89's
+    shared memory and spilled at block_m 16)."""
     bits = tl.load(bits_ptrs, mask=mask, other=0)
-    scale = tl.load(scale_ptrs, mask=mask, other=0.0)
-    return (_e4m3_to_fp16(bits).to(tl.float32) * 256.0 * scale).to(dtype)
+    scale = tl.load(scale_ptr) * 256.0  # _e4m3_to_fp16 is the value / 256: the same product, one multiply
+    return (_e4m3_to_fp16(bits).to(tl.float32) * scale).to(dtype)
 
 
 @triton.jit
@@ -242,8 +245,9 @@ def _moe_gate_up_act_kernel(
             wu = _mxfp4_tile(b_base + up_offset, shift, s_base + up_scale_offset, w_mask, wdt)
         else:
             w_base = gu_ptr + expert * stride_ge + hs[:, None] * stride_gh + ch[None, :] * stride_gc
-            if WEIGHTS == 1:  # fp8: each value's 128 x 128 block scale
-                s_base = gus_ptr + expert * stride_se + (ch // 128)[None, :] * stride_sc + (hs // 128)[:, None] * stride_sh
+            if WEIGHTS == 1:  # fp8: the tile's 128 x 128 block scale (BLOCK_I, BLOCK_H divide 128)
+                s_base = gus_ptr + expert * stride_se + (tl.program_id(1) * BLOCK_I // 128) * stride_sc + \
+                    (h0 // 128) * stride_sh
                 wg = _fp8_tile(w_base, s_base, w_mask, wdt)
                 wu = _fp8_tile(w_base + up_offset, s_base + up_scale_offset, w_mask, wdt)
             else:
@@ -302,6 +306,8 @@ def _moe_down_kernel(
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     wdt = out_ptr.dtype.element_ty
+    # fp8: the scales of this program's 128 output columns (BLOCK_H divides 128)
+    s_row = ds_ptr + expert * stride_se + (tl.program_id(1) * BLOCK_H // 128) * stride_sh
     i_end = tl.where(busy, I, 0)  # an empty block reads nothing
     for i0 in range(0, i_end, BLOCK_I):
         rows = i0 + tl.arange(0, BLOCK_I)
@@ -315,9 +321,8 @@ def _moe_down_kernel(
             w = _mxfp4_tile(b_ptrs, ((rows % 2) * 4)[:, None].to(tl.uint8), s_ptrs, w_mask, wdt)
         else:
             w_ptrs = down_ptr + expert * stride_de + rows[:, None] * stride_di + hs[None, :] * stride_dh
-            if WEIGHTS == 1:
-                s_ptrs = ds_ptr + expert * stride_se + (hs // 128)[None, :] * stride_sh + (rows // 128)[:, None] * stride_si
-                w = _fp8_tile(w_ptrs, s_ptrs, w_mask, wdt)
+            if WEIGHTS == 1:  # the tile's block scale (BLOCK_H, BLOCK_I divide 128)
+                w = _fp8_tile(w_ptrs, s_row + (i0 // 128) * stride_si, w_mask, wdt)
             else:
                 w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if DOT_FP32:
@@ -378,8 +383,13 @@ def _grouped_experts(x, weights, ids, e: int, i: int, gate_up, gate_up_strides, 
     # float32 tl.dot runs on FMA units: its tiles spill registers at 4 warps, as do blocks of 64
     # pairs or more (ahead-of-time checks)
     warps = MOE_WARPS if x.dtype == torch.float32 or block_m >= 64 else 4
+    if stored is not None and x.dtype == torch.float32 and block_m >= 128:
+        warps = 2 * MOE_WARPS  # a float32 model's dequantized tiles at 128 pairs a block spill at 8 warps
     tile = moe_tile(block_m, x.dtype == torch.float32)
     block_i, block_h = min(_pow2(i, 16), tile), min(_pow2(h, 16), tile)  # weight tiles of both kernels
+    if stored is not None and stored.weights == FP8:  # a tile lies in one scale block: one scale
+        assert FP8_BLOCK[0] % block_i == 0 and FP8_BLOCK[1] % block_h == 0 and \
+            FP8_BLOCK[0] % block_h == 0 and FP8_BLOCK[1] % block_i == 0, (block_i, block_h)
     if stored is None:
         stored = _Stored(DENSE, gate_up, (0, 0, 0), 0, down, (0, 0, 0),
                          (gate_up_strides[1], up_offset))
