@@ -33,9 +33,9 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     status = {name: part["status"] for name, part in report["parts"].items()}
     assert "FAIL" not in status.values(), status
     # the CPU-capable parts ran; the CUDA-only ones say why they did not
-    assert {n for n, s in status.items() if s == "PASS"} == {"env", "kernels", "memory", "run", "tpot", "quant", "stored"}
+    assert {n for n, s in status.items() if s == "PASS"} == {"env", "kernels", "memory", "run", "tpot", "quant"}
     assert report["parts"]["tpot"]["figures"]["predicted_tpot_ms"] > 0
-    assert "CUDA" in report["parts"]["attention"]["summary"]
+    assert "CUDA" in report["parts"]["attention"]["summary"] and "CUDA" in report["parts"]["stored"]["summary"]
     kernels = report["parts"]["kernels"]["figures"]
     assert {c["kernel"] for c in kernels["cases"]} >= {"rms_norm", "rope", "decode_attention", "gdn_step",
                                                        "gated_act", "moe_route", "moe_experts", "argmax"}

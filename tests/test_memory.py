@@ -51,9 +51,14 @@ def _pinned(fe, tp: int, context: int, activations: bool, ranks=None):
         raise
 
 
-@pytest.mark.parametrize("family", sorted(MODELS))
+# both contexts for Gemma (its sliding layers' state stops growing between them); the other
+# families' state grows linearly with the context: the longer one alone
+CASES = [(family, context) for family in sorted(MODELS) for context in CONTEXTS
+         if family == "gemma3" or context == max(CONTEXTS)]
+
+
+@pytest.mark.parametrize("family,context", CASES)
 @pytest.mark.parametrize("tp", (1, 2, 4, 8))
-@pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.slow
 def test_allocated_equals_planned(front_ends, family, tp, context):
     ranks = _pinned(front_ends[family], tp, context, activations=False)
@@ -82,8 +87,11 @@ def test_sliding_window_state_is_capped(front_ends):
 @pytest.mark.slow
 def test_activation_peak_is_bounded_by_the_plan(tiny_checkpoint, family):
     fe = run_front_end(tiny_checkpoint(family))
+    # below and above the tiny Gemma's window (8), both chunked; Qwen3-Next's recurrent layers step
+    # token by token on meta (slow), at the longer one alone
+    contexts = (64,) if family == "qwen3_next" else (16, 64)
     for tp in (1, 2):
-        for context in (16, 64):  # below and above the tiny Gemma's window (8), both chunked
+        for context in contexts:
             ranks = _pinned(fe, tp, context, activations=True)
             for r in ranks:
                 measured, planned = r.allocated.activations, r.planned.activations
@@ -181,8 +189,8 @@ def test_colocated_tp_ranks_allocate_what_is_planned(front_ends):
             assert getattr(r.allocated, what) == pytest.approx(getattr(r.planned, what), rel=0.01, abs=1), (r.rank, what)
 
 
-@pytest.mark.parametrize("family", ("llama", "gemma3", "qwen3_next"))
-@pytest.mark.slow
+@pytest.mark.parametrize("family", ("llama", "gemma3"))  # full and sliding attention (Qwen3-Next's
+@pytest.mark.slow                                          # attention layers page as Llama's do)
 def test_a_few_key_blocks_reach_the_whole_contexts_peak(tiny_checkpoint, monkeypatch, family):
     """The measured round's paged attention reads MEASURED_KEY_BLOCKS key blocks per row, not the
     whole context (8 blocks here): the same activation peak. One block alone peaks lower, so the
