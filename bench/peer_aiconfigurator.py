@@ -289,7 +289,8 @@ def opweave_prices_aic(s: Setting, best: dict, fe, moe: bool) -> dict:
     t = traffic.aggregated(cand, budget)
     return {"decode_tpot_ms": plan.predicted.tpot_ms, "decode_tps_gpu": plan.predicted.tokens_per_s_per_set / group,
             "tps_gpu": t.tokens_per_s / group, "ttft_ms": t.ttft_s * 1e3, "tpot_ms": t.tpot_s * 1e3,
-            "budget": budget, "waived": waived}
+            "budget": budget, "waived": waived,
+            "slo": t.tpot_s * 1e3 <= s.tpot_ms and t.ttft_s * 1e3 <= s.ttft_ms and waived is None}
 
 
 def aic_prices_opweave(aic_bin: str, s: Setting, plan: dict, cache: str, refresh: bool, moe: bool) -> dict:
@@ -359,14 +360,20 @@ def setting_report(s: Setting, aic_bin: str, cache: str, refresh: bool) -> tuple
         mine = opweave_prices_aic(s, agg_aic["raw"], run_front_end(s.model, kv_cache_dtype=s.kv_cache_dtype), moe)
         if "error" in mine:
             lines.append(f"- AIConfigurator's agg configuration in OpWeave's model: not expressible: {mine['error']}")
+            summary["priced"] = "not expressible" + (" (--no-attention-dp)" if not s.attention_dp else "")
         else:
+            misses = [f"TPOT {mine['tpot_ms']:.1f} > {s.tpot_ms} ms"] * (mine["tpot_ms"] > s.tpot_ms) + \
+                [f"TTFT {mine['ttft_ms']:,.0f} > {s.ttft_ms} ms"] * (mine["ttft_ms"] > s.ttft_ms) + \
+                ["memory"] * bool(mine["waived"])
+            verdict = "meets the SLOs and memory" if mine["slo"] else "misses " + ", ".join(misses)
+            summary["priced"] = f"{mine['tps_gpu']:,.0f} ({verdict})"
             lines.append(
                 f"- AIConfigurator's agg configuration ({agg_aic['raw']['config']['parallel']}, batch "
                 f"{agg_aic['raw']['config']['batch_size']}) in OpWeave's model: {mine['tps_gpu']:,.0f} tokens/s/GPU, "
                 f"TTFT {mine['ttft_ms']:,.0f} ms, TPOT {mine['tpot_ms']:.1f} ms at token budget {mine['budget']} "
                 f"(decode alone: TPOT {mine['decode_tpot_ms']:.1f} ms, {mine['decode_tps_gpu']:,.0f} tokens/s/GPU); "
                 f"AIConfigurator's own: {agg_aic['tps_gpu']:,.0f}, {agg_aic['ttft_ms']:,.0f} ms, "
-                f"{agg_aic['tpot_ms']:.1f} ms"
+                f"{agg_aic['tpot_ms']:.1f} ms; in OpWeave's model it {verdict}"
                 + (f". OpWeave's memory check refuses it ({mine['waived']}); priced with that check waived"
                    if mine["waived"] else ""))
     agg_ours = by_mode.get(("OpWeave", "aggregated"))
@@ -397,12 +404,14 @@ NOTES = """## Where the two model different things
   worker counts for disaggregation. OpWeave searches stage templates that cut the model by operator
   (colocated; AFD: attention and FFN/experts on different owners; CAD), owners of TP groups with
   experts sliced, whole-expert EP inside the group, or attention data-parallel inside the expert
-  group ("dp": each GPU its own rows, the experts EP over the group, the layer's tokens gathered and
-  their sums all-reduced, where AIConfigurator's wide EP dispatches with all-to-all), replica sets
-  and microbatches. It has no layer pipeline in a colocated plan and no TP x EP split of experts,
-  so those AIConfigurator configurations are not expressible in it, nor attention-DP with the
-  `--no-attention-dp` settings (said so per setting); OpWeave's AFD plans, microbatched plans and
-  dp owners are not passed to AIConfigurator's `cli estimate` here.
+  group ("dp": each GPU its own rows, the experts EP over the group, the routed tokens gathered and
+  their sums reduce-scattered, or dispatched and combined all-to-all as AIConfigurator's wide EP
+  does, whichever is cheaper at the rows), replica sets and microbatches. It has no layer pipeline
+  in a colocated plan and no TP x EP split of experts, so those AIConfigurator configurations are
+  not expressible in it, nor attention-DP with the `--no-attention-dp` settings (said so per
+  setting); AIConfigurator's `tp1 dpG epG` is OpWeave's "dp" owner of G GPUs and is priced as one.
+  OpWeave's AFD plans, microbatched plans and dp owners are not passed to AIConfigurator's
+  `cli estimate` here.
 - **Cost model.** AIConfigurator interpolates a measured kernel database (TensorRT-LLM on the named
   system: GEMM, attention, MoE, communication tables) and picks the quantization its database
   holds: FP8 block GEMMs and an FP8 KV cache for DeepSeek-V3's FP8 checkpoint, BF16 for the others.
@@ -477,15 +486,16 @@ def main(argv=None) -> int:
             "prediction. `OpWeave / AIC`: the ratio of tokens/s/GPU, aggregated to aggregated and disaggregated to "
             "disaggregated.", ""]
     summary_lines = ["## Headline: chosen plans, tokens/s/GPU", "",
-                     "| setting | OpWeave | AIConfigurator | OpWeave / AIC |",
-                     "|---|---|---|---|"]
+                     "| setting | OpWeave | AIConfigurator | OpWeave / AIC | AIConfigurator's agg configuration "
+                     "in OpWeave's model |",
+                     "|---|---|---|---|---|"]
     for x in summaries:
         if "ratio" in x:
             summary_lines.append(f"| {SETTINGS[x['setting']].title} | {x['opweave_mode']} on {x['opweave_gpus']} GPUs: "
                                  f"{x['opweave']:,.0f} | {x['aic_mode']} on {x['aic_gpus']} GPUs: {x['aic']:,.0f} | "
-                                 f"{x['ratio']:.2f} |")
+                                 f"{x['ratio']:.2f} | {x.get('priced', '')} |")
         else:
-            summary_lines.append(f"| {SETTINGS[x['setting']].title} | | | (no pair of chosen plans) |")
+            summary_lines.append(f"| {SETTINGS[x['setting']].title} | | | (no pair of chosen plans) | |")
     text = "\n".join(head + summary_lines + [""] + body + [NOTES])
     print(text)
     if args.out:
