@@ -56,6 +56,45 @@ def test_an_fp8_cache_is_read_as_the_values_it_holds():
     assert torch.equal(R.decode_attention(q, *rings[F8], last, 0.3, 4), R.decode_attention(q, *rings[torch.float32], last, 0.3, 4))
 
 
+def _rounding_bound(x: torch.Tensor) -> torch.Tensor:
+    """e4m3's rounding error of each element: half a unit in the last of 3 mantissa bits (2 ** -4
+    relative) for normal values, half the subnormal spacing (2 ** -10) below 2 ** -6."""
+    return x.abs() * 2 ** -4 + 2 ** -10
+
+
+def test_attention_over_an_fp8_cache_stays_within_the_formats_bound():
+    """Paged decode attention over an fp8 cache against the unrounded float32 cache, per row and
+    head: a key's rounding moves each score by at most eps = scale * sum_i |q_i| * err(k_i), which
+    scales each softmax weight by at most e^(+-2 eps); a value's rounding moves it by err(v). So the
+    output moves by at most (e^(2 eps) - 1) * max|v_rounded| + max err(v)."""
+    b, hq, hkv, d, page, n, scale = 3, 4, 2, 16, 4, 11, 0.125
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(b, n, hkv, d, generator=gen), torch.randn(b, n, hkv, d, generator=gen) * 2
+    pos = torch.arange(n).expand(b, n).contiguous()
+    table = torch.arange(b * 3, dtype=torch.int32).view(b, 3)
+    pools = {dt: (torch.zeros(b * 3, page, hkv, d, dtype=dt), torch.zeros(b * 3, page, hkv, d, dtype=dt))
+             for dt in (F8, torch.float32)}
+    PK.paged_cache_write(*pools[F8], table, k, v, pos)
+    PK.paged_cache_write(*pools[torch.float32], table, k, v, pos)
+    q = torch.randn(b, hq, d, generator=gen)
+    last = torch.tensor([n - 1, 6, 2])
+    got = PK.paged_decode_attention(q, *pools[F8], table, last, scale, hq // hkv)
+    exact = PK.paged_decode_attention(q, *pools[torch.float32], table, last, scale, hq // hkv)
+    err = (got - exact).abs().amax(-1)   # [b, hq]
+    assert err.max() > 0
+    tightness = []
+    for r in range(b):
+        live = slice(0, int(last[r]) + 1)
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            eps = (scale * (q[r, h].abs() * _rounding_bound(k[r, live, kv])).sum(-1)).max()
+            bound = (torch.exp(2 * eps) - 1) * _rounded(v[r, live, kv]).abs().max() \
+                + _rounding_bound(v[r, live, kv]).max()
+            assert err[r, h] <= bound, (r, h, float(err[r, h]), float(bound))
+            tightness.append(float(bound / v[r, live, kv].abs().max()))
+    assert sorted(tightness)[len(tightness) // 2] < 0.5   # the bound says something
+
+
 def test_fp8_writes_saturate():
     k = torch.tensor([1000.0, -1000.0, 1.0, 0.3]).view(1, 1, 1, 4)
     pools = torch.zeros(2, 4, 1, 4, dtype=F8), torch.zeros(2, 4, 1, 4, dtype=F8)
