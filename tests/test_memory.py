@@ -2,8 +2,8 @@
 modules allocate (`opweave.profile.allocated`, built on the meta device as the worker builds them).
 
 Weights, state and message buffers must agree within 1% on every rank, for every family (the real
-configs, on meta) x TP 1/2/4/8 where legal x a context below and above Gemma's sliding window, on
-a plan with two owners (so ranks send and receive). Activations: the planned peak is at least the
+configs, on meta) x TP 1/2/4/8 where legal, at a context above Gemma's sliding window (and for
+Gemma one below it too), on a plan with two owners (so ranks send and receive). Activations: the planned peak is at least the
 peak measured while the rank's generated module runs a prefill-width round on meta, and at most
 ACTIVATION_SLACK times it (the planner's per-op formula is an upper bound)."""
 
