@@ -71,7 +71,7 @@ PLANS_OUT = os.path.join(REPO, "bench", "results", "paper_eval_plans.json")
 NOTES = os.path.join(REPO, "bench", "paper_eval_notes.md")
 """Hand-written reading of the results (why each setting differs from the paper's), appended to the
 report; it names the run it reads, and must be revised when a rerun changes the tables."""
-"""Every plan of the full grid (template, owners [GPU, TP, replicas, and "ep" for expert-parallel experts],
+"""Every plan of the full grid (template, owners [GPU, TP, replicas, and "ep" / "dp" for expert-parallel experts],
 batch, microbatches, cluster, context): tests/test_network.py
 replays them through the lowering and checks that placement and the cost model agree on every boundary."""
 
@@ -222,7 +222,7 @@ def plan_one(fe, cluster, context: int, slo_ms: float, system: str, **options) -
                gpu_types=tuple(sorted({o.gpu.name for o in b.owners})),
                counters=dataclasses.asdict(result.counters),
                plan={"template": b.stage_plan.template.name, "batch": b.batch, "microbatches": b.microbatches,
-                     "owners": [[o.gpu.name, o.tp, o.replicas] + (["ep"] if o.experts == "ep" else []) for o in b.owners], "cluster": cluster.spec,
+                     "owners": [[o.gpu.name, o.tp, o.replicas] + ([o.experts] if o.experts in ("ep", "dp") else []) for o in b.owners], "cluster": cluster.spec,
                      "context": context, "system": system, "cost_per_mtok_usd": b.cost, "model": fe.graph.model})
 
 
