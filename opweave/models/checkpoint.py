@@ -253,14 +253,20 @@ class CheckpointReader:
             message = str(e)
             raise OpWeaveError(message if message.startswith(self.folder) else f"{self.folder}: {message}") from None
 
+    def _mxfp4_keys(self, key: str, real: str, shape: tuple[int, ...], stored: str, where: str) -> tuple[str, str]:
+        """(the dense name, its scales' key) of MXFP4 blocks `real`, their dtype and shapes checked
+        (`where` prefixes the dtype error)."""
+        dense = real[:-len(Q.MXFP4_BLOCKS)]
+        scales = self._scale_key(dense + Q.MXFP4_SCALES, real, key)
+        if stored != "U8":
+            raise OpWeaveError(f"{where}tensor '{real}' has dtype {stored}; MXFP4 blocks are U8 (uint8)")
+        Q.check_mxfp4(dense, shape, self._header(scales)[0])
+        return dense, scales
+
     def _dequantize(self, key: str, real: str, shape: tuple[int, ...], stored: str,
                     part: tuple[int, int, int] | None, dtype: torch.dtype) -> torch.Tensor:
         if self._mxfp4(key, real):
-            dense = real[:-len(Q.MXFP4_BLOCKS)]
-            scales = self._scale_key(dense + Q.MXFP4_SCALES, real, key)
-            if stored != "U8":
-                raise OpWeaveError(f"{self.folder}: tensor '{real}' has dtype {stored}; MXFP4 blocks are U8 (uint8)")
-            Q.check_mxfp4(dense, shape, self._header(scales)[0])
+            dense, scales = self._mxfp4_keys(key, real, shape, stored, f"{self.folder}: ")
             if part is None:
                 return Q.dequantize_mxfp4(self._stored(real, None), self._stored(scales, None), dtype=dtype, name=dense)
             read = Q.mxfp4_read(shape, *part)
@@ -298,11 +304,7 @@ class CheckpointReader:
         shape, stored = self._header(real)
         try:
             if self._mxfp4(key, real):
-                dense = real[:-len(Q.MXFP4_BLOCKS)]
-                scales = self._scale_key(dense + Q.MXFP4_SCALES, real, key)
-                if stored != "U8":
-                    raise OpWeaveError(f"tensor '{real}' has dtype {stored}; MXFP4 blocks are U8 (uint8)")
-                Q.check_mxfp4(dense, shape, self._header(scales)[0])
+                dense, scales = self._mxfp4_keys(key, real, shape, stored, "")
                 read = Q.mxfp4_read(shape, *part) if part is not None else None
                 if read is not None and read.cut is not None and (read.cut[1] or read.cut[2] % Q.MXFP4_GROUP):
                     raise OpWeaveError(f"tensor '{key}': rows {part[1]}..{part[2]} of dimension {part[0]} are not "
